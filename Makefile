@@ -1,0 +1,31 @@
+# The two commands a new user runs: `make demo` and `make test`. Both install first when needed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONSTRAINTS ?= ci/constraints-cpu.txt
+JOBS ?= 2
+
+.PHONY: install demo test bench lint clean
+
+$(BIN)/opalctl: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev]"
+	@touch $@
+
+install: $(BIN)/opalctl
+
+demo: install
+	$(BIN)/opalctl demo
+
+test: install
+	$(BIN)/python -m pytest -n $(JOBS) tests
+
+bench: install
+	$(BIN)/python bench/run_all.py
+
+lint: install
+	$(BIN)/ruff check opalctl tests bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

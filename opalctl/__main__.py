@@ -1,0 +1,3 @@
+from opalctl.cli import main
+
+main()

@@ -1,0 +1,165 @@
+"""Checkpoint files that can be trusted: every tensor carries a digest, and loading checks all of them.
+
+A checkpoint is a ``torch.save`` of plain containers (dicts, lists, numbers, strings, tensors), so it loads
+with ``weights_only=True``: opening one never runs code. Loading refuses a file that is larger than the stated
+limit, truncated, altered (a tensor whose bytes no longer match its digest), non-finite, or whose tensors do not
+have the shapes the caller expects. Each refusal is a sentence naming the file.
+
+``model_sha256`` is one digest over every tensor's name, dtype, shape and bytes, in name order: two models with
+the same ``model_sha256`` are the same model, bit for bit, whatever file they came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+from opalctl.errors import OpalctlError
+from opalctl.files import atomic_write_bytes
+
+FORMAT = "opalctl-checkpoint/1"
+DEFAULT_LIMIT_BYTES = 2 << 30
+
+
+class CheckpointRefused(OpalctlError):
+    """A checkpoint file that must not be used."""
+
+
+def tensor_bytes(tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    import torch
+
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_sha256(tensor) -> str:
+    digest = hashlib.sha256()
+    digest.update(str(tensor.dtype).encode())
+    digest.update(repr(tuple(tensor.shape)).encode())
+    digest.update(tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def model_sha256(tensors: dict[str, Any]) -> str:
+    """One digest over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(name.encode())
+        digest.update(b"\0")
+        digest.update(str(tensor.dtype).encode())
+        digest.update(repr(tuple(tensor.shape)).encode())
+        digest.update(tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def describe_tensors(tensors: dict[str, Any]) -> list[dict]:
+    return [
+        {"name": name, "shape": list(tensors[name].shape), "dtype": str(tensors[name].dtype).replace("torch.", ""),
+         "sha256": tensor_sha256(tensors[name])}
+        for name in sorted(tensors)
+    ]
+
+
+def _collect_tensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _collect_tensors(item, f"{prefix}/{key}" if prefix else str(key), out)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _collect_tensors(item, f"{prefix}/{index}" if prefix else str(index), out)
+
+
+def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
+           meta: dict[str, Any] | None = None) -> bytes:
+    """Serialise a model state (and optional extra state: optimizer, sampler, RNG) with digests of every tensor."""
+    import torch
+
+    model_state = {name: tensor.detach().to("cpu").clone() for name, tensor in model_state.items()}
+    extra = extra or {}
+    extra_tensors: dict[str, Any] = {}
+    _collect_tensors(extra, "", extra_tensors)
+    payload = {
+        "format": FORMAT,
+        "kind": kind,
+        "model": model_state,
+        "model_sha256": model_sha256(model_state),
+        "digests": {name: tensor_sha256(tensor) for name, tensor in model_state.items()},
+        "extra": extra,
+        "extra_digests": {name: tensor_sha256(tensor) for name, tensor in extra_tensors.items()},
+        "meta": meta or {},
+    }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def save(path: str | os.PathLike, model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
+         meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write a checkpoint atomically; returns ``{path, bytes, sha256, model_sha256}``."""
+    data = encode(model_state, kind=kind, extra=extra, meta=meta)
+    atomic_write_bytes(path, data)
+    model_digest = model_sha256({name: t.detach().to("cpu") for name, t in model_state.items()})
+    return {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "model_sha256": model_digest}
+
+
+def load(path: str | os.PathLike, *, limit_bytes: int = DEFAULT_LIMIT_BYTES,
+         expected_shapes: dict[str, tuple[int, ...]] | None = None, require_finite: bool = True) -> dict[str, Any]:
+    """Load and check a checkpoint; returns the payload (``model``, ``extra``, ``meta``, ``model_sha256``...)."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointRefused(f"checkpoint {path} does not exist")
+    size = path.stat().st_size
+    if size > limit_bytes:
+        raise CheckpointRefused(
+            f"checkpoint {path} is {size} bytes, over the limit of {limit_bytes}; raise the limit only if you "
+            f"trust the file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for damaged archives
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointRefused(
+            f"checkpoint {path} cannot be read (truncated or damaged: {first_line[:160]})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointRefused(f"checkpoint {path} is not an opalctl checkpoint ({FORMAT})")
+    model = payload.get("model")
+    digests = payload.get("digests")
+    if not isinstance(model, dict) or not isinstance(digests, dict) or set(model) != set(digests):
+        raise CheckpointRefused(f"checkpoint {path} lists tensors without digests; it was altered")
+    for name, tensor in model.items():
+        if tensor_sha256(tensor) != digests[name]:
+            raise CheckpointRefused(f"checkpoint {path}: tensor {name!r} does not match its digest; it was altered")
+        if require_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointRefused(f"checkpoint {path}: tensor {name!r} holds NaN or infinite values")
+    if model_sha256(model) != payload.get("model_sha256"):
+        raise CheckpointRefused(f"checkpoint {path}: model digest does not match its tensors; it was altered")
+    extra_tensors: dict[str, Any] = {}
+    _collect_tensors(payload.get("extra", {}), "", extra_tensors)
+    extra_digests = payload.get("extra_digests", {})
+    if set(extra_tensors) != set(extra_digests):
+        raise CheckpointRefused(f"checkpoint {path}: its saved state lists tensors without digests; it was altered")
+    for name, tensor in extra_tensors.items():
+        if tensor_sha256(tensor) != extra_digests[name]:
+            raise CheckpointRefused(f"checkpoint {path}: saved state {name!r} does not match its digest")
+    if expected_shapes is not None:
+        missing = sorted(set(expected_shapes) - set(model))
+        unexpected = sorted(set(model) - set(expected_shapes))
+        if missing or unexpected:
+            raise CheckpointRefused(
+                f"checkpoint {path} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        for name, shape in expected_shapes.items():
+            if tuple(model[name].shape) != tuple(shape):
+                raise CheckpointRefused(
+                    f"checkpoint {path}: tensor {name!r} has shape {tuple(model[name].shape)}, the model needs "
+                    f"{tuple(shape)}")
+    return payload

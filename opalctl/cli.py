@@ -1,0 +1,187 @@
+"""The command line: parse, call, print. No logic lives here, and nothing heavy is imported at module level.
+
+``opalctl --help`` must be instant, so torch (and everything that imports it) is imported inside the commands.
+Every command that reports takes ``--json``. Errors that opalctl anticipates (``opalctl.errors``) become one
+sentence on stderr and their exit code: 1 a failure while working, 2 bad input, 3 a frozen input changed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from opalctl import __version__
+from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, OpalctlError
+
+json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
+
+
+def _seeds(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise click.BadParameter("give integers separated by commas, e.g. 1,2,3") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="opalctl")
+def cli() -> None:
+    """Pre-registered, budget-honest comparisons of agent-steered optimizers against fixed ones.
+
+    A typical session: init a built-in task (or write a protocol), freeze it, pilot an arm, then run each arm
+    and seed and compare them.
+    """
+
+
+@cli.command()
+@click.argument("task")
+@click.option("--dir", "folder", default=".", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for the protocol, its data and parents.")
+@click.option("--seeds", default=None, help="Seeds to write parents for, e.g. 1,2,3 (default 1,2,3).")
+@json_option
+def init(task: str, folder: str, seeds: str | None, json_mode: bool) -> None:
+    """Write a ready protocol for a built-in TASK (digits, pylm), its data files and parents."""
+    from opalctl import console
+    from opalctl.tasks.builtin import init as run_init
+
+    console.message(f"preparing {task} in {folder} (data files and one parent per seed)...")
+    result = run_init(task, folder, _seeds(seeds))
+    if json_mode:
+        console.print_json(result)
+        return
+    console.table(f"opalctl init {task}", ["file", "status"], [[f["path"], f["status"]] for f in result["files"]])
+    console.message(f"next: opalctl freeze {result['protocol']}")
+
+
+@cli.command()
+@click.argument("protocol", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Replace an existing lock that differs.")
+@json_option
+def freeze(protocol: str, force: bool, json_mode: bool) -> None:
+    """Validate PROTOCOL, hash every input and write NAME.lock.json beside it."""
+    from opalctl import console
+    from opalctl.protocol.freeze import freeze as run_freeze
+
+    result = run_freeze(protocol, force=force)
+    if json_mode:
+        console.print_json(result)
+        return
+    console.pairs(f"opalctl freeze {protocol}", [
+        ("lock", result["lock"]), ("sha256", result["sha256"]), ("outcome", result["outcome"]),
+        ("records", result["records"]), ("seeds", ", ".join(map(str, result["seeds"]))),
+        ("arms", ", ".join(result["arms"]))])
+
+
+@cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@json_option
+def verify(lock: str, json_mode: bool) -> None:
+    """Re-hash every record of LOCK; exit 3 listing each file that changed."""
+    from opalctl import console
+    from opalctl.errors import EXIT_CHANGED
+    from opalctl.protocol.verify import verify as run_verify
+
+    result = run_verify(lock)
+    if json_mode:
+        console.print_json(result)
+    elif result["ok"]:
+        sys.stdout.write(f"ok: {result['checked']} records of {lock} match (sha256 {result['sha256'][:12]})\n")
+    else:
+        console.table(f"{len(result['problems'])} changed input(s) in {lock}", ["role", "path", "status"],
+                      [[p["role"], p["path"], p["status"]] for p in result["problems"]])
+    if not result["ok"]:
+        if not json_mode:
+            console.message("restore the files listed, or freeze the protocol again (a new lock is a new protocol)")
+        sys.exit(EXIT_CHANGED)
+
+
+@cli.command()
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.option("--arm", required=True, help="The arm to measure.")
+@click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 100_000),
+              help="Updates to time (after a short warm-up).")
+@click.option("--seed", default=None, type=int, help="Which seed's parent (default: the first seed).")
+@json_option
+def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) -> None:
+    """Measure an arm's throughput on public inputs only; never formal, writes nothing."""
+    from opalctl import console
+    from opalctl.driver.pilot import pilot as run_pilot
+
+    with console.progress(f"pilot {arm}", json_mode) as progress:
+        result = run_pilot(source, arm, steps=steps, seed=seed, progress=progress)
+    if json_mode:
+        console.print_json(result)
+        return
+    budget = result["budget"]
+    console.pairs(f"opalctl pilot {arm} (not a formal run)", [
+        ("seconds per update (cpu)", result["cpu_seconds_per_update"]),
+        ("seconds per update (wall)", result["wall_seconds_per_update"]),
+        ("updates per cpu-second", result["updates_per_cpu_second"]),
+        (f"projected updates ({budget['amount']:g} {budget['clock']})", result["projected_updates"]),
+        ("checkpoint size", console.size(result["checkpoint_bytes"])),
+        ("peak memory (process)", console.size(result["peak_memory_bytes"])),
+        ("parameters", result["parameters"]),
+        ("threads", result["threads"]),
+        ("loss first -> last", f"{result['loss_first']:.4f} -> {result['loss_last']:.4f}"),
+    ])
+    for note in result["notes"]:
+        console.message(f"note: {note}")
+
+
+@cli.command()
+@click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
+              type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
+@click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 10_000),
+              help="Pilot updates per arm.")
+@json_option
+def demo(folder: str, steps: int, json_mode: bool) -> None:
+    """The whole pipeline on the built-in digits task, on the embedded defaults."""
+    from opalctl import console
+    from opalctl.demo import demo as run_demo
+
+    result = run_demo(folder, steps=steps, say=console.message)
+    if json_mode:
+        console.print_json(result)
+        return
+    console.table("opalctl demo: pilot of each arm (not formal)", ["arm", "cpu s/update", "updates/cpu-s",
+                                                                     "projected updates", "checkpoint"],
+                  [[p["arm"], p["cpu_seconds_per_update"], p["updates_per_cpu_second"], p["projected_updates"],
+                    console.size(p["checkpoint_bytes"])] for p in result["pilots"]])
+    console.message(f"lock {result['lock']} verified ({result['verified_records']} records)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the click group and turn anticipated errors into a sentence and an exit code."""
+    try:
+        cli.main(args=argv, prog_name="opalctl", standalone_mode=False)
+    except OpalctlError as error:
+        sys.stderr.write(f"opalctl: error: {error.message}\n")
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        sys.stderr.write("opalctl: aborted\n")
+        sys.exit(EXIT_FAILURE)
+    except click.ClickException as error:
+        sys.stderr.write(f"opalctl: error: {error.format_message()}\n")
+        sys.exit(EXIT_BAD_INPUT if isinstance(error, click.UsageError) else error.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("opalctl: interrupted\n")
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as error:  # a bug in opalctl: say so, keep the traceback available
+        if os.environ.get("OPALCTL_DEBUG"):
+            traceback.print_exc()
+        sys.stderr.write(f"opalctl: internal error: {type(error).__name__}: {error} "
+                         f"(set OPALCTL_DEBUG=1 to see the traceback)\n")
+        sys.exit(EXIT_FAILURE)
+    sys.exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

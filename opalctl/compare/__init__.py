@@ -1,0 +1,1 @@
+"""Putting arms side by side across seeds: paired statistics, tables and plots."""

@@ -1,0 +1,221 @@
+"""Budget clocks and the accounting of the budget loop.
+
+An arm is compared with another at equal compute, so what counts as compute must be measured the same way for
+every arm and added up the same way on every run, resumed or not. Two pieces do that, and nothing else:
+
+- a ``Clock`` measures one whole update (``start()`` before the batch is drawn, ``stop(token)`` after the
+  optimizer step) and says how much to charge for it. Evaluation, checkpoint writes, log writes and agent waiting
+  happen outside these intervals, so they are never charged;
+- a ``BudgetMeter`` adds the charges up, says which stage boundaries (fractions of the budget) each update
+  reached, and says when the budget is spent. An update is never cut short: the run stops after the first update
+  whose charge reaches 100 %, and the excess is kept as ``overshoot``.
+
+Floating point. A boundary is reached when ``used / total >= fraction``: the running sum of the charges, in the
+order they were made, divided by the total, compared with the fraction exactly as the protocol wrote it. Both
+sides are computed the same way every time (the sum is restored bit for bit on resume, and ``fraction_used`` is
+the very quantity compared), so a report never depends on when or how often it is asked. Dividing, rather than
+comparing ``used >= fraction * total``, keeps whole-update budgets exact: with 25 updates and a fraction of 0.28,
+``0.28 * 25`` is 7.000000000000001 in floating point and the boundary would slip to update 8, whereas ``7 / 25``
+rounds to the very double that ``0.28`` denotes, so the boundary falls at update 7 as anyone would expect. The
+budget is spent when ``used >= total``, the same test at the fraction 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from opalctl.errors import OpalctlError
+
+CLOCKS = ("cpu", "gpu", "wall", "updates")
+
+
+class Clock:
+    """Measures one update. ``stop(start())`` is the amount to charge, in the clock's unit (seconds or updates)."""
+
+    name = "clock"
+    unit = "seconds"
+
+    def start(self) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stop(self, token: Any) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class CpuClock(Clock):
+    """Process CPU time (every thread of the process); meaningful only with the thread count fixed by the run."""
+
+    name = "cpu"
+
+    def start(self) -> float:
+        return time.process_time()
+
+    def stop(self, token: float) -> float:
+        return max(time.process_time() - token, 0.0)
+
+
+class WallClock(Clock):
+    """Elapsed time on a monotonic clock, whatever else the machine is doing."""
+
+    name = "wall"
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, token: float) -> float:
+        return max(time.perf_counter() - token, 0.0)
+
+
+class UpdatesClock(Clock):
+    """A count: every update costs exactly one, however long it took."""
+
+    name = "updates"
+    unit = "updates"
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, token: None) -> float:
+        return 1.0
+
+
+class GpuClock(Clock):
+    """Device time of each update, from CUDA events recorded on the current stream of ``device``.
+
+    ``start`` records an event before the update's work is queued; ``stop`` records one after it, waits for that
+    event (so the update's kernels have finished) and charges the time between the two events. Work queued on
+    other streams is not counted. torch is imported here, never at module import, so ``opalctl --help`` stays
+    instant and CPU-only machines never touch CUDA.
+    """
+
+    name = "gpu"
+
+    def __init__(self, device: Any = None):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OpalctlError("the budget clock is `gpu` but torch sees no CUDA device; run on a machine with a "
+                               "GPU or choose the cpu, wall or updates clock in the protocol")
+        self._torch = torch
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise OpalctlError(f"the `gpu` budget clock needs a CUDA device, not {str(self.device)!r}; set "
+                               f"training.device to cuda or choose another clock")
+
+    def _event(self) -> Any:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record(self._torch.cuda.current_stream(self.device))
+        return event
+
+    def start(self) -> Any:
+        return self._event()
+
+    def stop(self, token: Any) -> float:
+        end = self._event()
+        end.synchronize()
+        return max(token.elapsed_time(end) / 1000.0, 0.0)  # elapsed_time is in milliseconds
+
+
+def make_clock(name: str, device: Any = None) -> Clock:
+    """The clock a protocol's ``budget.clock`` names; ``device`` matters only for ``gpu``."""
+    if name == "cpu":
+        return CpuClock()
+    if name == "wall":
+        return WallClock()
+    if name == "updates":
+        return UpdatesClock()
+    if name == "gpu":
+        return GpuClock(device)
+    raise ValueError(f"unknown budget clock {name!r}; use one of {', '.join(CLOCKS)}")
+
+
+class BudgetSpent(RuntimeError):
+    """An update was charged after the budget was spent: a bug in the loop that calls the meter."""
+
+
+class BudgetMeter:
+    """Adds up whole updates' charges against ``total`` and reports the stage boundaries each update reaches.
+
+    ``fractions`` must increase strictly within (0, 1]; boundary ``k`` lies at ``fractions[k]`` of ``total`` and is
+    reported once, by the first update that reaches or crosses it (see the module docstring for the exact test).
+    """
+
+    def __init__(self, total: float, fractions: list[float]):
+        total = float(total)
+        if not (math.isfinite(total) and total > 0):
+            raise ValueError(f"a budget total must be a positive finite number, not {total!r}")
+        fractions = [float(f) for f in fractions]
+        if any(not (0.0 < f <= 1.0) for f in fractions):
+            raise ValueError(f"budget fractions must lie in (0, 1], got {fractions}")
+        if any(b <= a for a, b in zip(fractions, fractions[1:])):
+            raise ValueError(f"budget fractions must increase strictly, got {fractions}")
+        self.total = total
+        self.fractions = fractions
+        self._used = 0.0
+        self._updates = 0
+        self._reported = 0  # boundaries 0 .. _reported-1 have been reported
+        self._done = False
+
+    @property
+    def used(self) -> float:
+        return self._used
+
+    @property
+    def updates(self) -> int:
+        return self._updates
+
+    @property
+    def fraction_used(self) -> float:
+        return self._used / self.total
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def overshoot(self) -> float:
+        """How far the last update carried the run past the total (0.0 until the budget is spent)."""
+        return self._used - self.total if self._done else 0.0
+
+    @property
+    def reported(self) -> int:
+        """How many boundaries have been reported so far (they are reported in order)."""
+        return self._reported
+
+    def charge(self, amount: float) -> list[int]:
+        """Add one whole update's charge; return the indices of the boundaries it reached, in order."""
+        if self._done:
+            raise BudgetSpent(f"the budget of {self.total!r} was spent after update {self._updates}; stop the "
+                              f"loop when `done` is true instead of charging another update")
+        amount = float(amount)
+        if not (math.isfinite(amount) and amount >= 0):
+            raise ValueError(f"an update's charge must be a finite number >= 0, not {amount!r}")
+        self._used += amount
+        self._updates += 1
+        reached = []
+        fraction_used = self.fraction_used
+        while self._reported < len(self.fractions) and fraction_used >= self.fractions[self._reported]:
+            reached.append(self._reported)
+            self._reported += 1
+        if self._used >= self.total:
+            self._done = True
+        return reached
+
+    def state_dict(self) -> dict:
+        """Plain JSON-able values; a float survives ``json`` bit for bit, so a resumed run continues exactly."""
+        return {"total": self.total, "fractions": list(self.fractions), "used": self._used,
+                "updates": self._updates, "reported": self._reported, "done": self._done}
+
+    def load_state_dict(self, state: dict) -> None:
+        if float(state["total"]) != self.total or [float(f) for f in state["fractions"]] != self.fractions:
+            raise ValueError(f"the saved budget (total {state['total']!r}, fractions {state['fractions']}) is not "
+                             f"this run's (total {self.total!r}, fractions {self.fractions}); resume with the "
+                             f"protocol the run started with")
+        used, updates, reported = float(state["used"]), int(state["updates"]), int(state["reported"])
+        if not (math.isfinite(used) and used >= 0 and updates >= 0 and 0 <= reported <= len(self.fractions)):
+            raise ValueError(f"the saved budget state is damaged (used {used!r}, updates {updates}, reported "
+                             f"{reported}); resume from an earlier checkpoint")
+        self._used, self._updates, self._reported = used, updates, reported
+        self._done = bool(state["done"])

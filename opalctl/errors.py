@@ -1,0 +1,33 @@
+"""Errors that reach the user as one sentence and an exit code.
+
+The CLI turns each of these into a message on stderr and the documented exit code, never a traceback. Anything
+else that escapes is a bug in opalctl and is shown as such (exit 1, with the traceback kept for the report).
+"""
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_CHANGED = 3
+
+
+class OpalctlError(Exception):
+    """A failure while working: something that should have worked did not (exit 1)."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str, *, details: list[str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.details = list(details or [])
+
+
+class BadInput(OpalctlError):
+    """The user gave something we refuse: an invalid protocol, a bad flag, a refused path (exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class InputChanged(OpalctlError):
+    """A frozen input no longer matches its lock (exit 3)."""
+
+    exit_code = EXIT_CHANGED

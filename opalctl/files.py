@@ -1,0 +1,91 @@
+"""Small file helpers every part of opalctl shares: hashing, canonical JSON and atomic writes.
+
+A record that is half written is worse than no record, so every file opalctl produces is written to a
+temporary name in the same folder, flushed and fsynced, then renamed over the target (rename is atomic on
+POSIX), and the folder is fsynced so the rename itself survives a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(CHUNK)
+            if not block:
+                break
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_record(path: Path, relative_to: Path) -> dict[str, Any]:
+    """The lock's record of one file: where it is (relative to the lock's folder), its size and its digest."""
+    return {
+        "path": os.path.relpath(os.path.abspath(path), os.path.abspath(relative_to)),
+        "bytes": os.path.getsize(path),
+        "sha256": sha256_file(path),
+    }
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, two-space indent, a final newline: the same value always gives the same bytes."""
+    return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_folder(target.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
+    atomic_write_text(path, canonical_json(value))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, "r", encoding="utf-8") as handle:
+        return json.load(handle)

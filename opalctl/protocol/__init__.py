@@ -1,0 +1,1 @@
+"""Protocols (what a person promised) and locks (what was frozen): schema, freeze and verify."""

@@ -1,0 +1,155 @@
+"""``opalctl freeze``: validate a protocol, resolve its defaults, hash every input and write the lock.
+
+What is hashed is everything that can change a result without anyone noticing: the data files, the parents,
+the protocol file itself, the task's source, every file of the opalctl package (so an edited driver or prompt
+invalidates a frozen protocol) and, for agent arms, the default prompts and starting programs (they live in the
+package). The environment is recorded for the reader, not verified: a different torch is worth knowing about,
+not a reason to refuse.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import opalctl
+from opalctl.errors import BadInput
+from opalctl.files import atomic_write_text, canonical_json, file_record, sha256_bytes
+from opalctl.protocol.lock import FORMAT, protocol_digest
+from opalctl.protocol.schema import Protocol, load_protocol
+
+PACKAGE_SUFFIXES = (".py", ".md", ".txt", ".json", ".yaml")
+
+
+def package_files() -> list[Path]:
+    """Every source and data file of the installed opalctl package, in a stable order."""
+    root = Path(opalctl.__file__).resolve().parent
+    files = []
+    for path in sorted(root.rglob("*")):
+        if "__pycache__" in path.parts or not path.is_file() or path.suffix not in PACKAGE_SUFFIXES:
+            continue
+        files.append(path)
+    return files
+
+
+def _git(folder: Path) -> dict[str, Any] | None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
+                                capture_output=True, text=True, timeout=10)
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(protocol: Protocol, folder: Path) -> dict[str, Any]:
+    import numpy
+    import torch
+
+    package_root = Path(opalctl.__file__).resolve().parent
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "cuda_available": bool(torch.cuda.is_available()),
+        "opalctl": opalctl.__version__,
+        "git": {"opalctl": _git(package_root), "protocol": _git(folder)},
+        "threads": {
+            "budget": protocol.budget.threads,
+            "torch_default": torch.get_num_threads(),
+            **{name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        },
+    }
+
+
+def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
+    """The protocol with every default filled in; ``parents`` becomes an explicit seed -> path mapping."""
+    resolved = protocol.model_dump(mode="json")
+    resolved["parents"] = {str(seed): protocol.parent_for(seed) for seed in protocol.seeds}
+    for arm in resolved["arms"].values():
+        options = arm["optimizer"]
+        arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
+    return resolved
+
+
+def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[str, dict]:
+    from opalctl.tasks import task_source_file
+
+    folder = protocol_path.parent
+    out: dict[str, dict] = {"protocol": file_record(protocol_path, lock_folder)}
+    missing = []
+    for split, relative in protocol.data.items():
+        path = folder / relative
+        if not path.is_file():
+            missing.append(f"data.{split} ({relative})")
+            continue
+        out[f"data.{split}"] = file_record(path, lock_folder)
+    for seed in protocol.seeds:
+        relative = protocol.parent_for(seed)
+        path = folder / relative
+        if not path.is_file():
+            missing.append(f"parent of seed {seed} ({relative})")
+            continue
+        out[f"parent.seed-{seed}"] = file_record(path, lock_folder)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise BadInput(f"{protocol_path}: cannot freeze, missing {shown}; paths are relative to the protocol's "
+                       f"folder (for a built-in task, `opalctl init` writes them)")
+    out["source.task"] = file_record(task_source_file(protocol.task.entry), lock_folder)
+    package_root = Path(opalctl.__file__).resolve().parent
+    for path in package_files():
+        out[f"source.opalctl/{path.relative_to(package_root).as_posix()}"] = file_record(path, lock_folder)
+    return out
+
+
+def lock_path_for(protocol: Protocol, protocol_path: Path) -> Path:
+    return protocol_path.parent / f"{protocol.name}.lock.json"
+
+
+def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
+    protocol_path = Path(protocol_path)
+    protocol = load_protocol(protocol_path)
+    lock_path = lock_path_for(protocol, protocol_path)
+    resolved = resolved_protocol(protocol)
+    lock = {
+        "format": FORMAT,
+        "status": "frozen",
+        "name": protocol.name,
+        "protocol": resolved,
+        "protocol_sha256": protocol_digest(resolved),
+        "records": records(protocol, protocol_path, lock_path.parent),
+        "environment": environment(protocol, protocol_path.parent.resolve()),
+    }
+    text = canonical_json(lock)
+    outcome = "written"
+    if lock_path.exists():
+        if lock_path.read_text(encoding="utf-8") == text:
+            outcome = "unchanged"
+        elif not force:
+            raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
+                           f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
+        else:
+            outcome = "replaced"
+    if outcome != "unchanged":
+        atomic_write_text(lock_path, text)
+    return {
+        "lock": str(lock_path),
+        "sha256": sha256_bytes(text.encode("utf-8")),
+        "name": protocol.name,
+        "outcome": outcome,
+        "records": len(lock["records"]),
+        "seeds": protocol.seeds,
+        "arms": list(protocol.arms),
+    }

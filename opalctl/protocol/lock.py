@@ -1,0 +1,97 @@
+"""The lock file: a protocol with every default resolved and every input it depends on hashed.
+
+A lock is canonical JSON (sorted keys), so its sha256 is a stable identity: run folders are named after its
+first 12 hex digits, and ``compare`` refuses runs of another lock. Paths inside it are relative to the lock's
+own folder, so a project folder can be moved or cloned whole. ``protocol_sha256`` is the digest of the resolved
+protocol as written in the lock, so a hand edit of the lock itself is caught by ``verify`` as well.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opalctl.errors import BadInput
+from opalctl.files import canonical_json, sha256_bytes
+
+FORMAT = "opalctl-lock/1"
+
+
+def protocol_digest(resolved: dict) -> str:
+    return sha256_bytes(canonical_json(resolved).encode("utf-8"))
+
+
+@dataclass
+class Lock:
+    path: Path
+    data: dict[str, Any]
+    sha256: str
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def sha12(self) -> str:
+        return self.sha256[:12]
+
+    @property
+    def records(self) -> dict[str, dict]:
+        return self.data["records"]
+
+    @property
+    def resolved(self) -> dict:
+        return self.data["protocol"]
+
+    def protocol(self):
+        """The resolved protocol as a validated ``Protocol`` (lax types: JSON keys are strings)."""
+        from opalctl.protocol.schema import Protocol
+
+        return Protocol.model_validate(self.resolved, strict=False)
+
+    def resolve(self, relative: str) -> Path:
+        return (self.folder / relative).resolve() if not Path(relative).is_absolute() else Path(relative)
+
+    def data_path(self, split: str) -> Path:
+        return self.resolve(self.resolved["data"][split])
+
+    def parent_path(self, seed: int) -> Path:
+        return self.resolve(self.resolved["parents"][str(seed)])
+
+    def record_for(self, relative: str) -> tuple[str, dict] | None:
+        for role, record in self.records.items():
+            if record["path"] == relative:
+                return role, record
+        return None
+
+
+def read_lock(path: str | Path) -> Lock:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BadInput(f"lock {path} does not exist; write it with `opalctl freeze PROTOCOL.yaml`") from None
+    except IsADirectoryError:
+        raise BadInput(f"lock {path} is a folder; give the path of a .lock.json file") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadInput(f"lock {path} is not valid JSON ({error}); freeze the protocol again") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise BadInput(f"{path} is not an opalctl lock ({FORMAT}); give the file `opalctl freeze` wrote")
+    if data.get("status") != "frozen":
+        raise BadInput(f"lock {path} has status {data.get('status')!r}, not 'frozen'; freeze the protocol again")
+    for key in ("name", "protocol", "records", "protocol_sha256", "environment"):
+        if key not in data:
+            raise BadInput(f"lock {path} lacks the key {key!r}; freeze the protocol again")
+    return Lock(path=path, data=data, sha256=sha256_bytes(raw))
+
+
+def looks_like_lock(path: Path) -> bool:
+    return path.name.endswith(".json")

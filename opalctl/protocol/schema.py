@@ -1,0 +1,378 @@
+"""The protocol's schema: what a person may write, with every default stated here and nowhere else.
+
+Validation is done by pydantic (strict types, unknown keys forbidden), then by cross-field checks that need
+the task (its splits and metrics) or torch (optimizer names and arguments). Every error becomes one sentence
+naming the file, the line when the YAML parser knows it, the key path, and what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from opalctl.errors import BadInput
+from opalctl.protocol.yamlfile import load_yaml_with_lines
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+SEALED_PARTS = ("sealed", "final-test", "evaluation-final")
+DEFAULT_FRACTIONS = [0.25, 0.5, 0.75, 1.0]
+SCHEDULES = ("constant", "cosine", "linear", "anneal-end")
+BACKENDS = ("keep", "heuristic", "anthropic", "claude-code")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TaskSpec(Strict):
+    entry: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class Budget(Strict):
+    clock: Literal["cpu", "gpu", "wall", "updates"]
+    amount: Annotated[float, Field(gt=0)]
+    threads: Annotated[int, Field(ge=1, le=256)] = 1
+    fractions: list[Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=lambda: list(DEFAULT_FRACTIONS))
+
+    @field_validator("fractions")
+    @classmethod
+    def _fractions(cls, value: list[float]) -> list[float]:
+        if not value:
+            raise ValueError("list at least one fraction, the last being 1.0")
+        if any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError("fractions must increase strictly")
+        if value[-1] != 1.0:
+            raise ValueError("the last fraction must be 1.0 (the whole budget)")
+        return value
+
+    @model_validator(mode="after")
+    def _whole_updates(self) -> "Budget":
+        if self.clock == "updates" and self.amount != int(self.amount):
+            raise ValueError("an `updates` budget counts whole updates; give an integer amount")
+        return self
+
+
+class Training(Strict):
+    batch_size: Annotated[int, Field(ge=1)]
+    gradient_clip: Annotated[float, Field(gt=0)] | None = None
+    # a resume checkpoint every this fraction of the budget (besides the stage checkpoints), so a crash loses little
+    checkpoint_every: Annotated[float, Field(gt=0, le=1)] = 0.05
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class OptimizerSpec(BaseModel):
+    """``name`` is a class of ``torch.optim``; every other key is passed to it as a keyword argument."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_]\w*$")]
+
+    def arguments(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class Prices(Strict):
+    """US dollars per million tokens."""
+
+    input: Annotated[float, Field(ge=0)]
+    output: Annotated[float, Field(ge=0)]
+    cache_read: Annotated[float, Field(ge=0)] = 0.0
+    cache_write: Annotated[float, Field(ge=0)] = 0.0
+
+
+class AgentSpec(Strict):
+    backend: str = "heuristic"
+    decisions: Annotated[int, Field(ge=1, le=1000)] | None = None
+    schedule: Union[Literal["front", "uniform"], list[Annotated[float, Field(gt=0, lt=1)]]] = "front"
+    blocking: Union[bool, Literal["auto"]] = True
+    max_lag: Annotated[int, Field(ge=0)] = 50
+    every: Annotated[int, Field(ge=1)] = 25
+    trial_steps: Annotated[int, Field(ge=1)] = 20
+    prompt: Literal["neutral", "aggressive"] = "neutral"
+    goal: str | None = None
+    model: str | None = None
+    effort: Literal["low", "medium", "high"] = "high"
+    max_tokens: Annotated[int, Field(ge=256)] = 8192
+    turns: Annotated[int, Field(ge=1)] = 24
+    seconds_per_decision: Annotated[float, Field(gt=0)] = 900.0
+    retries: Annotated[int, Field(ge=0)] = 4
+    max_cost_usd: Annotated[float, Field(gt=0)] | None = None
+    prices: Prices | None = None
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value in BACKENDS or (value.startswith("replay:") and len(value) > len("replay:")):
+            return value
+        raise ValueError(f"unknown backend {value!r}; use one of {', '.join(BACKENDS)} or replay:<run folder>")
+
+
+class Arm(Strict):
+    optimizer: OptimizerSpec
+    schedule: Literal["constant", "cosine", "linear", "anneal-end"] = "constant"
+    budget_multiplier: Annotated[float, Field(gt=0, le=100)] = 1.0
+    model: dict[str, Any] = Field(default_factory=dict)  # task-specific settings handed to Task.build
+    agent: AgentSpec | None = None
+
+
+class Selection(Strict):
+    denominators: list[str] = Field(default_factory=list)
+    floors: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    nondecreasing: list[str] = Field(default_factory=list)
+    nonincreasing: list[str] = Field(default_factory=list)
+    improve_any: list[str] = Field(default_factory=list)
+
+    def metric_keys(self) -> list[tuple[str, str]]:
+        out = [("denominators", m) for m in self.denominators] + [("floors", m) for m in self.floors]
+        for rule in ("nondecreasing", "nonincreasing", "improve_any"):
+            out += [(rule, m) for m in getattr(self, rule)]
+        return out
+
+
+class Limits(Strict):
+    checkpoint_bytes: Annotated[int, Field(ge=1024)] = 2 << 30
+
+
+class Protocol(Strict):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    task: TaskSpec
+    data: dict[Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")], str]
+    parents: Union[str, dict[int, str]]
+    seeds: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1000)]
+    budget: Budget
+    training: Training
+    arms: Annotated[dict[Annotated[str, Field(pattern=NAME_PATTERN)], Arm], Field(min_length=1)]
+    selection: Selection = Field(default_factory=Selection)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise ValueError("each seed may appear once")
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _train(cls, value: dict[str, str]) -> dict[str, str]:
+        if "train" not in value:
+            raise ValueError("name the training rows as data.train")
+        return value
+
+    def parent_for(self, seed: int) -> str:
+        if isinstance(self.parents, str):
+            return self.parents.replace("{seed}", str(seed))
+        return self.parents[seed]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# turning errors into sentences
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) and out else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _data_path(data: Any, loc: tuple) -> tuple:
+    """The part of a pydantic error location that walks the real document (drops union tags and the like)."""
+    path: list = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and isinstance(part, str) and part.isdigit() and int(part) in node:
+            path.append(int(part))
+            node = node[int(part)]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and "[key]" not in str(part) and not path_is_tag(part):
+            path.append(part)  # a missing key: name it, it is not in the document
+            break
+        else:
+            continue
+    return tuple(path)
+
+
+def path_is_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "bool", "float", "list", "dict") or "[" in part
+                                      or part.startswith("literal") or part.startswith("function"))
+
+
+def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return None
+
+
+class ProtocolError(BadInput):
+    def __init__(self, where: str, problems: list[tuple[str, int | None, str]]):
+        self.problems = problems
+        key, line, text = problems[0]
+        place = f"{where} line {line}" if line else where
+        more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        super().__init__(f"{place}: {key}: {text}{more}",
+                         details=[f"{k} (line {ln}): {t}" if ln else f"{k}: {t}" for k, ln, t in problems])
+
+
+def _message(error: dict, known: list[str] | None) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        hint = f" (known keys: {', '.join(known)})" if known else ""
+        return f"unknown key; check its spelling{hint}"
+    if kind == "missing":
+        return "this key is required"
+    text = error["msg"]
+    text = re.sub(r"^(Value error|Assertion failed), ", "", text)
+    got = error.get("input")
+    if kind.endswith("_type") or kind.startswith("literal") or kind.startswith("string_pattern"):
+        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        text = f"{text[0].lower()}{text[1:]} (got {shown})"
+    return text[0].lower() + text[1:] if text else "invalid value"
+
+
+def parse(data: dict, lines: dict[tuple, int], where: str) -> Protocol:
+    try:
+        return Protocol.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        # a misspelt key usually also leaves a required key missing: name the misspelling first
+        ordered = sorted(error.errors(), key=lambda item: item["type"] != "extra_forbidden")
+        for item in ordered:
+            path = _data_path(data, tuple(item["loc"]))
+            known = None
+            if item["type"] == "extra_forbidden":
+                known = _known_keys_for(path)
+            problems.append((_dotted(path), _line_of(lines, path), _message(item, known)))
+        # a union produces one error per alternative at the same key: keep the first of each key
+        unique, seen = [], set()
+        for problem in problems:
+            if problem[0] not in seen:
+                unique.append(problem)
+                seen.add(problem[0])
+        raise ProtocolError(where, unique) from None
+
+
+def _known_keys_for(path: tuple) -> list[str] | None:
+    table: dict[tuple, type[BaseModel]] = {
+        (): Protocol, ("task",): TaskSpec, ("budget",): Budget, ("training",): Training,
+        ("selection",): Selection, ("limits",): Limits,
+    }
+    parent = path[:-1]
+    if parent in table:
+        return sorted(table[parent].model_fields)
+    if len(parent) == 2 and parent[0] == "arms":
+        return sorted(Arm.model_fields)
+    if len(parent) == 3 and parent[0] == "arms" and parent[2] == "agent":
+        return sorted(AgentSpec.model_fields)
+    if len(parent) == 4 and parent[0] == "arms" and parent[2] == "agent" and parent[3] == "prices":
+        return sorted(Prices.model_fields)
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# checks that need more than the schema
+
+def sealed_part(path: str) -> str | None:
+    parts = re.split(r"[\\/]", path.lower())
+    for part in parts:
+        stem = part.split(".")[0]
+        for sealed in SEALED_PARTS:
+            if sealed in (part, stem) or part.startswith(sealed):
+                return sealed
+    return None
+
+
+def check_optimizer(spec: OptimizerSpec) -> str | None:
+    """None when ``spec`` names a torch optimizer with arguments it accepts, else what is wrong."""
+    import torch
+
+    cls = getattr(torch.optim, spec.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        known = sorted(n for n, c in vars(torch.optim).items()
+                       if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
+        return f"torch.optim has no optimizer {spec.name!r} (known: {', '.join(known)})"
+    parameters = inspect.signature(cls.__init__).parameters
+    accepted = [n for n in parameters if n not in ("self", "params")]
+    for key in spec.arguments():
+        if key not in parameters or key in ("self", "params"):
+            return f"{spec.name} takes no argument {key!r} (it takes: {', '.join(accepted)})"
+    return None
+
+
+def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Path) -> None:
+    """Cross-field checks: sealed paths, parents for every seed, the task's config, splits and metrics, optimizers."""
+    from opalctl.tasks import TaskLoadError, load_task_class
+
+    problems: list[tuple[str, int | None, str]] = []
+
+    def problem(path: tuple, text: str) -> None:
+        problems.append((_dotted(path), _line_of(lines, path), text))
+
+    for split, value in protocol.data.items():
+        if sealed := sealed_part(value):
+            problem(("data", split), f"the path names sealed data ({sealed!r}); opalctl never reads a final test "
+                                     f"set, so remove this split from the protocol")
+    if isinstance(protocol.parents, dict):
+        for seed in protocol.seeds:
+            if seed not in protocol.parents:
+                problem(("parents",), f"no parent for seed {seed}; add it or use a template with {{seed}}")
+    elif len(protocol.seeds) > 1 and "{seed}" not in protocol.parents:
+        pass  # one parent shared by every seed is allowed
+    for seed in protocol.seeds:
+        parent = protocol.parent_for(seed)
+        if sealed := sealed_part(parent):
+            problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")
+            break
+
+    try:
+        task_cls = load_task_class(protocol.task.entry)
+    except TaskLoadError as error:
+        problem(("task", "entry"), str(error))
+        task_cls = None
+    if task_cls is not None:
+        try:
+            task_cls.Config.model_validate(protocol.task.config)
+        except ValidationError as error:
+            for item in error.errors():
+                path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
+                known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
+                problem(path, _message(item, known))
+        for split in task_cls.splits:
+            if split not in protocol.data:
+                problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")
+        evaluation_splits = [s for s in protocol.data if s != "train"]
+        for rule, metric in protocol.selection.metric_keys():
+            split, _, name = metric.partition(".")
+            index_path = ("selection", rule)
+            if split not in evaluation_splits:
+                problem(index_path, f"{metric!r} names no evaluation split (use one of "
+                                    f"{', '.join(evaluation_splits) or 'none'} then a metric, e.g. "
+                                    f"{(evaluation_splits or ['selection'])[0]}.correct)")
+            elif name not in task_cls.metrics:
+                problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
+                                    f"{', '.join(sorted(task_cls.metrics))})")
+    for arm_name, arm in protocol.arms.items():
+        if reason := check_optimizer(arm.optimizer):
+            problem(("arms", arm_name, "optimizer", "name"), reason)
+    if problems:
+        raise ProtocolError(where, problems)
+
+
+def load_protocol(path: Path) -> Protocol:
+    """Read, validate and cross-check a protocol file; raises BadInput with one sentence on any problem."""
+    data, lines = load_yaml_with_lines(path)
+    protocol = parse(data, lines, str(path))
+    validate(protocol, lines, str(path), path.parent)
+    return protocol

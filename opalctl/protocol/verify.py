@@ -1,0 +1,68 @@
+"""``opalctl verify``: re-hash every record of a lock and say, file by file, what changed.
+
+Like ``dvc status``: each record is ``ok``, ``changed`` (same size, other bytes), ``resized`` or ``missing``.
+The formal run calls the same function before it trains anything, so a run can never start on inputs that are
+not the ones that were frozen.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from opalctl.errors import InputChanged
+from opalctl.files import sha256_file
+from opalctl.protocol.lock import Lock, protocol_digest, read_lock
+
+
+def check_record(lock: Lock, role: str, record: dict) -> dict[str, Any]:
+    path = lock.resolve(record["path"])
+    entry = {"role": role, "path": record["path"], "expected_bytes": record["bytes"],
+             "expected_sha256": record["sha256"]}
+    if not path.is_file():
+        return {**entry, "status": "missing"}
+    size = os.path.getsize(path)
+    if size != record["bytes"]:
+        return {**entry, "status": "resized", "bytes": size}
+    digest = sha256_file(path)
+    if digest != record["sha256"]:
+        return {**entry, "status": "changed", "bytes": size, "sha256": digest}
+    return {**entry, "status": "ok"}
+
+
+def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
+    """Check every record (or only ``roles``); never raises for a difference, it reports it."""
+    results = [check_record(lock, role, record) for role, record in sorted(lock.records.items())
+               if roles is None or role in roles]
+    problems = [r for r in results if r["status"] != "ok"]
+    if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
+        problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
+    return {
+        "lock": str(lock.path),
+        "sha256": lock.sha256,
+        "name": lock.name,
+        "ok": not problems,
+        "checked": len(results),
+        "problems": problems,
+        "records": results,
+    }
+
+
+def describe(problems: list[dict]) -> str:
+    return "; ".join(f"{p['role']} {p['path']} {p['status']}" for p in problems)
+
+
+def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
+    """Raise InputChanged (exit 3) naming every changed file; used by ``run`` and ``pilot`` before any work."""
+    report = verify_lock(lock, roles)
+    if not report["ok"]:
+        count = len(report["problems"])
+        raise InputChanged(f"{count} frozen input{'s' if count > 1 else ''} no longer match{'es' if count == 1 else ''} "
+                           f"lock {lock.path}: {describe(report['problems'])}; restore them or freeze again",
+                           details=[f"{p['role']}: {p['path']} {p['status']}" for p in report["problems"]])
+    return report
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    return verify_lock(read_lock(Path(path)))

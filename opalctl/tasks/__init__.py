@@ -1,0 +1,46 @@
+"""Tasks: the interface (``base``), the built-in tasks, and how a protocol's ``task.entry`` is found."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+from opalctl.errors import BadInput
+
+BUILTIN = {
+    "digits": "opalctl.tasks.digits:Digits",
+    "pylm": "opalctl.tasks.pylm:PyLM",
+}
+
+
+class TaskLoadError(BadInput):
+    pass
+
+
+def load_task_class(entry: str):
+    from opalctl.tasks.base import Task
+
+    module_name, _, class_name = entry.partition(":")
+    if not module_name or not class_name:
+        raise TaskLoadError(f"write the task entry as module:Class, not {entry!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise TaskLoadError(f"module {module_name!r} cannot be imported ({error}); install it or fix the entry") from None
+    except Exception as error:  # the task's own module failed while importing
+        raise TaskLoadError(f"module {module_name!r} failed to import: {type(error).__name__}: {error}") from None
+    cls = getattr(module, class_name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, Task)):
+        raise TaskLoadError(f"{module_name} has no task class {class_name!r} (a subclass of opalctl.tasks.base.Task)")
+    return cls
+
+
+def task_source_file(entry: str) -> Path:
+    """The file that defines the task class, for the lock's records."""
+    cls = load_task_class(entry)
+    return Path(inspect.getfile(cls)).resolve()
+
+
+def make_task(entry: str, config: dict):
+    return load_task_class(entry)(config)
