@@ -149,7 +149,7 @@ class BudgetMeter:
         fractions = [float(f) for f in fractions]
         if any(not (0.0 < f <= 1.0) for f in fractions):
             raise ValueError(f"budget fractions must lie in (0, 1], got {fractions}")
-        if any(b <= a for a, b in zip(fractions, fractions[1:])):
+        if any(b <= a for a, b in zip(fractions, fractions[1:], strict=False)):
             raise ValueError(f"budget fractions must increase strictly, got {fractions}")
         self.total = total
         self.fractions = fractions

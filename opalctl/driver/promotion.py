@@ -47,7 +47,7 @@ class MissingMetric(OpalctlError):
 class Decision:
     promoted: bool
     reasons: list[str] = field(default_factory=list)  # every reason for a rejection (empty when promoted)
-    checks: list[dict] = field(default_factory=list)  # one per rule and metric: rule, metric, candidate, reference, passed
+    checks: list[dict] = field(default_factory=list)  # per rule and metric: rule, metric, candidate, reference, passed
 
     def to_json(self) -> dict:
         """A plain dict for ``json.dumps``; non-finite numbers become the strings "nan", "inf" and "-inf"."""
@@ -56,7 +56,13 @@ class Decision:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
+    """Python numbers only (a task may report numpy scalars), with non-finite floats as strings."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    value = float(value)
+    if not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     return value
 
@@ -107,7 +113,10 @@ def _not_finite(metric: str, value: float, rule: str, reference: float | int) ->
 
 
 def _show(value: float | int) -> str:
-    return repr(value) if isinstance(value, float) and not value.is_integer() else str(value)
+    """Counts read as counts: 126.0 is shown as 126, 0.75 as 0.75, nan as nan."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(float(value)) if isinstance(value, float) else str(value)
 
 
 def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: Any) -> Decision:
@@ -130,7 +139,7 @@ def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: A
     for metric, tolerance in rules["floors"].items():
         value, base = _value(candidate, metric, "candidate"), _value(anchor, metric, "anchor")
         floor = base - tolerance
-        passed = _finite(value) and value >= floor
+        passed = bool(_finite(value) and value >= floor)
         checks.append({"rule": "floors", "metric": metric, "candidate": value, "reference": base,
                        "tolerance": tolerance, "passed": passed})
         if not _finite(value):
@@ -142,7 +151,7 @@ def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: A
     for rule, word in (("nondecreasing", "fell below"), ("nonincreasing", "rose above")):
         for metric in rules[rule]:
             value, reference = _value(candidate, metric, "candidate"), _value(incumbent, metric, "incumbent")
-            passed = _finite(value) and (value >= reference if rule == "nondecreasing" else value <= reference)
+            passed = bool(_finite(value) and (value >= reference if rule == "nondecreasing" else value <= reference))
             checks.append({"rule": rule, "metric": metric, "candidate": value, "reference": reference,
                            "passed": passed})
             if not _finite(value):
@@ -160,7 +169,7 @@ def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: A
         for metric in improve:
             value, reference = _value(candidate, metric, "candidate"), _value(incumbent, metric, "incumbent")
             lower = metric in lower_is_better
-            strictly = _finite(value) and (value < reference if lower else value > reference)
+            strictly = bool(_finite(value) and (value < reference if lower else value > reference))
             better = better or strictly
             tied = tied and _finite(value) and value == reference
             checks.append({"rule": "improve_any", "metric": metric, "candidate": value, "reference": reference,

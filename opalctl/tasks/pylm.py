@@ -50,8 +50,8 @@ SPLIT_SALT = "opalctl-pylm-split-2024"
 SPLIT_SEED = 20_240_611
 SKIP_FOLDERS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__"})
 VOCABULARY = 256  # bytes
-HELD_OUT_FACTOR = 8  # a held-out split takes files until it holds this many times the bytes its windows need
-HELD_OUT_MIN_FILES = 3  # ... and at least this many files, so one large file cannot be a whole split
+HELD_OUT_FACTOR = 4  # a held-out split takes files until it holds this many times the bytes its windows need
+HELD_OUT_MIN_FILES = 8  # ... and at least this many files, so one large file cannot be a whole split
 EVAL_SPLITS = ("development", "selection", "retention")
 # separate numpy streams for the window draws, so no two purposes ever share random numbers
 STREAM_WINDOWS = {"development": 1, "selection": 2, "retention": 3}
@@ -235,21 +235,29 @@ def draw_starts(bounds: np.ndarray, span: int, rng: np.random.Generator, count: 
 
 
 def eval_windows(texts: list[tuple[str, bytes]], span: int, count: int, stream_id: int) -> dict[str, np.ndarray]:
-    """A fixed set of ``count`` non-overlapping windows, each inside one file, drawn with a fixed generator."""
+    """A fixed set of ``count`` non-overlapping windows, each inside one file, spread evenly over the files.
+
+    Each file is cut into whole slots of ``span`` bytes, its slots are shuffled with a fixed generator, and the
+    windows are dealt round-robin (one slot of every file, then a second of every file, ...), so a long file
+    cannot fill a split on its own.
+    """
     stream, bounds = concatenate(texts)
-    slots_per_file = np.diff(bounds) // span
-    slot_file = np.repeat(np.arange(len(texts)), slots_per_file)
-    slot_start = np.concatenate([bounds[i] + span * np.arange(n) for i, n in enumerate(slots_per_file)])
-    if len(slot_start) < count:
-        raise BadInput(f"the held-out files hold only {len(slot_start)} windows of {span} bytes, not {count}; "
-                       f"lower eval_windows or context")
     rng = np.random.default_rng([SPLIT_SEED, stream_id])
-    chosen = np.sort(rng.choice(len(slot_start), size=count, replace=False))
-    starts = slot_start[chosen].astype(np.int64)
+    orders = [bounds[i] + span * rng.permutation(int(n)) for i, n in enumerate(np.diff(bounds) // span)]
+    if sum(len(order) for order in orders) < count:
+        raise BadInput(f"the held-out files hold only {sum(len(o) for o in orders)} windows of {span} bytes, not "
+                       f"{count}; lower eval_windows or context")
+    dealt: list[tuple[int, int]] = []
+    for depth in range(max(len(order) for order in orders)):
+        dealt.extend((int(order[depth]), index) for index, order in enumerate(orders) if depth < len(order))
+        if len(dealt) >= count:
+            break
+    dealt = sorted(dealt[:count])
+    starts = np.array([start for start, _ in dealt], dtype=np.int64)
     return {
         "windows": stream[starts[:, None] + np.arange(span)],
         "ids": starts,
-        "file": slot_file[chosen].astype(np.int32),
+        "file": np.array([index for _, index in dealt], dtype=np.int32),
         "files": np.array([rel for rel, _ in texts]),
     }
 

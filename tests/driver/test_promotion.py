@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from opalctl.driver.promotion import DenominatorMismatch, MissingMetric, decide, select
@@ -74,7 +75,7 @@ def test_nondecreasing_and_nonincreasing():
     assert failing(decision, "nondecreasing") == ["selection.correct"]
     assert failing(decision, "nonincreasing") == ["selection.bits"]
     assert decision.reasons[:2] == ["selection.correct 99 fell below the incumbent's 100 (nondecreasing)",
-                                    "selection.bits 2.5 rose above the incumbent's 2.0 (nonincreasing)"]
+                                    "selection.bits 2.5 rose above the incumbent's 2 (nonincreasing)"]
 
 
 def test_improve_any_respects_direction():
@@ -143,7 +144,8 @@ def test_non_finite_candidate_fails_every_rule_it_touches():
 
 
 def test_mismatched_denominators_raise():
-    with pytest.raises(DenominatorMismatch, match="'retention.total' differs: candidate 127, incumbent 128, anchor 128"):
+    expected = "'retention.total' differs: candidate 127, incumbent 128, anchor 128"
+    with pytest.raises(DenominatorMismatch, match=expected):
         decide(dict(metrics(200, 127), **{"retention.total": 127}), ANCHOR, ANCHOR, POLICY)
     assert issubclass(DenominatorMismatch, OpalctlError)
 
@@ -158,7 +160,7 @@ def test_missing_metric_raises():
 
 
 def test_select_walks_stages_in_order():
-    stages = [metrics(100, 127), metrics(150, 124), metrics(150, 126), metrics(180, 126)]
+    stages = [metrics(100, 127), metrics(150, 124), metrics(100, 126), metrics(180, 126)]
     # stage 1 breaks the floor, stage 2 ties stage 0, stage 3 improves
     assert select(stages, ANCHOR, POLICY) == 3
     assert select(stages[:3], ANCHOR, POLICY) == 0
@@ -168,3 +170,12 @@ def test_no_qualifier_leaves_the_anchor_selected():
     stages = [metrics(100, 120), metrics(150, 110), metrics(0, 128)]
     assert select(stages, ANCHOR, POLICY) is None
     assert select([], ANCHOR, POLICY) is None
+
+
+def test_to_json_gives_plain_numbers():
+    candidate = {k: np.int64(v) for k, v in metrics(200, 127).items()}
+    decision = decide(candidate, ANCHOR, ANCHOR, POLICY)
+    assert decision.promoted
+    text = json.dumps(decision.to_json(), allow_nan=False)
+    assert json.loads(text)["checks"][0] == {"rule": "denominators", "metric": "selection.total", "candidate": 250,
+                                             "reference": 250, "passed": True}

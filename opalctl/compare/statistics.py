@@ -1,0 +1,126 @@
+"""Paired statistics across seeds (SPEC section 8).
+
+Seeds are the unit of replication: each seed gives every arm the same parent, the same data order and the same
+evaluation rows, so the honest comparison of an arm with the baseline is the difference seed by seed, not the
+difference of two means that each carry the seed-to-seed spread. With the handful of seeds a run can afford, no
+distribution is assumed: the confidence interval of the mean difference is a percentile bootstrap over seeds,
+from a seeded numpy Generator so the same records always give the same table. Wins, ties and losses are counted
+with the metric's direction, and a tie is an exact tie (the metrics are mostly counts). Every figure comes back as
+plain JSON-able values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+_CHUNK = 1000  # bootstrap resamples drawn at a time (fixed, so the draws never depend on memory)
+
+
+def _check(values: Iterable[float], what: str) -> list[float]:
+    out = []
+    for value in values:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{what} holds {value!r}, which is not a finite number; a run whose metric is not finite "
+                             f"cannot be compared, so leave it out or fix it")
+        out.append(value)
+    return out
+
+
+def summary(values: Iterable[float]) -> dict:
+    """Mean, sample standard deviation (ddof=1; 0.0 for one value), min, max and n; all None but n when empty."""
+    data = _check(values, "the values to summarise")
+    n = len(data)
+    if n == 0:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    array = np.asarray(data, dtype=np.float64)
+    return {"mean": float(array.mean()), "std": float(array.std(ddof=1)) if n > 1 else 0.0,
+            "min": float(array.min()), "max": float(array.max()), "n": n}
+
+
+def bootstrap_interval(differences: list[float], *, resamples: int, confidence: float,
+                       seed: int) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``differences`` (resampling seeds with replacement)."""
+    n = len(differences)
+    data = np.asarray(differences, dtype=np.float64)
+    if n == 1:
+        return float(data[0]), float(data[0])
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, _CHUNK):
+        count = min(_CHUNK, resamples - start)
+        means[start:start + count] = data[rng.integers(0, n, size=(count, n))].mean(axis=1)
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is_better: bool = True,
+           resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict:
+    """The arm against the baseline on the seeds both have: differences (arm - baseline), their mean with a
+    bootstrap interval, and wins/ties/losses in the metric's direction.
+
+    Seeds only one side has are listed under ``unpaired`` and left out of every figure. With no seed in common,
+    every figure is None; with one, the interval is that single difference and ``note`` says ``n=1``.
+    """
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, not {resamples}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, not {confidence}")
+    seeds = sorted(set(baseline) & set(arm))
+    base = _check((baseline[s] for s in seeds), "the baseline's metric")
+    mine = _check((arm[s] for s in seeds), "the arm's metric")
+    differences = [a - b for a, b in zip(mine, base, strict=True)]
+    n = len(seeds)
+    result = {
+        "seeds": seeds,
+        "unpaired": {"baseline": sorted(set(baseline) - set(arm)), "arm": sorted(set(arm) - set(baseline))},
+        "n": n,
+        "baseline": base,
+        "arm": mine,
+        "differences": differences,
+        "mean_difference": None,
+        "ci_low": None,
+        "ci_high": None,
+        "confidence": confidence,
+        "resamples": resamples,
+        "bootstrap_seed": seed,
+        "higher_is_better": higher_is_better,
+        "wins": 0,
+        "ties": 0,
+        "losses": 0,
+        "note": None,
+    }
+    if n == 0:
+        result["note"] = "n=0: no seed completed by both arms, so there is nothing to compare"
+        return result
+    result["mean_difference"] = float(np.mean(differences))
+    result["ci_low"], result["ci_high"] = bootstrap_interval(differences, resamples=resamples,
+                                                             confidence=confidence, seed=seed)
+    sign = 1.0 if higher_is_better else -1.0
+    result["wins"] = sum(1 for d in differences if sign * d > 0)
+    result["ties"] = sum(1 for d in differences if d == 0)
+    result["losses"] = sum(1 for d in differences if sign * d < 0)
+    if n == 1:
+        result["note"] = "n=1: one seed, so the interval is the single difference and says nothing about spread"
+    return result
+
+
+def time_to_reach(curve: list[tuple[float, float]], target: float, higher_is_better: bool = True) -> float | None:
+    """The first x (training seconds, updates) at which y reaches ``target`` (>=, or <= when lower is better).
+
+    Points are taken in the order given, which must not go back in x; no interpolation between points, so the
+    answer is a point the run actually recorded. A non-finite y never reaches anything. None when never reached.
+    """
+    previous = -math.inf
+    for x, y in curve:
+        x, y = float(x), float(y)
+        if x < previous:
+            raise ValueError(f"the curve goes back from x={previous!r} to x={x!r}; give its points in order of x")
+        previous = x
+        if math.isfinite(y) and (y >= target if higher_is_better else y <= target):
+            return x
+    return None

@@ -1,0 +1,93 @@
+"""Evaluating a model on every evaluation split, and checking that evaluating changed nothing.
+
+A task's ``evaluate`` must leave the parameters and every random number generator exactly as it found them:
+otherwise an evaluation would change the training that follows it, and a run with more stages would not be the
+same run as one with fewer. The driver does not trust this; it checks it, each time, and fails loudly.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from opalctl.errors import OpalctlError
+
+
+class EvaluationChangedState(OpalctlError):
+    pass
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG state a task could touch, as plain containers and tensors (loadable with weights_only)."""
+    import torch
+
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": _python_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _python_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [int(version), [int(x) for x in internal], gauss]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32),
+                         numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    import torch
+
+    changed = []
+    if not torch.equal(a["torch"], b["torch"]):
+        changed.append("torch")
+    if not torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) or a["numpy"]["position"] != b["numpy"]["position"]:
+        changed.append("numpy")
+    if a["python"] != b["python"]:
+        changed.append("python random")
+    if "cuda" in a and "cuda" in b and any(not torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"])):
+        changed.append("cuda")
+    return changed
+
+
+def evaluate_all(task, model, splits: dict[str, Any]) -> dict[str, float | int]:
+    """Flat metrics ``{"split.metric": value}`` over every split except ``train``, checked for side effects."""
+    import torch
+
+    before_parameters = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    before_rng = rng_state()
+    metrics: dict[str, float | int] = {}
+    for split in sorted(splits):
+        if split == "train":
+            continue
+        for name, value in task.evaluate(model, splits[split]).items():
+            metrics[f"{split}.{name}"] = value
+    after = model.state_dict()
+    moved = [name for name, tensor in before_parameters.items()
+             if name not in after or not torch.equal(tensor, after[name].detach())]
+    if moved:
+        raise EvaluationChangedState(f"the task's evaluate changed the model's tensors ({', '.join(moved[:3])}); "
+                                     f"it must leave them as it found them")
+    changed = _same_rng(before_rng, rng_state())
+    if changed:
+        raise EvaluationChangedState(f"the task's evaluate changed the {', '.join(changed)} random state; it must "
+                                     f"draw no random numbers, or save and restore the generators it uses")
+    return metrics
