@@ -134,6 +134,83 @@ def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) 
         console.message(f"note: {note}")
 
 
+runs_dir_option = click.option("--runs-dir", default=None, type=click.Path(file_okay=False),
+                               help="Where run folders live (default: $OPALCTL_RUNS or ./runs).")
+
+
+@cli.command(name="run")
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--arm", required=True, help="The arm to train.")
+@click.option("--seed", required=True, type=int, help="The seed (one of the lock's seeds).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@runs_dir_option
+@json_option
+def run_command(lock: str, arm: str, seed: int, resume: bool, runs_dir: str | None, json_mode: bool) -> None:
+    """One formal run of ARM on SEED under the lock's budget."""
+    from opalctl import console
+    from opalctl.driver.run import run as formal_run
+
+    say = None if json_mode else console.message
+    with console.progress(f"{arm} seed {seed}", json_mode) as progress:
+        report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, progress=progress, say=say)
+    if json_mode:
+        console.print_json(report)
+        return
+    budget = report["budget"]
+    selected = report["selected"]
+    console.pairs(f"opalctl run {arm} seed {seed}", [
+        ("run folder", report["run_dir"]),
+        ("updates", report["updates"]),
+        (f"budget used ({budget['clock']})", f"{budget['used']:.6g} of {budget['total']:.6g} "
+                                             f"(overshoot {budget['overshoot']:.3g})"),
+        ("training seconds (cpu / wall)", f"{report['seconds']['train_cpu']:.2f} / {report['seconds']['train_wall']:.2f}"),
+        ("promoted stages", ", ".join(map(str, report["promoted_stages"])) or "none"),
+        ("selected", f"stage {selected['stage']}" if selected["source"] == "stage" else "the anchor (flagged: no "
+                                                                                      "stage qualified)"),
+    ])
+
+
+@cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--baseline", default=None, help="The arm others are paired against (default: the first arm run).")
+@runs_dir_option
+@json_option
+def compare(lock: str, baseline: str | None, runs_dir: str | None, json_mode: bool) -> None:
+    """The arms of LOCK side by side across seeds, with paired differences to the baseline."""
+    from opalctl import console
+    from opalctl.compare.aggregate import compare as run_compare
+    from opalctl.compare.render import render_compare
+
+    result = run_compare(lock, baseline=baseline, runs_dir=runs_dir)
+    if json_mode:
+        console.print_json(result)
+        return
+    render_compare(result)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@json_option
+def show(run_dir: str, json_mode: bool) -> None:
+    """One run: its stages, promotions and the reasons for each decision."""
+    from opalctl import console
+    from opalctl.driver.show import show as run_show
+
+    result = run_show(run_dir)
+    if json_mode:
+        console.print_json(result)
+        return
+    metrics = sorted({m for s in result["stages"] for m in s["metrics"] if not m.endswith(".total")})
+    console.table(f"{result['arm']} seed {result['seed']} ({result['status']})",
+                  ["stage", "fraction", "update", *metrics, "promoted", "reasons"],
+                  [[s["stage"], s["fraction"], s["update"], *[s["metrics"].get(m) for m in metrics],
+                    "yes" if s["promoted"] else "no", "; ".join(s["reasons"]) or "-"] for s in result["stages"]])
+    if result["selected"]:
+        selected = result["selected"]
+        console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"
+                                        else "the anchor (flagged: no stage qualified)"))
+
+
 @cli.command()
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")

@@ -36,6 +36,11 @@ def package_files() -> list[Path]:
     return files
 
 
+def package_role(path: Path) -> str:
+    root = Path(opalctl.__file__).resolve().parent
+    return f"source.opalctl/{path.relative_to(root).as_posix()}"
+
+
 def _git(folder: Path) -> dict[str, Any] | None:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True,
@@ -108,9 +113,8 @@ def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[
         raise BadInput(f"{protocol_path}: cannot freeze, missing {shown}; paths are relative to the protocol's "
                        f"folder (for a built-in task, `opalctl init` writes them)")
     out["source.task"] = file_record(task_source_file(protocol.task.entry), lock_folder)
-    package_root = Path(opalctl.__file__).resolve().parent
     for path in package_files():
-        out[f"source.opalctl/{path.relative_to(package_root).as_posix()}"] = file_record(path, lock_folder)
+        out[package_role(path)] = file_record(path, lock_folder)
     return out
 
 

@@ -31,11 +31,26 @@ def check_record(lock: Lock, role: str, record: dict) -> dict[str, Any]:
     return {**entry, "status": "ok"}
 
 
+def added_package_files(lock: Lock) -> list[dict[str, Any]]:
+    """Files of the installed opalctl package that the lock does not record: new code is a change too."""
+    from opalctl.protocol.freeze import package_files, package_role
+
+    recorded = {role for role in lock.records if role.startswith("source.opalctl/")}
+    out = []
+    for path in package_files():
+        role = package_role(path)
+        if role not in recorded:
+            out.append({"role": role, "path": os.path.relpath(path, lock.folder.resolve()), "status": "added"})
+    return out
+
+
 def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
     """Check every record (or only ``roles``); never raises for a difference, it reports it."""
     results = [check_record(lock, role, record) for role, record in sorted(lock.records.items())
                if roles is None or role in roles]
     problems = [r for r in results if r["status"] != "ok"]
+    if roles is None:
+        problems += added_package_files(lock)
     if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
         problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
     return {

@@ -267,6 +267,18 @@ def gather(stream: np.ndarray, starts: np.ndarray, span: int, device: str):
     return windows[:, :-1], windows[:, 1:]
 
 
+def parent_lr(peak: float, update: int, updates: int) -> float:
+    """The parent's schedule: a short linear warmup, then a cosine from ``peak`` down to a tenth of it.
+
+    A short run gains most from ending at a low rate, and the parent's budget is short by design.
+    """
+    warmup = max(1, min(50, updates // 10))
+    if update < warmup:
+        return peak * (update + 1) / warmup
+    progress = (update - warmup) / max(1, updates - warmup)
+    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
+
+
 class PyLMSampler(Sampler):
     """Batches of ``batch_size`` random windows; batch ``n`` is drawn from ``(seed, n)``, so the state is ``n``."""
 
@@ -356,6 +368,8 @@ class PyLM(Task):
             model = build_model(config, seed)
             optimizer = torch.optim.AdamW(model.parameters(), lr=config.parent_lr)
             for update in range(config.parent_updates):
+                for group in optimizer.param_groups:
+                    group["lr"] = parent_lr(config.parent_lr, update, config.parent_updates)
                 rng = np.random.default_rng([int(seed), STREAM_PARENT, update])
                 inputs, targets = gather(text, draw_starts(bounds, span, rng, config.parent_batch), span, "cpu")
                 loss = F.cross_entropy(model(inputs).reshape(-1, VOCABULARY), targets.reshape(-1))
