@@ -216,21 +216,26 @@ def show(run_dir: str, json_mode: bool) -> None:
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 10_000),
               help="Pilot updates per arm.")
+@runs_dir_option
 @json_option
-def demo(folder: str, steps: int, json_mode: bool) -> None:
-    """The whole pipeline on the built-in digits task, on the embedded defaults."""
+def demo(folder: str, steps: int, runs_dir: str | None, json_mode: bool) -> None:
+    """The whole pipeline on the built-in digits task, on the embedded defaults (a few minutes)."""
     from opalctl import console
+    from opalctl.compare.render import render_compare
     from opalctl.demo import demo as run_demo
 
-    result = run_demo(folder, steps=steps, say=console.message)
+    result = run_demo(folder, steps=steps, runs_dir=runs_dir, say=console.message,
+                      progress_factory=lambda label: console.progress(label, json_mode))
     if json_mode:
         console.print_json(result)
         return
-    console.table("opalctl demo: pilot of each arm (not formal)", ["arm", "cpu s/update", "updates/cpu-s",
-                                                                     "projected updates", "checkpoint"],
+    console.table("pilot of each arm (not formal)", ["arm", "cpu s/update", "updates/cpu-s", "projected updates",
+                                                     "checkpoint"],
                   [[p["arm"], p["cpu_seconds_per_update"], p["updates_per_cpu_second"], p["projected_updates"],
                     console.size(p["checkpoint_bytes"])] for p in result["pilots"]])
-    console.message(f"lock {result['lock']} verified ({result['verified_records']} records)")
+    render_compare(result["compare"])
+    console.message(f"lock {result['lock']} ({result['verified_records']} records verified); runs under "
+                    f"{result['compare']['runs']}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,137 @@
+"""Shared fixtures: one built-in digits project per test session, copies of it per test, and two ways to run the CLI.
+
+``opalctl init digits`` trains a parent per seed, which is the slow part (a few seconds), so it runs once per
+session (once per xdist worker) into a folder that no test touches; ``digits_project`` hands each test its own
+copy to break as it likes. ``run_cli`` runs the real command in a subprocess (what a user types); ``call_cli``
+runs ``opalctl.cli.main`` in this process, which is much faster and is what the fuzz test uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = [1, 2]
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OPALCTL_DEBUG", None)
+    env["NO_COLOR"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_cli(*args, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+            timeout: float = 180) -> CliResult:
+    """``python -m opalctl ARGS`` in a subprocess; ``env`` adds to (not replaces) the current environment."""
+    completed = subprocess.run([sys.executable, "-m", "opalctl", *map(str, args)], cwd=cwd, env=_env(env),
+                               capture_output=True, text=True, timeout=timeout)
+    return CliResult(completed.returncode, completed.stdout, completed.stderr)
+
+
+def call_cli(*args) -> CliResult:
+    """``opalctl.cli.main(ARGS)`` in this process, with stdout and stderr captured and SystemExit caught."""
+    from opalctl.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exit_:
+            code = exit_.code
+    if code is None:
+        code = 0
+    if not isinstance(code, int):  # sys.exit("text") prints the text and exits 1
+        stderr.write(f"{code}\n")
+        code = 1
+    return CliResult(code, stdout.getvalue(), stderr.getvalue())
+
+
+def flip_byte(path: Path, offset: int | None = None) -> int:
+    """Flip every bit of one byte of ``path`` (the middle one by default); the size stays the same."""
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return offset
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> sha256), to compare a folder before and after."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): sha256_of(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def digits_init_folder(tmp_path_factory) -> Path:
+    """``init("digits", folder, seeds=[1, 2])`` once per session; read-only for tests (copy it to change it)."""
+    from opalctl.tasks.builtin import init
+
+    folder = tmp_path_factory.mktemp("digits-init") / "project"
+    init("digits", folder, seeds=list(SEEDS))
+    return folder
+
+
+@pytest.fixture
+def digits_project(digits_init_folder, tmp_path) -> Path:
+    """A private copy of the initialised digits project at ``tmp_path / "project"``."""
+    target = tmp_path / "project"
+    shutil.copytree(digits_init_folder, target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """Run the CLI as a real subprocess: ``cli(*args, cwd=None, env=None)`` -> CliResult."""
+    return run_cli
+
+
+@pytest.fixture(scope="session")
+def cli_inprocess():
+    """Run the CLI in this process through ``opalctl.cli.main``: ``cli_inprocess(*args)`` -> CliResult."""
+    return call_cli
+
+
+@pytest.fixture(scope="session")
+def helpers():
+    """Small helpers the test modules share (conftest is not importable under --import-mode=importlib)."""
+
+    class Helpers:
+        flip_byte = staticmethod(flip_byte)
+        sha256_of = staticmethod(sha256_of)
+        tree = staticmethod(tree)
+        SEEDS = tuple(SEEDS)
+        REPO = REPO
+
+    return Helpers
