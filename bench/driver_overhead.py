@@ -1,0 +1,107 @@
+"""How much does the formal run's bookkeeping cost? ``opalctl run`` against a minimal hand-written loop.
+
+Both do the same training work on the built-in ``digits`` task (same parent, sampler, AdamW, clipping, one
+thread) in this one process, in interleaved blocks so that machine noise hits both alike. The hand loop does
+nothing else. The run does everything a formal run does: the budget clock, the schedule, one record line per
+update, row digests, resume checkpoints every 5 % of the budget, and at four stages a checkpoint, an evaluation
+of every split and a promotion decision.
+
+Two ratios are reported (run updates per second / hand updates per second):
+- ``loop``: the run's whole loop, from its first update to its last, stages and checkpoints included;
+- ``updates``: only the timed update intervals of the run (what the budget is charged for), which shows that
+  the clock itself charges the same work the hand loop does.
+Target: loop ratio at least 0.97.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def hand_loop(folder: Path, updates: int) -> float:
+    import torch
+
+    from opalctl.tasks.digits import Digits
+
+    task = Digits({"hidden": 128, "replay_share": 0.25})
+    train = task.load({"train": folder / "data/digits/train.npz"})["train"]
+    model = task.build(folder / "parents/digits/seed-1.pt", {}, 1).model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sampler = task.sampler(train, 1, 64)
+    started = time.perf_counter()
+    for _ in range(updates):
+        batch = sampler.next_batch()
+        loss, _ = task.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        optimizer.step()
+    return time.perf_counter() - started
+
+
+def formal_run(lock: Path, runs: Path, seed: int) -> dict:
+    from opalctl.driver.run import run
+
+    report = run(lock, "adamw", seed, runs_dir=runs)
+    return {"loop": report["seconds"]["this_session_loop_wall"], "updates": report["seconds"]["train_wall"],
+            "count": report["updates"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=8000)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from opalctl.protocol.freeze import freeze
+    from opalctl.tasks.builtin import init
+
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="opalctl-bench-"))
+    try:
+        init("digits", work, seeds=[1])
+        protocol = work / "digits.yaml"
+        text = protocol.read_text().replace("clock: cpu, amount: 20", f"clock: updates, amount: {args.updates}")
+        protocol.write_text(text)
+        lock = Path(freeze(protocol, force=True)["lock"])
+        hand_loop(work, 200)  # warm up both paths once
+        rows = []
+        for block in range(args.blocks):
+            hand = hand_loop(work, args.updates)
+            run = formal_run(lock, work / f"runs-{block}", 1)
+            rows.append({"block": block, "hand_seconds": hand, "run_loop_seconds": run["loop"],
+                         "run_update_seconds": run["updates"], "updates": run["count"],
+                         "loop_ratio": hand / run["loop"], "updates_ratio": hand / run["updates"]})
+            print(f"block {block}: hand {args.updates / hand:,.0f} upd/s, run loop {run['count'] / run['loop']:,.0f} "
+                  f"upd/s, ratio {hand / run['loop']:.3f}", file=sys.stderr)
+        result = {
+            "bench": "driver_overhead",
+            "task": "digits",
+            "updates_per_block": args.updates,
+            "blocks": rows,
+            "loop_ratio_median": statistics.median(r["loop_ratio"] for r in rows),
+            "updates_ratio_median": statistics.median(r["updates_ratio"] for r in rows),
+            "target": 0.97,
+        }
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(f"driver overhead (digits, {args.updates} updates x {args.blocks} blocks): run/hand loop ratio "
+                  f"{result['loop_ratio_median']:.3f} (target >= 0.97), timed updates only "
+                  f"{result['updates_ratio_median']:.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
