@@ -77,6 +77,30 @@ def _collect_tensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
             _collect_tensors(item, f"{prefix}/{index}" if prefix else str(index), out)
 
 
+def skeleton_sha256(payload: dict[str, Any]) -> str:
+    """A digest of everything in a checkpoint but the tensors' bytes (keys, kinds, metadata, numbers), with each
+    tensor standing in as its own digest: one flipped byte in a key or a number is caught, not only in a tensor."""
+    import json
+
+    def plain(value: Any) -> Any:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return f"tensor:{tensor_sha256(value)}"
+        if isinstance(value, dict):
+            return {f"{type(k).__name__}:{k}": plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, float) and value != value:
+            return "float:nan"
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            return f"float:{value}"
+        return value
+
+    body = {key: plain(value) for key, value in payload.items() if key != "skeleton_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()
+
+
 def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
            meta: dict[str, Any] | None = None) -> bytes:
     """Serialise a model state (and optional extra state: optimizer, sampler, RNG) with digests of every tensor."""
@@ -96,6 +120,7 @@ def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | No
         "extra_digests": {name: tensor_sha256(tensor) for name, tensor in extra_tensors.items()},
         "meta": meta or {},
     }
+    payload["skeleton_sha256"] = skeleton_sha256(payload)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()
@@ -151,6 +176,8 @@ def load(path: str | os.PathLike, *, limit_bytes: int = DEFAULT_LIMIT_BYTES,
     for name, tensor in extra_tensors.items():
         if tensor_sha256(tensor) != extra_digests[name]:
             raise CheckpointRefused(f"checkpoint {path}: saved state {name!r} does not match its digest")
+    if payload.get("skeleton_sha256") != skeleton_sha256(payload):
+        raise CheckpointRefused(f"checkpoint {path}: its keys or metadata do not match their digest; it was altered")
     if expected_shapes is not None:
         missing = sorted(set(expected_shapes) - set(model))
         unexpected = sorted(set(model) - set(expected_shapes))

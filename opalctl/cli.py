@@ -50,8 +50,7 @@ def init(task: str, folder: str, seeds: str | None, json_mode: bool) -> None:
     from opalctl import console
     from opalctl.tasks.builtin import init as run_init
 
-    console.message(f"preparing {task} in {folder} (data files and one parent per seed)...")
-    result = run_init(task, folder, _seeds(seeds))
+    result = run_init(task, folder, _seeds(seeds), say=console.message)
     if json_mode:
         console.print_json(result)
         return

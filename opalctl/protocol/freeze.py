@@ -112,10 +112,32 @@ def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise BadInput(f"{protocol_path}: cannot freeze, missing {shown}; paths are relative to the protocol's "
                        f"folder (for a built-in task, `opalctl init` writes them)")
-    out["source.task"] = file_record(task_source_file(protocol.task.entry), lock_folder)
+    out["source.task"] = source_record(task_source_file(protocol.task.entry), protocol.task.entry, lock_folder)
     for path in package_files():
-        out[package_role(path)] = file_record(path, lock_folder)
+        out[package_role(path)] = package_record(path)
     return out
+
+
+def package_record(path: Path) -> dict[str, Any]:
+    """A file of opalctl itself, located relative to the installed package (``base: opalctl``), so the lock stays
+    valid when the project folder moves, and checks whichever opalctl is installed when it is verified."""
+    root = Path(opalctl.__file__).resolve().parent
+    record = file_record(path, root)
+    record["base"] = "opalctl"
+    return record
+
+
+def source_record(path: Path, entry: str, lock_folder: Path) -> dict[str, Any]:
+    """The task's source: relative to the lock when it lives in the project, else found again by module name."""
+    root = Path(opalctl.__file__).resolve().parent
+    path = path.resolve()
+    if path.is_relative_to(root):
+        return package_record(path)
+    if path.is_relative_to(lock_folder.resolve()):
+        return file_record(path, lock_folder)
+    record = file_record(path, path.parent)
+    record.update({"base": "module", "module": entry.partition(":")[0]})
+    return record
 
 
 def lock_path_for(protocol: Protocol, protocol_path: Path) -> Path:

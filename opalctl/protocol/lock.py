@@ -58,6 +58,25 @@ class Lock:
     def resolve(self, relative: str) -> Path:
         return (self.folder / relative).resolve() if not Path(relative).is_absolute() else Path(relative)
 
+    def record_path(self, record: dict) -> Path:
+        """Where a record's file is now: relative to the lock, to the installed opalctl, or to a module's folder."""
+        base = record.get("base")
+        if base == "opalctl":
+            import opalctl
+
+            return Path(opalctl.__file__).resolve().parent / record["path"]
+        if base == "module":
+            import importlib.util
+
+            try:
+                spec = importlib.util.find_spec(record["module"])
+            except (ImportError, ValueError):
+                spec = None
+            if spec is None or not spec.origin:
+                return Path(f"<module {record['module']} not importable>")
+            return Path(spec.origin).resolve()
+        return self.resolve(record["path"])
+
     def data_path(self, split: str) -> Path:
         return self.resolve(self.resolved["data"][split])
 

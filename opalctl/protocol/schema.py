@@ -25,7 +25,7 @@ BACKENDS = ("keep", "heuristic", "anthropic", "claude-code")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TaskSpec(Strict):
@@ -68,7 +68,7 @@ class Training(Strict):
 class OptimizerSpec(BaseModel):
     """``name`` is a class of ``torch.optim``; every other key is passed to it as a keyword argument."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     name: Annotated[str, Field(pattern=r"^[A-Za-z_]\w*$")]
 
     def arguments(self) -> dict[str, Any]:
@@ -175,6 +175,8 @@ class Protocol(Strict):
 def _dotted(path: tuple) -> str:
     out = ""
     for part in path:
+        if isinstance(part, str) and not re.fullmatch(r"[\w.{}-]*", part):
+            part = repr(part)
         out += f"[{part}]" if isinstance(part, int) and out else (f".{part}" if out else str(part))
     return out or "(top level)"
 
@@ -305,10 +307,30 @@ def check_optimizer(spec: OptimizerSpec) -> str | None:
         return f"torch.optim has no optimizer {spec.name!r} (known: {', '.join(known)})"
     parameters = inspect.signature(cls.__init__).parameters
     accepted = [n for n in parameters if n not in ("self", "params")]
-    for key in spec.arguments():
+    for key, value in spec.arguments().items():
         if key not in parameters or key in ("self", "params"):
             return f"{spec.name} takes no argument {key!r} (it takes: {', '.join(accepted)})"
+        default = parameters[key].default
+        if isinstance(value, bool) and not isinstance(default, bool) and default is not None:
+            return f"{spec.name} argument {key!r} must be a number, not {value!r}"
+        if not _finite(value):
+            return f"{spec.name} argument {key!r} must be finite, not {value!r}"
+    try:  # let torch validate the values themselves (a negative lr, betas out of range, a string)
+        cls([torch.zeros(1, requires_grad=True)], **spec.arguments())
+    except (TypeError, ValueError, RuntimeError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"{spec.name} refuses these arguments: {text}"
     return None
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
 
 
 def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Path) -> None:
@@ -331,6 +353,8 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     elif len(protocol.seeds) > 1 and "{seed}" not in protocol.parents:
         pass  # one parent shared by every seed is allowed
     for seed in protocol.seeds:
+        if isinstance(protocol.parents, dict) and seed not in protocol.parents:
+            continue
         parent = protocol.parent_for(seed)
         if sealed := sealed_part(parent):
             problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")

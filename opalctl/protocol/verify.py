@@ -17,8 +17,9 @@ from opalctl.protocol.lock import Lock, protocol_digest, read_lock
 
 
 def check_record(lock: Lock, role: str, record: dict) -> dict[str, Any]:
-    path = lock.resolve(record["path"])
-    entry = {"role": role, "path": record["path"], "expected_bytes": record["bytes"],
+    path = lock.record_path(record)
+    shown = record["path"] if not record.get("base") else str(path)
+    entry = {"role": role, "path": shown, "expected_bytes": record["bytes"],
              "expected_sha256": record["sha256"]}
     if not path.is_file():
         return {**entry, "status": "missing"}
@@ -40,7 +41,7 @@ def added_package_files(lock: Lock) -> list[dict[str, Any]]:
     for path in package_files():
         role = package_role(path)
         if role not in recorded:
-            out.append({"role": role, "path": os.path.relpath(path, lock.folder.resolve()), "status": "added"})
+            out.append({"role": role, "path": str(path), "status": "added"})
     return out
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 class TaskConfig(BaseModel):
     """Base of every task's settings: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 @dataclass

@@ -25,7 +25,8 @@ def protocol_text(task_name: str, seeds: list[int]) -> str:
     return template.replace("{seeds}", "[" + ", ".join(str(s) for s in seeds) + "]")
 
 
-def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = None) -> dict[str, Any]:
+def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = None,
+         say=lambda text: None) -> dict[str, Any]:
     if task_name not in BUILTIN:
         raise BadInput(f"there is no built-in task {task_name!r}; choose one of {', '.join(sorted(BUILTIN))}")
     seeds = list(seeds or DEFAULT_SEEDS)
@@ -40,6 +41,7 @@ def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = Non
 
     config = yaml.safe_load(text)["task"].get("config", {})
     task = make_task(BUILTIN[task_name], config)
+    say(f"preparing {task_name} in {folder} (data files and one parent per seed)...")
     staging = Path(tempfile.mkdtemp(prefix=".opalctl-init-", dir=folder))
     try:
         task.prepare(staging, seeds)
