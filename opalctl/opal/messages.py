@@ -1,0 +1,85 @@
+"""What the agent reads at a decision: the prompt, then the facts of the run in a fixed order.
+
+The same facts go to ``.opal/facts.json`` in the workspace as data (the heuristic agent reads that file), so an
+offline agent and an LLM decide from exactly the same information.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+MAX_BINS = 16
+
+
+def prompt_text(name: str) -> str:
+    if name not in ("neutral", "aggressive"):
+        raise ValueError(f"unknown prompt {name!r}; use 'neutral' or 'aggressive'")
+    return resources.files("opalctl.opal").joinpath("prompts", f"{name}.md").read_text("utf-8")
+
+
+def rebin(bins: list[dict[str, Any]], limit: int = MAX_BINS) -> list[dict[str, Any]]:
+    """Merge consecutive loss bins so that at most ``limit`` remain (means weighted by count)."""
+    if len(bins) <= limit:
+        return [dict(b) for b in bins]
+    size = -(-len(bins) // limit)
+    merged = []
+    for start in range(0, len(bins), size):
+        group = bins[start:start + size]
+        counted = [b for b in group if b.get("mean") is not None]
+        total = sum(b["count"] - b.get("nonfinite", 0) for b in counted)
+        merged.append({
+            "start": group[0]["start"], "end": group[-1]["end"],
+            "mean": (sum(b["mean"] * (b["count"] - b.get("nonfinite", 0)) for b in counted) / total) if total else None,
+            "min": min((b["min"] for b in counted), default=None),
+            "max": max((b["max"] for b in counted), default=None),
+            "count": sum(b["count"] for b in group),
+            "nonfinite": sum(b.get("nonfinite", 0) for b in group),
+        })
+    return merged
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render(facts: dict[str, Any], sources: dict[str, str]) -> str:
+    lines = [f"# Decision {facts['decision']} ({facts['reason']})", ""]
+    lines.append(f"Goal: {facts.get('goal') or 'lower the training loss without losing generality'}")
+    total = facts.get("total_steps")
+    lines.append(f"Run: update {facts['update']}" + (f" of {total}" if total else "") +
+                 f", {100 * facts['progress']:.1f} % of the budget used; {facts['remaining']} scheduled decision(s) "
+                 f"remain after this one.")
+    lines.append(f"Learning rates now: {', '.join(_number(x) for x in facts.get('lrs', []))}")
+    lines += ["", "## Loss since the last decision", "", "| updates | mean | min | max | non-finite |", "|---|---|---|---|---|"]
+    for b in facts["losses"]["bins"]:
+        lines.append(f"| {b['start']}-{b['end']} | {_number(b['mean'])} | {_number(b['min'])} | {_number(b['max'])} "
+                     f"| {b.get('nonfinite', 0)} |")
+    if not facts["losses"]["bins"]:
+        lines.append("| (no losses recorded yet) | | | | |")
+    lines += ["", "## Latest analysis report", "", "```json", json.dumps(facts.get("report"), indent=1, sort_keys=True),
+              "```", "", "## What became of your last change", ""]
+    last = facts.get("last_change")
+    lines.append(json.dumps(last, sort_keys=True) if last else "No change has been made yet.")
+    lines += ["", "## Errors since the last decision", ""]
+    if facts.get("errors"):
+        for error in facts["errors"]:
+            lines.append(f"- update {error.get('update')}, version {error.get('version')}: {error.get('kind')}: "
+                         f"{error.get('message')}")
+            if error.get("traceback"):
+                lines += ["```", error["traceback"].rstrip(), "```"]
+    else:
+        lines.append("None.")
+    timing = facts.get("timing") or {}
+    lines += ["", "## Timing of your programs", "",
+              f"updater step: {_number(timing.get('updater_ms'))} ms on average; analysis: "
+              f"{_number(timing.get('analysis_ms'))} ms per call.", ""]
+    for name in ("updater.py", "analysis.py"):
+        lines += [f"## {name} (now running)", "", "```python", sources[name].rstrip(), "```", ""]
+    lines.append("Edit the files in your workspace, then end with your rationale.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""The agent optimizer's own records, under ``RUN_DIR`` (the formal run puts it at ``<run>/opal/``).
+
+    events.jsonl     one JSON object per line, its type in ``kind`` (start, requested, applied, kept, rejected,
+                     load_failed, trial_passed, reverted, failed_step, wake, end, ...)
+    losses.jsonl     the loss binned per analysis interval (update, mean, min, max, count, non-finite count)
+    reports.jsonl    every analysis report
+    programs/vNNN/   each version of updater.py and analysis.py, as loaded
+    decisions/NNN/   message.md (what the agent read), response.md (its rationale), meta.json (timing, outcome)
+    workspace/       where the agent edits the programs
+
+The three .jsonl files are appended line by line and flushed; their lengths are part of the optimizer's
+``state_dict`` so that a resumed run first cuts them back to what the checkpoint had seen. Anything shaped like
+an API key or token is redacted before it reaches a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from opalctl.files import atomic_write_json, atomic_write_text
+
+SECRET_PATTERNS = [
+    re.compile(r"sk-[A-Za-z0-9_\-]{16,}"),
+    re.compile(r"(?i)(api[_-]?key|token|secret|authorization|x-api-key)([\"']?\s*[:=]\s*[\"']?)([^\s\"',}]{8,})"),
+    re.compile(r"(?i)bearer\s+[A-Za-z0-9._\-]{12,}"),
+]
+
+
+def redact(text: str, extra: list[str] | None = None) -> str:
+    for secret in extra or []:
+        if secret:
+            text = text.replace(secret, "[redacted]")
+    text = SECRET_PATTERNS[0].sub("[redacted]", text)
+    text = SECRET_PATTERNS[1].sub(lambda m: f"{m.group(1)}{m.group(2)}[redacted]", text)
+    text = SECRET_PATTERNS[2].sub("Bearer [redacted]", text)
+    return text
+
+
+def _json_line(value: dict[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(value, Path):
+        return str(value)
+    return repr(value)
+
+
+class OpalRecords:
+    STREAMS = ("events", "losses", "reports")
+
+    def __init__(self, folder: Path | None, secrets: list[str] | None = None):
+        self.folder = Path(folder) if folder is not None else None
+        self.secrets = list(secrets or [])
+        self.handles: dict[str, Any] = {}
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for stream in self.STREAMS:
+                self.handles[stream] = open(self.folder / f"{stream}.jsonl", "ab")
+        self.memory: dict[str, list[dict]] = {stream: [] for stream in self.STREAMS}
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None
+
+    def write(self, stream: str, value: dict[str, Any]) -> None:
+        self.memory[stream].append(value)
+        if len(self.memory[stream]) > 10_000:
+            del self.memory[stream][:5_000]
+        if not self.enabled:
+            return
+        handle = self.handles[stream]
+        handle.write(redact(_json_line(value), self.secrets).encode())
+        handle.flush()
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        value = {"kind": kind, **fields}
+        self.write("events", value)
+        return value
+
+    def offsets(self) -> dict[str, int]:
+        out = {}
+        for stream, handle in self.handles.items():
+            handle.flush()
+            os.fsync(handle.fileno())
+            out[stream] = handle.tell()
+        return out
+
+    def truncate(self, offsets: dict[str, int]) -> None:
+        """Cut each stream back to the length a checkpoint recorded (a resumed run redoes what came after)."""
+        for stream, handle in self.handles.items():
+            if stream in offsets:
+                handle.flush()
+                handle.truncate(int(offsets[stream]))
+                handle.seek(0, os.SEEK_END)
+
+    def save_program(self, version: int, files: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        for name, source in files.items():
+            atomic_write_text(self.folder / "programs" / f"v{version:03d}" / name, redact(source, self.secrets))
+
+    def save_decision(self, number: int, files: dict[str, str], meta: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        folder = self.folder / "decisions" / f"{number:03d}"
+        for name, text in files.items():
+            atomic_write_text(folder / name, redact(text, self.secrets))
+        atomic_write_json(folder / "meta.json", json.loads(redact(json.dumps(meta, default=_plain), self.secrets)))
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+        self.handles = {}
