@@ -204,6 +204,14 @@ def show(run_dir: str, json_mode: bool) -> None:
                   ["stage", "fraction", "update", *metrics, "promoted", "reasons"],
                   [[s["stage"], s["fraction"], s["update"], *[s["metrics"].get(m) for m in metrics],
                     "yes" if s["promoted"] else "no", "; ".join(s["reasons"]) or "-"] for s in result["stages"]])
+    if result["decisions"]:
+        console.table("agent decisions", ["decision", "asked at", "reason", "outcome", "answered at", "seconds",
+                                          "rationale"],
+                      [[d["decision"], d["asked_at"], d["reason"],
+                        d["outcome"] + (f" (reverted at {d['reverted_at']})" if d.get("reverted_at") else ""),
+                        d.get("answered_at"), d.get("seconds"),
+                        (d.get("summary") or d.get("rationale") or d.get("message") or "")[:90]]
+                       for d in result["decisions"]])
     if result["selected"]:
         selected = result["selected"]
         console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"

@@ -8,9 +8,46 @@ will spend.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 from opalctl.protocol.schema import Arm
+
+
+DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows within the budget: learn the new "
+                "data without losing what the parent knew.")
+
+
+def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
+    """How many decisions an agent arm schedules, and why (SPEC 6.9 when the protocol leaves it open)."""
+    agent = arm.agent
+    if agent.decisions is not None:
+        return agent.decisions, "set by the protocol"
+    if agent.backend in ("keep", "heuristic") or agent.backend.startswith("replay:"):
+        return 8, f"the default for the {agent.backend.split(':')[0]} backend (its decisions take no waiting)"
+    if budget.clock == "updates":
+        return 8, "the default (an updates budget gives no training time to weigh waiting against)"
+    from opalctl.opal.estimate import estimate
+
+    seconds = budget.amount * arm.budget_multiplier
+    forecast = estimate(1, seconds, decisions=None, blocking=agent.blocking, max_lag=agent.max_lag,
+                        model=agent.model or "claude-opus-5-5", effort=agent.effort)
+    return forecast["decisions"], "the most whose typical waiting stays within 4x the training time"
+
+
+def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
+    """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates."""
+    from opalctl.errors import BadInput
+    from opalctl.opal import wrap
+
+    agent = arm.agent
+    if agent.backend not in ("keep", "heuristic"):
+        raise BadInput(f"agent backend {agent.backend!r} is not available in this version of opalctl; use "
+                       f"heuristic or keep")
+    decisions, _ = agent_decisions(arm, budget)
+    return wrap(optimizer, model, goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=agent.backend,
+                decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
+                trial_steps=agent.trial_steps, run_dir=run_dir, prompt=agent.prompt, clip=clip,
+                max_lag=agent.max_lag, manual_boundaries=True)
 
 
 def build_optimizer(arm: Arm, parameters) -> Any:
@@ -60,9 +97,12 @@ class BudgetSchedule:
         self.initial = list(state["initial"])
 
 
-def update(task, model, optimizer, batch, gradient_clip: float | None,
-           before_step: Callable[[], None] | None = None):
-    """One whole update; returns the loss tensor (not synchronised: the caller decides when to read it)."""
+def update(task, model, optimizer, batch, gradient_clip: float | None, pass_loss: bool = False):
+    """One whole update; returns the loss tensor (not synchronised: the caller decides when to read it).
+
+    ``pass_loss`` hands the loss to ``optimizer.step(loss=...)``, as the agent optimizer wants it; an agent arm
+    also gets the clipping handed over (``gradient_clip`` None here), so its starting program does exactly this.
+    """
     import torch
 
     loss, _details = task.loss(model, batch)
@@ -70,7 +110,8 @@ def update(task, model, optimizer, batch, gradient_clip: float | None,
     loss.backward()
     if gradient_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip)
-    if before_step is not None:
-        before_step()
-    optimizer.step()
+    if pass_loss:
+        optimizer.step(loss=loss)
+    else:
+        optimizer.step()
     return loss

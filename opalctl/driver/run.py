@@ -183,15 +183,23 @@ class FormalRun:
         self.model.train()
         self.shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.optimizer = build_optimizer(self.arm, self.model.parameters())
-        if self.arm.agent is not None:
-            raise BadInput(f"arm {self.arm_name!r} has an agent; agent arms need opalctl.opal, which this version "
-                           f"does not include yet")
         self.schedule = BudgetSchedule(self.optimizer, self.arm.schedule)
+        self.agent = None
+        self.clip = protocol.training.gradient_clip
         self.sampler = self.task.sampler(self.splits["train"], self.seed, protocol.training.batch_size, self.device)
         total = protocol.budget.amount * self.arm.budget_multiplier
         self.meter = BudgetMeter(total, list(protocol.budget.fractions))
         factory = self.clock_factory or (lambda name: make_clock(name, self.device))
         self.clock = factory(protocol.budget.clock)
+        if self.arm.agent is not None:
+            from opalctl.driver.arm import wrap_agent
+
+            # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
+            # and decisions happen between timed updates; the budget schedule keeps setting the base learning rate
+            self.agent = wrap_agent(self.arm, self.optimizer, self.model, progress=lambda: self.meter.fraction_used,
+                                    run_dir=self.paths.run / "opal", clip=self.clip, budget=protocol.budget)
+            self.optimizer = self.agent
+            self.clip = None
         self.totals = Totals()
         self.seen = "0" * 32
         self.incumbent: dict[str, Any] = {"stage": None}
@@ -325,7 +333,8 @@ class FormalRun:
         clock = self.clock
         meter = self.meter
         task, model, optimizer, sampler = self.task, self.model, self.optimizer, self.sampler
-        clip = self.protocol.training.gradient_clip
+        clip = self.clip
+        agent = self.agent
         every = self.protocol.training.checkpoint_every
         totals = self.totals.values
         # Reading the process CPU clock is a system call, far dearer than the wall clock: per update it is read
@@ -341,7 +350,7 @@ class FormalRun:
             wall0 = perf_counter()
             token = clock.start()
             batch = sampler.next_batch()
-            loss = update(task, model, optimizer, batch, clip)
+            loss = update(task, model, optimizer, batch, clip, pass_loss=agent is not None)
             charge = clock.stop(token)
             wall1 = perf_counter()
             reached = meter.charge(charge)
@@ -359,6 +368,13 @@ class FormalRun:
             self.steps.write({"update": meter.updates, "charge": charge, "used": meter.used,
                               "cpu": charge if cpu_clock else None, "wall": wall1 - wall0, "loss": value,
                               "rows": batch_digest, "seen": self.seen})
+            if agent is not None and not meter.done and agent.needs_boundary():
+                # the agent's work (and training's waiting for it) happens here, outside the timed interval
+                self._fold_cpu()
+                started = perf_counter()
+                agent.between_updates()
+                totals["agent_wait_wall"] += perf_counter() - started
+                self._cpu_mark = time.process_time()
             if reached:
                 self._fold_cpu()
                 self._stage(reached, anchor)
@@ -371,6 +387,8 @@ class FormalRun:
                 last_progress = wall1
                 self.progress(meter.used, meter.total, stage=len(self.stages), loss=value)
         self.steps.close()
+        if agent is not None:
+            self.agent_figures = agent.close()
         self.totals.values["loop_wall"] = perf_counter() - loop_started  # this session only
         report = self._finish(anchor, run_started_wall, run_started_cpu)
         (self.paths.run / RESUME_FILE).unlink(missing_ok=True)
@@ -464,7 +482,7 @@ class FormalRun:
             "selected": {"source": selected["source"], "stage": selected["stage"], "flagged": selected["flagged"]},
             "final_model_sha256": last["model_sha256"],
             "anchor_metrics": anchor["metrics"],
-            "agent": None,
+            "agent": getattr(self, "agent_figures", None),
             "resumes": totals["resumes"],
             "nonfinite_losses": totals["nonfinite_losses"],
             "limitations": self._limitations(totals),

@@ -5,6 +5,7 @@ It only reads files; a run still in progress (or interrupted) shows the stages w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,35 @@ def show(run_dir: str | Path) -> dict[str, Any]:
         "selected": read_json(folder / "selected.json") if (folder / "selected.json").exists() else None,
         "report": read_json(folder / "report.json") if (folder / "report.json").exists() else None,
     }
-    decisions = folder / "opal" / "events.jsonl"
-    out["agent_events"] = decisions.read_text().count("\n") if decisions.exists() else None
+    out["decisions"] = agent_decisions(folder / "opal" / "events.jsonl")
     return out
+
+
+def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
+    """Each decision of an agent arm: when asked, what became of it, the rationale's first line, seconds, cost."""
+    if not events_path.exists():
+        return None
+    decisions: dict[int, dict[str, Any]] = {}
+    reverted: dict[int, dict[str, Any]] = {}
+    for line in events_path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        kind = event.get("kind")
+        if kind == "requested":
+            decisions[event["decision"]] = {"decision": event["decision"], "asked_at": event["update"],
+                                            "reason": event.get("reason"), "outcome": "pending"}
+        elif kind in ("applied", "kept", "load_failed", "decision_failed") and event.get("decision") in decisions:
+            entry = decisions[event["decision"]]
+            entry.update(outcome=kind, answered_at=event["update"], rationale=event.get("rationale", ""),
+                         summary=event.get("summary", ""),
+                         seconds=event.get("seconds"), cost_usd=event.get("cost_usd"), version=event.get("version"),
+                         files=event.get("files"), message=event.get("message"))
+        elif kind == "reverted":
+            reverted[event["version"]] = event
+    for entry in decisions.values():
+        if entry.get("outcome") == "applied" and entry.get("version") in reverted:
+            entry["reverted_at"] = reverted[entry["version"]]["update"]
+            entry["revert_reason"] = reverted[entry["version"]].get("message")
+    return [decisions[k] for k in sorted(decisions)]

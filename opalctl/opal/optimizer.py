@@ -474,6 +474,12 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.records.event("wake", update=self.t, reason=reason)
 
     # -- decisions -----------------------------------------------------------------------------------------
+    def needs_boundary(self) -> bool:
+        """Whether ``between_updates`` has anything to do now (a decision due or in flight, a wake-up waiting).
+        Cheap, so a caller that times its updates can skip the boundary bookkeeping on most updates."""
+        return (self.inflight is not None or self.wake_reason is not None or self.queued_reason is not None
+                or self.schedule.due(self.progress()))
+
     def between_updates(self) -> None:
         """Ask the agent when a decision is due, and apply an answer that has arrived. Call between updates."""
         if self._closed:
@@ -618,8 +624,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         files = {"message.md": message, "response.md": answer.rationale or ""}
         if answer.transcript:
             files["transcript.json"] = json.dumps(answer.transcript, indent=1, default=str)
+        lines = [line.strip() for line in (answer.rationale or "").strip().splitlines() if line.strip()]
+        summary = next((line for line in lines if line.lower().startswith(("changed", "kept"))), "")
         common = {"update": self.t, "decision": number, "seconds": seconds, "cost_usd": answer.cost_usd,
-                  "rationale": (answer.rationale or "").strip().splitlines()[0] if (answer.rationale or "").strip() else ""}
+                  "rationale": lines[0] if lines else "", "summary": summary}
         if answer.failed:
             self.counters["failed"] += 1
             self.records.event("decision_failed", message=answer.failed.splitlines()[0], **common)
