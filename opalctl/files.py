@@ -59,7 +59,9 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
+    """Write via a temporary file and a rename; ``durable`` also fsyncs file and folder (skip it only for records
+    whose loss in a power cut is harmless, such as an agent's decision transcripts)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -67,7 +69,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(temporary, target)
     except BaseException:
         try:
@@ -75,15 +78,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_folder(target.parent)
+    if durable:
+        _fsync_folder(target.parent)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
 
 
-def atomic_write_json(path: str | os.PathLike, value: Any) -> None:
-    atomic_write_text(path, canonical_json(value))
+def atomic_write_json(path: str | os.PathLike, value: Any, durable: bool = True) -> None:
+    atomic_write_text(path, canonical_json(value), durable=durable)
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -81,6 +81,42 @@ class Spec:
         return {name: self.optimizer.state.get(param, {}) for name, param in self._params.items()}
 
 
+class GradView(dict):
+    """``grads`` as a program sees it: name -> gradient, read from the parameters when asked (building a dict of
+    every gradient on each update would cost time on models with many tensors)."""
+
+    __slots__ = ("_named",)
+
+    def __init__(self, named):
+        super().__init__()
+        self._named = named
+
+    def __getitem__(self, name):
+        return self._named[name].grad
+
+    def get(self, name, default=None):
+        param = self._named.get(name)
+        return default if param is None or param.grad is None else param.grad
+
+    def __iter__(self):
+        return iter(self._named)
+
+    def __len__(self):
+        return len(self._named)
+
+    def __contains__(self, name):
+        return name in self._named
+
+    def keys(self):
+        return self._named.keys()
+
+    def items(self):
+        return [(name, p.grad) for name, p in self._named.items()]
+
+    def values(self):
+        return [p.grad for p in self._named.values()]
+
+
 class StepContext:
     __slots__ = ("progress", "loss", "update", "logs")
 
@@ -149,9 +185,11 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.prompt = prompt
         self.prompt_text = prompt_text(prompt)
         self.max_lag = max_lag
-        self.step_time_limit = step_time_limit
         self.manual_boundaries = manual_boundaries
         self.named = OrderedDict((name, p) for name, p in model.named_parameters() if p.requires_grad)
+        self._grads = GradView(self.named)
+        self.step_time_limit = step_time_limit
+        self._alarm_installed = self._install_alarm()
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [name for name, p in self.named.items() if id(p) not in optimized]
         if missing:
@@ -298,10 +336,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         return None
 
     def _run_step(self, version: Version, grads, ctx: StepContext) -> None:
-        use_alarm = self.step_time_limit and threading.current_thread() is threading.main_thread()
+        use_alarm = self._alarm_installed
         started = time.perf_counter()
         if use_alarm:
-            previous = signal.signal(signal.SIGALRM, _alarm)
+            _ALARM.armed = True
             signal.setitimer(signal.ITIMER_REAL, self.step_time_limit)
         try:
             with torch.no_grad():
@@ -309,13 +347,25 @@ class AgentOptimizer(torch.optim.Optimizer):
         finally:
             if use_alarm:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
+                _ALARM.armed = False
         elapsed = time.perf_counter() - started
-        version.step_seconds.append(elapsed)
-        if len(version.step_seconds) > 256:
-            del version.step_seconds[:128]
+        seconds = version.step_seconds
+        seconds.append(elapsed)
+        if len(seconds) > 256:
+            del seconds[:128]
         if self.step_time_limit and elapsed > self.step_time_limit:
             raise StepFailure(f"the step took {elapsed:.2f} s, over its limit of {self.step_time_limit:.2f} s")
+
+    def _install_alarm(self) -> bool:
+        """The time limit of a step is a real-time alarm whose handler raises inside the step. It can only be set
+        from the main thread; elsewhere a step over its limit is still caught, after it returns."""
+        if not self.step_time_limit or threading.current_thread() is not threading.main_thread():
+            return False
+        previous = signal.getsignal(signal.SIGALRM)
+        if previous not in (signal.SIG_DFL, signal.SIG_IGN, None, _alarm):
+            return False  # the program has its own alarm handler: leave it alone
+        signal.signal(signal.SIGALRM, _alarm)
+        return True
 
     # -- the step ------------------------------------------------------------------------------------------
     def step(self, closure=None, loss=None):
@@ -326,7 +376,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.between_updates()
         progress = self.progress()
         ctx = StepContext(progress, loss, self.t)
-        grads = {name: p.grad for name, p in self.named.items()}
+        grads = self._grads
         probe = (self.t + 1) % self.current.every == 0
         before = {name: p.detach().clone() for name, p in self.named.items()} if probe else None
         version = self.current
@@ -338,7 +388,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._swap = None
         try:
             self._run_step(version, grads, ctx)
-            problem = self._check(full=in_trial)
+            # during a trial every step is checked in full (one device sync); after it, the periodic check does
+            problem = self._check(full=True) if in_trial else None
             if problem:
                 raise StepFailure(problem)
         except (Exception, StepTimeout) as error:
@@ -390,7 +441,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if not redo:
             return
         try:
-            self._run_step(fallback, {name: p.grad for name, p in self.named.items()}, ctx)
+            self._run_step(fallback, self._grads, ctx)
         except (Exception, StepTimeout) as second:  # the fallback itself failed: the starting program takes over
             self.records.event("failed_step", update=self.t, version=fallback.number,
                                message=f"{type(second).__name__}: {second}")
@@ -398,7 +449,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                 if snapshot is not None:
                     self._restore(snapshot)
                 self.current = self.fallback = self.versions[0]
-                self._run_step(self.versions[0], {name: p.grad for name, p in self.named.items()}, ctx)
+                self._run_step(self.versions[0], self._grads, ctx)
 
     # -- analysis ------------------------------------------------------------------------------------------
     def _read_losses(self) -> list[float]:
@@ -436,7 +487,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._good = self._snapshot()
             self._good["update"] = self.t
         obs = {"update": self.t, "progress": self.progress(), "losses": losses, "params": dict(self.named),
-               "before": before, "grads": {k: v for k, v in grads.items()},
+               "before": before, "grads": dict(grads.items()),
                "state": {name: self.base.state.get(p, {}) for name, p in self.named.items()},
                "roles": self.roles, "lrs": [float(g["lr"]) for g in self.param_groups]}
         started = time.perf_counter()
@@ -688,6 +739,9 @@ class AgentOptimizer(torch.optim.Optimizer):
                 self.records.event("abandoned", update=self.t, decision=self.inflight["number"])
                 self.inflight = None
         self._closed = True
+        if self._alarm_installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            self._alarm_installed = False
         self.records.event("end", update=self.t, **self.figures())
         self.records.close()
         if self._scratch:
@@ -776,8 +830,17 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.records.event("resumed", update=self.t, version=self.current.number)
 
 
+class _AlarmState:
+    armed = False
+
+
+_ALARM = _AlarmState()
+
+
 def _alarm(signum, frame):
-    raise StepTimeout("the step ran past its time limit")
+    if _ALARM.armed:
+        _ALARM.armed = False
+        raise StepTimeout("the step ran past its time limit")
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,

@@ -109,15 +109,17 @@ class OpalRecords:
         if not self.enabled:
             return
         for name, source in files.items():
-            atomic_write_text(self.folder / "programs" / f"v{version:03d}" / name, redact(source, self.secrets))
+            atomic_write_text(self.folder / "programs" / f"v{version:03d}" / name, redact(source, self.secrets),
+                              durable=False)
 
     def save_decision(self, number: int, files: dict[str, str], meta: dict[str, Any]) -> None:
         if not self.enabled:
             return
         folder = self.folder / "decisions" / f"{number:03d}"
         for name, text in files.items():
-            atomic_write_text(folder / name, redact(text, self.secrets))
-        atomic_write_json(folder / "meta.json", json.loads(redact(json.dumps(meta, default=_plain), self.secrets)))
+            atomic_write_text(folder / name, redact(text, self.secrets), durable=False)
+        atomic_write_json(folder / "meta.json", json.loads(redact(json.dumps(meta, default=_plain), self.secrets)),
+                          durable=False)
 
     def close(self) -> None:
         for handle in self.handles.values():

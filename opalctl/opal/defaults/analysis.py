@@ -61,53 +61,55 @@ def _slope(values):
 
 
 def _roles(obs):
-    """Per role: gradient norm, weight norm, update-to-weight ratio, and the cosine of gradient and momentum."""
-    by_role = {}
-    for name, param in obs["params"].items():
-        by_role.setdefault(obs["roles"][name], []).append(name)
-    rows = []
-    for role in sorted(by_role):
-        names = by_role[role]
-        grad_sq, weight_sq, update_sq, dot, grad_m, mom_m = [], [], [], [], [], []
-        for name in names:
-            param = obs["params"][name].detach().float()
-            before = obs["before"][name].float()
-            grad = obs["grads"].get(name)
-            weight_sq.append(param.pow(2).sum())
-            update_sq.append((param - before).pow(2).sum())
-            if grad is not None:
-                grad = grad.detach().float()
-                grad_sq.append(grad.pow(2).sum())
-                state = obs["state"].get(name, {})
-                momentum = state.get("exp_avg", state.get("momentum_buffer"))
-                if momentum is not None:
-                    momentum = momentum.detach().float()
-                    dot.append((grad * momentum).sum())
-                    grad_m.append(grad.pow(2).sum())
-                    mom_m.append(momentum.pow(2).sum())
-        rows.append((role, len(names), grad_sq, weight_sq, update_sq, dot, grad_m, mom_m))
-    # one transfer for everything
-    flat, layout = [], []
-    for row in rows:
-        layout.append([])
-        for group in row[2:]:
-            layout[-1].append(len(group))
-            flat.extend(group)
-    values = torch.stack(flat).tolist() if flat else []
-    out, position = {}, 0
-    for row, counts in zip(rows, layout):
-        sums = []
-        for count in counts:
-            sums.append(sum(values[position:position + count]) if count else None)
-            position += count
-        grad_sq, weight_sq, update_sq, dot, grad_m, mom_m = sums
-        weight = math.sqrt(weight_sq) if weight_sq is not None else None
-        update = math.sqrt(update_sq) if update_sq is not None else None
-        out[row[0]] = {
-            "tensors": row[1],
-            "grad_norm": math.sqrt(grad_sq) if grad_sq is not None else None,
-            "weight_norm": weight,
-            "update_to_weight": (update / weight) if weight else None,
-            "grad_momentum_cosine": (dot / math.sqrt(grad_m * mom_m)) if dot is not None and grad_m and mom_m else None,
+    """Per role: gradient norm, weight norm, update-to-weight ratio, and the cosine of gradient and momentum.
+
+    A handful of fused (foreach) operations over all tensors and one transfer, whatever the number of tensors.
+    """
+    names = list(obs["params"])
+    params = [obs["params"][n].detach() for n in names]
+    updates = torch._foreach_sub(params, [obs["before"][n] for n in names])
+    weight_norms = torch._foreach_norm(params)
+    update_norms = torch._foreach_norm(updates)
+    with_grad = [n for n in names if obs["grads"].get(n) is not None]
+    grads = [obs["grads"][n].detach() for n in with_grad]
+    grad_norms = torch._foreach_norm(grads) if grads else []
+    with_momentum, moments = [], []
+    for n in with_grad:
+        state = obs["state"].get(n, {})
+        momentum = state.get("exp_avg", state.get("momentum_buffer"))
+        if momentum is not None:
+            with_momentum.append(n)
+            moments.append(momentum.detach())
+    pairs = []
+    if moments:
+        paired_grads = [obs["grads"][n].detach() for n in with_momentum]
+        # |g + m|^2 = |g|^2 + |m|^2 + 2 g.m gives the dot product from three norms
+        sum_norms = torch._foreach_norm(torch._foreach_add(paired_grads, moments))
+        pairs = [torch._foreach_norm(paired_grads), torch._foreach_norm(moments), sum_norms]
+    flat = list(weight_norms) + list(update_norms) + list(grad_norms) + [x for group in pairs for x in group]
+    values = torch.stack([x.float() for x in flat]).tolist() if flat else []
+    count = len(names)
+    weight = dict(zip(names, values[:count]))
+    update = dict(zip(names, values[count:2 * count]))
+    grad = dict(zip(with_grad, values[2 * count:2 * count + len(with_grad)]))
+    rest = values[2 * count + len(with_grad):]
+    m = len(with_momentum)
+    cosine = {}
+    for i, n in enumerate(with_momentum):
+        g, mo, both = rest[i], rest[m + i], rest[2 * m + i]
+        cosine[n] = (both * both - g * g - mo * mo) / (2 * g * mo) if g > 0 and mo > 0 else None
+    out = {}
+    for role in sorted(set(obs["roles"].values())):
+        members = [n for n in names if obs["roles"][n] == role]
+        weight_norm = math.sqrt(sum(weight[n] ** 2 for n in members))
+        update_norm = math.sqrt(sum(update[n] ** 2 for n in members))
+        grads_here = [grad[n] for n in members if n in grad]
+        cosines = [cosine[n] for n in members if cosine.get(n) is not None]
+        out[role] = {
+            "tensors": len(members),
+            "grad_norm": math.sqrt(sum(x * x for x in grads_here)) if grads_here else None,
+            "weight_norm": weight_norm,
+            "update_to_weight": update_norm / weight_norm if weight_norm > 0 else None,
+            "grad_momentum_cosine": sum(cosines) / len(cosines) if cosines else None,
         }
     return out

@@ -63,7 +63,6 @@ class Updater:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        ctx.log(lr_factor=factor)
 
     def state_dict(self):
         # the optimizer's state (moments, step counts) lives in spec.optimizer and carries over by itself

@@ -1,0 +1,115 @@
+"""What does wrapping cost per update? ``wrap(..., backend="keep")`` against the bare torch optimizer.
+
+One process, one thread, the built-in ``digits`` model (MLP 64-128-10, AdamW, batch 64 from the task's own
+sampler). Each variant keeps its own model and optimizer and trains in blocks of updates; the blocks of the
+variants are interleaved, in a rotating order, so that noise from the machine falls on all of them alike. Each
+figure is the median over blocks of the time per whole update (batch, forward, backward, step).
+
+Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the keep backend: 8 decisions over
+the run, the starting programs, analysis every 25 updates) and, when the package is installed, ``peer``
+(opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison.
+Targets: ours/bare at most 1.02; ours below the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def setup(work: Path):
+    from opalctl.tasks.builtin import init
+    from opalctl.tasks.digits import Digits
+
+    init("digits", work, seeds=[1])
+    task = Digits({"hidden": 128, "replay_share": 0.25})
+    train = task.load({"train": work / "data/digits/train.npz"})["train"]
+    return task, train, work / "parents/digits/seed-1.pt"
+
+
+def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path):
+    import torch
+
+    model = task.build(parent, {}, 1).model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sampler = task.sampler(train, 1, 64)
+    if name == "ours":
+        from opalctl.opal import wrap
+
+        optimizer = wrap(optimizer, model, backend="keep", total_steps=total, decisions=8,
+                         run_dir=scratch / "ours")
+    elif name == "peer":
+        import opal
+
+        optimizer = opal.wrap(optimizer, model, total_steps=total, goal="benchmark", backend="keep", decisions=8)
+    return model, optimizer, sampler
+
+
+def block(task, variant, updates: int, pass_loss: bool) -> float:
+    model, optimizer, sampler = variant
+    started = time.perf_counter()
+    for _ in range(updates):
+        batch = sampler.next_batch()
+        loss, _ = task.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if pass_loss:
+            optimizer.step(loss=loss)
+        else:
+            optimizer.step()
+    return (time.perf_counter() - started) / updates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--updates", type=int, default=500, help="updates per block")
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    names = ["bare", "ours"] + (["peer"] if importlib.util.find_spec("opal") else [])
+    with tempfile.TemporaryDirectory(prefix="opalctl-overhead-") as folder:
+        work = Path(folder)
+        task, train, parent = setup(work)
+        total = args.updates * (args.blocks + 1)
+        variants = {name: make_variant(name, task, train, parent, total, work) for name in names}
+        for name in names:  # warm-up block, not counted
+            block(task, variants[name], args.updates, name != "bare")
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for index in range(args.blocks):
+            order = names[index % len(names):] + names[:index % len(names)]
+            for name in order:
+                times[name].append(block(task, variants[name], args.updates, name != "bare"))
+        for name in names:
+            close = getattr(variants[name][1], "close", None)
+            if callable(close):
+                close()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    ratios = {f"{name}/bare": median[name] / median["bare"] for name in names if name != "bare"}
+    if "peer" in median:
+        ratios["ours/peer"] = median["ours"] / median["peer"]
+    result = {"bench": "overhead", "updates_per_block": args.updates, "blocks": args.blocks,
+              "seconds_per_update": median, "ratios": ratios, "targets": {"ours/bare": 1.02, "ours/peer": 1.0},
+              "peer_installed": "peer" in median}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    for name in names:
+        print(f"{name:5s} {1e6 * median[name]:8.1f} us per update")
+    for key, value in ratios.items():
+        print(f"{key:10s} {value:.3f}")
+    if "peer" not in median:
+        print("peer: opal-optimizer is not installed (pip install opal-optimizer to compare)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
