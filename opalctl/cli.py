@@ -131,6 +131,42 @@ def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) 
     ])
     for note in result["notes"]:
         console.message(f"note: {note}")
+    if "agent_forecast" in result:
+        from opalctl.opal.estimate import format_lines
+
+        sys.stdout.write("agent forecast:\n" + "\n".join("  " + line for line in format_lines(result["agent_forecast"]))
+                         + "\n")
+
+
+@cli.command()
+@click.option("--total-steps", required=True, type=click.IntRange(1, None), help="Updates in the run.")
+@click.option("--sec-per-step", required=True, type=float, help="Seconds per update (from `opalctl pilot`).")
+@click.option("--decisions", default=None, type=click.IntRange(1, None),
+              help="Decisions to ask (default: the most whose waiting stays within 4x the training time).")
+@click.option("--no-blocking", is_flag=True, help="Training does not wait for the agent.")
+@click.option("--auto", "auto_blocking", is_flag=True, help="Wait only when an answer would land late.")
+@click.option("--max-lag", default=50, show_default=True, type=click.IntRange(0, None),
+              help="With --auto: updates an answer may land late without training waiting.")
+@click.option("--model", default="claude-opus-5-5", show_default=True)
+@click.option("--effort", default="high", show_default=True)
+@json_option
+def estimate(total_steps: int, sec_per_step: float, decisions: int | None, no_blocking: bool, auto_blocking: bool,
+             max_lag: int, model: str, effort: str, json_mode: bool) -> None:
+    """Forecast how long training waits for the agent and what the agent costs."""
+    from opalctl import console
+    from opalctl.errors import BadInput
+    from opalctl.opal.estimate import estimate as run_estimate
+    from opalctl.opal.estimate import format_lines
+
+    if no_blocking and auto_blocking:
+        raise BadInput("--no-blocking and --auto exclude each other; choose one")
+    blocking = "auto" if auto_blocking else (not no_blocking)
+    result = run_estimate(total_steps, sec_per_step, decisions=decisions, blocking=blocking, max_lag=max_lag,
+                          model=model, effort=effort)
+    if json_mode:
+        console.print_json(result)
+        return
+    sys.stdout.write("\n".join(format_lines(result)) + "\n")
 
 
 runs_dir_option = click.option("--runs-dir", default=None, type=click.Path(file_okay=False),
