@@ -163,7 +163,8 @@ def load(path: str | os.PathLike, *, limit_bytes: int = DEFAULT_LIMIT_BYTES,
         raise CheckpointRefused(f"checkpoint {path} lists tensors without digests; it was altered")
     for name, tensor in model.items():
         if tensor_sha256(tensor) != digests[name]:
-            raise CheckpointRefused(f"checkpoint {path}: tensor {name!r} does not match its digest; it was altered")
+            raise CheckpointRefused(f"checkpoint {path}: tensor {name!r} does not match its digest; it was altered, "
+                                    f"so restore the file from a copy you trust")
         if require_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CheckpointRefused(f"checkpoint {path}: tensor {name!r} holds NaN or infinite values")
     if model_sha256(model) != payload.get("model_sha256"):

@@ -156,7 +156,7 @@ class FormalRun:
                 raise BadInput(f"there is no run to resume in {run}; start it without --resume")
             if (run / "report.json").exists():
                 raise BadInput(f"run {run} already finished; its report is {run / 'report.json'}")
-        elif run.exists() and any(run.iterdir()):
+        elif run.exists() and any(path.name != ".running" for path in run.iterdir()):
             raise BadInput(f"run folder {run} already exists; a run is never overwritten (use --resume to continue "
                            f"an interrupted run, or --runs-dir for a separate copy)")
         run.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ class FormalRun:
         self.seen = "0" * 32
         self.incumbent: dict[str, Any] = {"stage": None}
         self.stages: list[dict[str, Any]] = []
-        self.next_checkpoint = protocol.training.checkpoint_every
+        self.next_checkpoint = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
         self.last_loss = float("nan")
 
     # -- checkpoints ---------------------------------------------------------------------------------------
@@ -236,8 +236,13 @@ class FormalRun:
         self._cpu_mark = time.process_time()
 
     def _restore(self) -> None:
-        payload = checkpoints.load(self.paths.run / RESUME_FILE, limit_bytes=self.protocol.limits.checkpoint_bytes,
-                                   expected_shapes=self.shapes, require_finite=False)
+        try:
+            payload = checkpoints.load(self.paths.run / RESUME_FILE, limit_bytes=self.protocol.limits.checkpoint_bytes,
+                                       expected_shapes=self.shapes, require_finite=False)
+        except checkpoints.CheckpointRefused as error:
+            raise checkpoints.CheckpointRefused(
+                f"cannot resume: {error.message}; move the run folder {self.paths.run} aside and start the run "
+                f"again") from None
         extra = payload["extra"]
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(extra["optimizer"])
@@ -378,9 +383,11 @@ class FormalRun:
             if reached:
                 self._fold_cpu()
                 self._stage(reached, anchor)
-            if reached or (meter.fraction_used >= self.next_checkpoint and not meter.done):
-                while self.next_checkpoint <= meter.fraction_used:
-                    self.next_checkpoint += every
+            # k * every is compared with a tolerance: repeated float sums (0.05 * 3 = 0.15000000000000002) would
+            # otherwise push a checkpoint one update late
+            if reached or (meter.fraction_used >= self.next_checkpoint * every - 1e-9 and not meter.done):
+                while self.next_checkpoint * every - 1e-9 <= meter.fraction_used:
+                    self.next_checkpoint += 1
                 self._fold_cpu()
                 self._write_resume()
             if wall1 - last_progress > 0.25:

@@ -1,0 +1,199 @@
+"""Fixtures for the driver's tests: a built-in digits project, frozen per test with the changes a test needs.
+
+The digits project (data files and one parent per seed) is made once per test session and shared by the xdist
+workers through a file lock; each test copies it into its own ``tmp_path``, rewrites the protocol (budget,
+training, arms, selection, task entry) and freezes it. Runs go to ``tmp_path / "runs"``.
+
+Helpers for running the command line: ``cli`` calls ``opalctl.cli.main`` in this process (cheap: torch is
+already imported), ``opalctl_process`` runs ``python -m opalctl`` as a real child process (for exit codes seen
+from outside, and for children that are killed).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+SEEDS = [1, 2]
+CHILD_TIMEOUT = 240
+
+
+@pytest.fixture(scope="session")
+def digits_template(request, tmp_path_factory, worker_id) -> Path:
+    """An initialised digits project with parents for seeds 1 and 2; read-only (tests copy it).
+
+    The session's shared ``digits_init_folder`` (tests/conftest.py) when there is one, else made here once per
+    session and shared by the xdist workers through a file lock.
+    """
+    try:
+        shared = Path(request.getfixturevalue("digits_init_folder"))
+    except pytest.FixtureLookupError:
+        shared = None
+    if shared is not None and all((shared / "parents" / "digits" / f"seed-{s}.pt").is_file() for s in SEEDS):
+        return shared
+    base = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        base = base.parent  # shared by every worker of this session
+    folder = base / "opalctl-digits-template"
+    with open(base / "opalctl-digits-template.lock", "w") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        if not (folder / ".complete").exists():
+            from opalctl.tasks.builtin import init
+
+            shutil.rmtree(folder, ignore_errors=True)
+            init("digits", folder, seeds=SEEDS)
+            (folder / ".complete").write_text("ok\n")
+    return folder
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+lock_sha256 = sha256
+
+
+class Project:
+    """One test's copy of the digits project: edit the protocol, freeze it, run arms."""
+
+    def __init__(self, template: Path, folder: Path, monkeypatch):
+        shutil.copytree(template, folder, ignore=shutil.ignore_patterns(".complete"))
+        self.folder = folder
+        self.protocol_path = folder / "digits.yaml"
+        self.runs = folder.parent / "runs"
+        self.lock: Path | None = None
+        self.task_paths: list[str] = []
+        self._monkeypatch = monkeypatch
+
+    # -- the protocol ----------------------------------------------------------------------------------------
+    def protocol(self) -> dict[str, Any]:
+        return yaml.safe_load(self.protocol_path.read_text())
+
+    def freeze(self, *, budget: dict | None = None, training: dict | None = None, arms: dict | None = None,
+               selection: dict | None = None, entry: str | None = None, limits: dict | None = None) -> Path:
+        """Rewrite the protocol (each given section replaces the template's) and freeze it; returns the lock."""
+        from opalctl.protocol.freeze import freeze
+
+        data = self.protocol()
+        if budget is not None:
+            data["budget"] = {"threads": 1, **budget}
+        if training is not None:
+            data["training"] = {**data["training"], **training}
+        if arms is not None:
+            data["arms"] = arms
+        if selection is not None:
+            data["selection"] = selection
+        if entry is not None:
+            data["task"]["entry"] = entry
+        if limits is not None:
+            data["limits"] = limits
+        self.protocol_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        self.lock = Path(freeze(self.protocol_path, force=True)["lock"])
+        return self.lock
+
+    def task_module(self, source: str, class_name: str) -> str:
+        """Write a task module with a name unique to this test; returns the protocol's ``task.entry``."""
+        name = f"opalctl_test_task_{uuid.uuid4().hex[:12]}"
+        folder = self.folder / "tasks"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{name}.py").write_text(source)
+        self._monkeypatch.syspath_prepend(str(folder))
+        self.task_paths.append(str(folder))
+        return f"{name}:{class_name}"
+
+    # -- runs ------------------------------------------------------------------------------------------------
+    @property
+    def base(self) -> Path:
+        assert self.lock is not None, "freeze the project first"
+        return self.runs / f"digits-{lock_sha256(self.lock)[:12]}"
+
+    def run_dir(self, arm: str, seed: int, runs: Path | None = None) -> Path:
+        base = self.base if runs is None else Path(runs) / self.base.name
+        return base / arm / f"seed-{seed}"
+
+    def run(self, arm: str, seed: int, **kwargs) -> dict[str, Any]:
+        from opalctl.driver.run import run
+
+        kwargs.setdefault("runs_dir", self.runs)
+        return run(self.lock, arm, seed, **kwargs)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPALCTL_", "PYTEST_"))}
+        env["NO_COLOR"] = "1"
+        paths = self.task_paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+        env.update(extra)
+        return env
+
+    def process(self, args: list[str], *, env: dict[str, str] | None = None, python: list[str] | None = None,
+                timeout: float = CHILD_TIMEOUT) -> subprocess.CompletedProcess:
+        """``python -m opalctl ARGS`` (or ``python PYTHON... ARGS``) in a child process, cwd the test's folder."""
+        command = [sys.executable, *(python or ["-m", "opalctl"]), *args]
+        return subprocess.run(command, cwd=self.folder.parent, env=env or self.env(), capture_output=True,
+                              text=True, timeout=timeout)
+
+    def run_args(self, arm: str, seed: int, *more: str, runs: Path | None = None) -> list[str]:
+        return ["run", str(self.lock), "--arm", arm, "--seed", str(seed), "--runs-dir", str(runs or self.runs),
+                *more]
+
+
+@pytest.fixture
+def project(digits_template, tmp_path, monkeypatch) -> Project:
+    return Project(digits_template, tmp_path / "project", monkeypatch)
+
+
+def cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """``opalctl ARGS`` in this process: (exit code, stdout, stderr)."""
+    from opalctl.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    code = exit_info.value.code
+    return (0 if code is None else int(code)), captured.out, captured.err
+
+
+@pytest.fixture
+def main_cli(capsys):
+    """``main_cli([...])`` -> (exit code, stdout, stderr) of ``opalctl.cli.main`` run in this process."""
+    return lambda args: cli(args, capsys)
+
+
+@pytest.fixture(scope="session")
+def tools():
+    """This module's helpers and constants (a conftest is not importable under --import-mode=importlib)."""
+    return sys.modules[__name__]
+
+
+def read(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def stage_files(run_dir: Path) -> list[dict[str, Any]]:
+    return [read(p) for p in sorted(Path(run_dir).glob("stage-*.json"))]
+
+
+# Arms and policies the tests share ---------------------------------------------------------------------------
+
+ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
+ADAMW_HIGH = {"optimizer": {"name": "AdamW", "lr": 3.0e-2}}
+DENOMINATORS = ["selection.total", "retention.total"]
+LENIENT = {"denominators": DENOMINATORS, "floors": {"retention.correct": 128}, "improve_any": ["selection.correct"]}

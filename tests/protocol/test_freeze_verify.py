@@ -1,0 +1,456 @@
+"""``freeze`` writes a canonical lock of every input; ``verify`` names each input that changed, and exits 3.
+
+Every role the lock records is broken once: a data split, a parent, the protocol file, the task's own source
+file (a task module written here, outside opalctl) and a module of opalctl itself. The installed package is never
+edited: its change is simulated by a lock whose record of the module holds another digest (or size), and an added
+package file by a lock that lacks the record of one.
+
+Records of the project's own files are paths relative to the lock; opalctl's files are relative to the installed
+package (``"base": "opalctl"``) and a task module outside both is found again by its module name (``"base":
+"module"``), so a project folder can be moved to any depth and still verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import opalctl
+from opalctl.files import canonical_json
+from opalctl.protocol.freeze import package_files
+from opalctl.protocol.lock import read_lock as load_lock
+
+LOCK_NAME = "digits.lock.json"
+
+
+def freeze(cli_inprocess, project: Path) -> dict:
+    result = cli_inprocess("freeze", project / "digits.yaml", "--json")
+    assert result.code == 0, result.output
+    return result.json()
+
+
+def read_lock(project: Path) -> dict:
+    return json.loads((project / LOCK_NAME).read_text(encoding="utf-8"))
+
+
+def verify(cli_inprocess, lock: Path, *flags):
+    return cli_inprocess("verify", lock, *flags)
+
+
+def write_lock(path: Path, lock: dict) -> Path:
+    path.write_text(canonical_json(lock), encoding="utf-8")
+    return path
+
+
+PACKAGE = Path(opalctl.__file__).resolve().parent
+
+
+def assert_reported(result, role: str, path: str, status: str):
+    """Exit 3, the role and path named in the human output, and exactly this one problem."""
+    assert result.code == 3, result.output
+    row = [line for line in result.stdout.splitlines() if line.startswith(role + " ")]
+    assert row, f"{role} not listed:\n{result.stdout}"
+    assert path in row[0] and row[0].rstrip().endswith(status), row[0]
+    assert result.stdout.startswith("1 changed input(s) in "), result.stdout
+    assert "restore the files listed" in result.stderr
+    assert "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------------------------------------------
+# verify
+
+
+def test_an_unchanged_project_verifies(digits_project, cli_inprocess, cli):
+    frozen = freeze(cli_inprocess, digits_project)
+    result = cli("verify", digits_project / LOCK_NAME)
+    assert result.code == 0, result.output
+    assert result.stdout.startswith(f"ok: {frozen['records']} records of ")
+    report = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert report.code == 0
+    body = report.json()
+    assert body["ok"] is True and body["problems"] == [] and body["checked"] == frozen["records"]
+    assert body["sha256"] == frozen["sha256"]
+
+
+ROLES = [
+    ("data.train", "data/digits/train.npz"),
+    ("data.development", "data/digits/development.npz"),
+    ("data.selection", "data/digits/selection.npz"),
+    ("data.retention", "data/digits/retention.npz"),
+    ("parent.seed-1", "parents/digits/seed-1.pt"),
+    ("parent.seed-2", "parents/digits/seed-2.pt"),
+    ("protocol", "digits.yaml"),
+]
+
+
+@pytest.mark.parametrize("role, relative", ROLES, ids=[r for r, _ in ROLES])
+def test_one_flipped_byte_is_named_with_exit_3(digits_project, cli_inprocess, helpers, role, relative):
+    freeze(cli_inprocess, digits_project)
+    assert read_lock(digits_project)["records"][role]["path"] == relative
+    helpers.flip_byte(digits_project / relative)
+    assert_reported(verify(cli_inprocess, digits_project / LOCK_NAME), role, relative, "changed")
+    body = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert body.code == 3
+    problems = body.json()["problems"]
+    assert [(p["role"], p["path"], p["status"]) for p in problems] == [(role, relative, "changed")]
+    assert problems[0]["sha256"] != problems[0]["expected_sha256"]
+
+
+def test_the_real_command_exits_3_naming_a_changed_parent(digits_project, cli_inprocess, cli, helpers):
+    freeze(cli_inprocess, digits_project)
+    helpers.flip_byte(digits_project / "parents/digits/seed-2.pt", offset=100)
+    result = cli("verify", digits_project / LOCK_NAME)
+    assert_reported(result, "parent.seed-2", "parents/digits/seed-2.pt", "changed")
+
+
+MYTASK = '''"""A task defined outside opalctl: its source file is a record of the lock like any other."""
+
+from opalctl.tasks.digits import Digits
+
+
+class MyDigits(Digits):
+    """The built-in digits task under another name, from a module of the user's own."""
+'''
+
+
+@pytest.fixture
+def task_module(monkeypatch, request):
+    """``task_module(project, folder, name)``: write the module ``name`` (a copy of MYTASK) into ``folder``, put
+    ``folder`` on sys.path for this test, and point the project's protocol at ``name:MyDigits``. Each test uses its
+    own module name, and the module is dropped from sys.modules afterwards."""
+
+    def use(project: Path, folder: Path, name: str) -> Path:
+        module = folder / f"{name}.py"
+        module.write_text(MYTASK, encoding="utf-8")
+        monkeypatch.syspath_prepend(str(folder))
+        request.addfinalizer(lambda: sys.modules.pop(name, None))
+        protocol = project / "digits.yaml"
+        protocol.write_text(protocol.read_text(encoding="utf-8").replace("opalctl.tasks.digits:Digits",
+                                                                         f"{name}:MyDigits"), encoding="utf-8")
+        return module
+
+    return use
+
+
+def test_a_changed_task_source_file_is_named(digits_project, tmp_path, task_module, cli_inprocess, cli, helpers):
+    """A task module outside the project and the package is recorded by module name and found again by import."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    module = task_module(digits_project, modules, "mytask_outside")
+    freeze(cli_inprocess, digits_project)
+    record = read_lock(digits_project)["records"]["source.task"]
+    assert record == {"base": "module", "module": "mytask_outside", "path": "mytask_outside.py",
+                      "bytes": module.stat().st_size, "sha256": helpers.sha256_of(module)}
+    lock = digits_project / LOCK_NAME
+    assert verify(cli_inprocess, lock).code == 0
+
+    helpers.flip_byte(module)
+    assert_reported(verify(cli_inprocess, lock), "source.task", str(module.resolve()), "changed")
+    # a real process finds the module through its own path
+    assert_reported(cli("verify", lock, env={"PYTHONPATH": str(modules)}), "source.task", str(module.resolve()),
+                    "changed")
+
+
+def test_a_task_module_that_cannot_be_imported_at_verify_time_is_missing(digits_project, tmp_path, task_module,
+                                                                         cli_inprocess, monkeypatch):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    task_module(digits_project, modules, "mytask_missing")
+    freeze(cli_inprocess, digits_project)
+    monkeypatch.undo()  # the module's folder leaves sys.path, and the module sys.modules
+    sys.modules.pop("mytask_missing", None)
+    importlib.invalidate_caches()
+    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert result.code == 3, result.output
+    assert [(p["role"], p["path"], p["status"]) for p in result.json()["problems"]] == [
+        ("source.task", "<module mytask_missing not importable>", "missing")]
+
+
+def test_a_task_module_inside_the_project_is_relative_to_the_lock(digits_project, task_module, cli_inprocess, cli,
+                                                                  helpers):
+    module = task_module(digits_project, digits_project, "mytask_inside")
+    freeze(cli_inprocess, digits_project)
+    record = read_lock(digits_project)["records"]["source.task"]
+    assert record == {"path": "mytask_inside.py", "bytes": module.stat().st_size, "sha256": helpers.sha256_of(module)}
+    lock = digits_project / LOCK_NAME
+    assert verify(cli_inprocess, lock).code == 0
+
+    helpers.flip_byte(module)
+    assert_reported(verify(cli_inprocess, lock), "source.task", "mytask_inside.py", "changed")
+    # read from beside the lock, not imported: a real process needs no PYTHONPATH
+    assert_reported(cli("verify", lock), "source.task", "mytask_inside.py", "changed")
+
+
+ROLE = "source.opalctl/protocol/verify.py"
+
+
+def test_opalctl_modules_are_recorded_relative_to_the_installed_package(digits_project, cli_inprocess, helpers):
+    freeze(cli_inprocess, digits_project)
+    record = read_lock(digits_project)["records"][ROLE]
+    real = PACKAGE / "protocol" / "verify.py"
+    assert record == {"base": "opalctl", "path": "protocol/verify.py", "bytes": real.stat().st_size,
+                      "sha256": helpers.sha256_of(real)}
+    assert load_lock(digits_project / LOCK_NAME).record_path(record) == real
+
+
+@pytest.mark.parametrize("change, status", [("sha256", "changed"), ("bytes", "resized")])
+def test_a_changed_opalctl_module_is_named(digits_project, cli_inprocess, cli, change, status):
+    """The installed package differs from the frozen one: simulated by a lock that froze another digest (or size)."""
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    record = lock["records"][ROLE]
+    if change == "sha256":
+        record["sha256"] = hashlib.sha256(b"another verify.py").hexdigest()
+    else:
+        record["bytes"] += 1
+    edited = write_lock(digits_project / LOCK_NAME, lock)
+    result = cli("verify", edited)
+    assert_reported(result, ROLE, str(PACKAGE / "protocol" / "verify.py"), status)
+    body = verify(cli_inprocess, edited, "--json")
+    assert body.code == 3
+    assert [(p["role"], p["path"], p["status"]) for p in body.json()["problems"]] == [
+        (ROLE, str(PACKAGE / "protocol" / "verify.py"), status)]
+
+
+def test_an_opalctl_module_the_lock_does_not_record_is_reported_added(digits_project, cli_inprocess):
+    """A package file that was not there when the protocol was frozen: simulated by a lock without its record."""
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    del lock["records"][ROLE]
+    edited = write_lock(digits_project / LOCK_NAME, lock)
+    result = verify(cli_inprocess, edited, "--json")
+    assert result.code == 3, result.output
+    body = result.json()
+    assert body["problems"] == [{"role": ROLE, "path": str(PACKAGE / "protocol" / "verify.py"), "status": "added"}]
+    assert body["checked"] == len(lock["records"])
+    human = verify(cli_inprocess, edited)
+    assert_reported(human, ROLE, str(PACKAGE / "protocol" / "verify.py"), "added")
+
+
+def test_an_opalctl_record_of_a_file_gone_from_the_package_is_missing(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    record = dict(lock["records"][ROLE], path="protocol/no_such_module.py")
+    lock["records"]["source.opalctl/protocol/no_such_module.py"] = record
+    result = verify(cli_inprocess, write_lock(digits_project / LOCK_NAME, lock), "--json")
+    assert result.code == 3
+    assert [(p["role"], p["path"], p["status"]) for p in result.json()["problems"]] == [
+        ("source.opalctl/protocol/no_such_module.py", str(PACKAGE / "protocol" / "no_such_module.py"), "missing")]
+
+
+def test_a_missing_file_is_reported_missing(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+    (digits_project / "data/digits/selection.npz").unlink()
+    assert_reported(verify(cli_inprocess, digits_project / LOCK_NAME), "data.selection", "data/digits/selection.npz",
+                    "missing")
+
+
+@pytest.mark.parametrize("change", [b"x", -1], ids=["grown", "shrunk"])
+def test_a_resized_file_is_reported_resized(digits_project, cli_inprocess, change):
+    freeze(cli_inprocess, digits_project)
+    path = digits_project / "data/digits/retention.npz"
+    data = path.read_bytes()
+    path.write_bytes(data + change if isinstance(change, bytes) else data[:change])
+    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert result.code == 3
+    body = result.json()
+    assert body["ok"] is False
+    assert [(p["role"], p["status"], p["bytes"], p["expected_bytes"]) for p in body["problems"]] == [
+        ("data.retention", "resized", len(data) + (1 if isinstance(change, bytes) else -1), len(data))]
+
+
+def test_json_output_lists_every_problem_and_exits_3(digits_project, cli_inprocess, helpers):
+    freeze(cli_inprocess, digits_project)
+    helpers.flip_byte(digits_project / "data/digits/train.npz")
+    (digits_project / "parents/digits/seed-1.pt").unlink()
+    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert result.code == 3
+    body = result.json()  # stdout is one JSON document and nothing else
+    assert body["ok"] is False and body["name"] == "digits"
+    assert sorted((p["role"], p["path"], p["status"]) for p in body["problems"]) == [
+        ("data.train", "data/digits/train.npz", "changed"),
+        ("parent.seed-1", "parents/digits/seed-1.pt", "missing")]
+    statuses = {r["role"]: r["status"] for r in body["records"]}
+    assert statuses["data.train"] == "changed" and statuses["data.selection"] == "ok"
+
+
+def test_a_hand_edited_lock_protocol_is_caught(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    lock["protocol"]["budget"]["amount"] = 200.0
+    (digits_project / LOCK_NAME).write_text(canonical_json(lock), encoding="utf-8")
+    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert result.code == 3
+    assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "does not exist"),
+    ("not json", "is not valid JSON"),
+    ('{"format": "something-else"}', "is not an opalctl lock"),
+    ('{"format": "opalctl-lock/1", "status": "draft"}', "not 'frozen'"),
+    ('{"format": "opalctl-lock/1", "status": "frozen"}', "lacks the key"),
+])
+def test_a_bad_lock_is_bad_input(tmp_path, cli_inprocess, content, expected):
+    lock = tmp_path / "x.lock.json"
+    if content is not None:
+        lock.write_text(content, encoding="utf-8")
+    result = verify(cli_inprocess, lock)
+    assert result.code == 2
+    assert result.stderr.startswith("opalctl: error: ") and result.stderr.count("\n") == 1
+    assert expected in result.stderr and str(lock) in result.stderr
+
+
+@pytest.mark.parametrize("frozen_at, moved_to", [((), ("a", "b", "c")), (("a", "b", "c"), ())],
+                         ids=["moved-deeper", "moved-shallower"])
+def test_a_frozen_project_moved_to_another_depth_still_verifies(digits_project, tmp_path, cli_inprocess, cli,
+                                                                frozen_at, moved_to):
+    original = tmp_path.joinpath("frozen", *frozen_at, "project")
+    shutil.copytree(digits_project, original)
+    frozen = freeze(cli_inprocess, original)
+    moved = tmp_path.joinpath("moved", *moved_to, "project")
+    shutil.copytree(original, moved)
+    shutil.rmtree(original)  # nothing may still be read from the old place
+    result = verify(cli_inprocess, moved / LOCK_NAME, "--json")
+    assert result.code == 0, result.stdout[:2000]
+    assert result.json()["checked"] == frozen["records"] and result.json()["sha256"] == frozen["sha256"]
+    assert cli("verify", moved / LOCK_NAME, cwd=moved).code == 0  # and from a real process in another folder
+
+
+def test_a_project_with_its_own_task_module_moved_to_another_depth_still_verifies(digits_project, tmp_path,
+                                                                                task_module, cli_inprocess):
+    task_module(digits_project, digits_project, "mytask_moved")
+    freeze(cli_inprocess, digits_project)
+    moved = tmp_path / "a" / "b" / "c"
+    shutil.copytree(digits_project, moved)
+    shutil.rmtree(digits_project)
+    result = verify(cli_inprocess, moved / LOCK_NAME)
+    assert result.code == 0, result.output
+
+
+# --------------------------------------------------------------------------------------------------------------
+# freeze
+
+
+def test_the_lock_is_canonical_and_records_every_input(digits_project, cli_inprocess, helpers):
+    frozen = freeze(cli_inprocess, digits_project)
+    raw = (digits_project / LOCK_NAME).read_bytes()
+    text = raw.decode("utf-8")
+    lock = json.loads(text)
+    assert text == json.dumps(lock, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    assert frozen["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert frozen["outcome"] == "written" and frozen["lock"] == str(digits_project / LOCK_NAME)
+    assert lock["status"] == "frozen" and lock["format"] == "opalctl-lock/1" and lock["name"] == "digits"
+    assert frozen["records"] == len(lock["records"]) and frozen["seeds"] == [1, 2]
+
+    records = lock["records"]
+    located = load_lock(digits_project / LOCK_NAME)
+    for role, record in records.items():
+        if role.startswith("source."):
+            assert set(record) == {"base", "path", "bytes", "sha256"} and record["base"] == "opalctl", role
+        else:
+            assert set(record) == {"path", "bytes", "sha256"}, role
+        assert not os.path.isabs(record["path"]) and ".." not in Path(record["path"]).parts, role
+        target = located.record_path(record)
+        assert target.is_file(), role
+        assert record["bytes"] == target.stat().st_size and record["sha256"] == helpers.sha256_of(target), role
+    expected = {"protocol": "digits.yaml", **{f"data.{s}": f"data/digits/{s}.npz"
+                                             for s in ("train", "development", "selection", "retention")},
+                "parent.seed-1": "parents/digits/seed-1.pt", "parent.seed-2": "parents/digits/seed-2.pt"}
+    assert {role: records[role]["path"] for role in expected} == expected
+    assert records["source.task"]["path"] == "tasks/digits.py"
+    assert located.record_path(records["source.task"]) == PACKAGE / "tasks" / "digits.py"
+    sources = {role for role in records if role.startswith("source.opalctl/")}
+    assert {f"source.opalctl/{p.relative_to(PACKAGE).as_posix()}" for p in package_files()} == sources
+    for role in sources:
+        assert records[role]["path"] == role[len("source.opalctl/"):]
+        assert located.record_path(records[role]) == PACKAGE / records[role]["path"]
+    assert "source.opalctl/cli.py" in sources and "source.opalctl/protocol/freeze.py" in sources
+
+
+def test_the_lock_holds_the_resolved_protocol_and_its_digest(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    protocol = lock["protocol"]
+    assert lock["protocol_sha256"] == hashlib.sha256(canonical_json(protocol).encode("utf-8")).hexdigest()
+    assert protocol["parents"] == {"1": "parents/digits/seed-1.pt", "2": "parents/digits/seed-2.pt"}
+    assert protocol["seeds"] == [1, 2]
+    assert protocol["budget"] == {"clock": "cpu", "amount": 20.0, "threads": 1, "fractions": [0.25, 0.5, 0.75, 1.0]}
+    assert protocol["selection"]["nonincreasing"] == []  # a default, written out
+    assert protocol["arms"]["adamw"]["schedule"] == "constant" and protocol["arms"]["adamw"]["agent"] is None
+    assert protocol["arms"]["adamw-long"]["budget_multiplier"] == 3.0
+    assert protocol["arms"]["adamw"]["optimizer"] == {"name": "AdamW", "lr": 0.001, "weight_decay": 0.01}
+    assert protocol["task"] == {"entry": "opalctl.tasks.digits:Digits", "config": {"hidden": 128, "replay_share": 0.25}}
+
+
+def test_the_lock_records_the_environment(digits_project, cli_inprocess):
+    import torch
+
+    freeze(cli_inprocess, digits_project)
+    environment = read_lock(digits_project)["environment"]
+    assert environment["python"] == platform.python_version()
+    assert environment["torch"] == torch.__version__
+    assert environment["opalctl"] == opalctl.__version__
+    assert environment["platform"] == platform.platform()
+    assert set(environment["git"]) == {"opalctl", "protocol"}
+    for git in environment["git"].values():  # None outside a git repository (the tmp project usually is)
+        if git is not None:
+            assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
+    threads = environment["threads"]
+    assert threads["budget"] == 1 and isinstance(threads["torch_default"], int)
+    assert {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} <= set(threads)
+
+
+def test_freeze_is_unchanged_when_nothing_changed(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+    lock = digits_project / LOCK_NAME
+    before = (lock.read_bytes(), lock.stat().st_mtime_ns)
+    again = freeze(cli_inprocess, digits_project)
+    assert again["outcome"] == "unchanged"
+    assert (lock.read_bytes(), lock.stat().st_mtime_ns) == before
+    human = cli_inprocess("freeze", digits_project / "digits.yaml")
+    assert human.code == 0 and "unchanged" in human.stdout
+
+
+def test_freeze_refuses_to_replace_a_different_lock_without_force(digits_project, cli_inprocess, cli):
+    first = freeze(cli_inprocess, digits_project)
+    lock = digits_project / LOCK_NAME
+    before = lock.read_bytes()
+    protocol = digits_project / "digits.yaml"
+    protocol.write_text(protocol.read_text(encoding="utf-8").replace("seeds: [1, 2]", "seeds: [1]"), encoding="utf-8")
+
+    refused = cli("freeze", protocol)
+    assert refused.code == 2, refused.output
+    assert refused.stderr.startswith("opalctl: error: ") and refused.stderr.count("\n") == 1
+    assert str(lock) in refused.stderr and "--force" in refused.stderr
+    assert lock.read_bytes() == before
+
+    forced = cli_inprocess("freeze", protocol, "--force", "--json")
+    assert forced.code == 0, forced.output
+    assert forced.json()["outcome"] == "replaced" and forced.json()["sha256"] != first["sha256"]
+    assert read_lock(digits_project)["protocol"]["seeds"] == [1]
+    assert "parent.seed-2" not in read_lock(digits_project)["records"]
+    assert verify(cli_inprocess, lock).code == 0
+
+
+def test_freeze_refuses_a_missing_data_file(digits_project, cli_inprocess):
+    (digits_project / "data/digits/development.npz").unlink()
+    result = cli_inprocess("freeze", digits_project / "digits.yaml")
+    assert result.code == 2
+    assert "missing data.development (data/digits/development.npz)" in result.stderr
+    assert not (digits_project / LOCK_NAME).exists()
+
+
+def test_freeze_of_a_missing_protocol_is_bad_input(tmp_path, cli_inprocess):
+    result = cli_inprocess("freeze", tmp_path / "absent.yaml")
+    assert result.code == 2
+    assert result.stderr == f"opalctl: error: protocol {tmp_path / 'absent.yaml'} does not exist; check the path " \
+                            f"(or write one with `opalctl init`)\n"
