@@ -235,9 +235,19 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._install(Version(number=0, files=dict(sources or default_sources()), status="passed"), previous=None)
         self.fallback = self.current
         self.records.save_program(0, self.current.files)
+        from opalctl.opal.provenance import current, differences
+
+        changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
+        if changed:
+            import sys
+
+            sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
+                             + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
+        self.defaults_differ = changed
         self.records.event("start", update=0, backend=self.backend.describe(), decisions=decisions,
                            schedule=self.schedule.fractions, blocking=blocking, trial_steps=trial_steps,
-                           prompt=prompt, every=self.current.every)
+                           prompt=prompt, every=self.current.every, defaults_sha256=current(),
+                           defaults_differ=changed)
 
     # -- what torch and schedulers see ----------------------------------------------------------------------
     @property
@@ -287,7 +297,9 @@ class AgentOptimizer(torch.optim.Optimizer):
             raise ProgramRejected(f"{label}/analysis.py: EVERY must be a positive integer, not {every!r}")
         try:
             updater = build(self.named, previous, self.spec)
-        except Exception as error:
+        except BaseException as error:  # noqa: B036 - agent code must never end training
+            if isinstance(error, KeyboardInterrupt):
+                raise
             raise ProgramRejected(f"{label}/updater.py build() raised {type(error).__name__}: {error}\n"
                                   f"{traceback.format_exc(limit=-3)}") from None
         for method in ("step", "state_dict", "load_state_dict"):
@@ -305,6 +317,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             "base": _clone(self.base.state_dict()),
             "updater": _clone(self.current.updater.state_dict()),
             "version": self.current,
+            "scheduler": _clone(self.spec.scheduler.state_dict()) if self.spec.scheduler is not None else None,
         }
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
@@ -317,6 +330,8 @@ class AgentOptimizer(torch.optim.Optimizer):
                 grad = snapshot["grads"][name]
                 p.grad = grad.clone() if grad is not None else None
         self.base.load_state_dict(_clone(snapshot["base"]))
+        if snapshot.get("scheduler") is not None and self.spec.scheduler is not None:
+            self.spec.scheduler.load_state_dict(_clone(snapshot["scheduler"]))
 
     def _check(self, full: bool) -> str | None:
         """What is wrong with the parameters after a step (None when nothing is)."""
@@ -385,6 +400,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         if snapshot is not None and self._swap is not None:
             # the first step of a new version: restore to the state from just before the swap, not after build()
             snapshot["base"] = self._swap["base"]
+            snapshot["params"] = self._swap["params"]
+            snapshot["scheduler"] = self._swap.get("scheduler")
         self._swap = None
         try:
             self._run_step(version, grads, ctx)
@@ -392,7 +409,9 @@ class AgentOptimizer(torch.optim.Optimizer):
             problem = self._check(full=True) if in_trial else None
             if problem:
                 raise StepFailure(problem)
-        except (Exception, StepTimeout) as error:
+        except BaseException as error:  # noqa: B036 - agent code must never end training
+            if isinstance(error, KeyboardInterrupt):
+                raise
             self._step_failed(version, error, snapshot, ctx)
         else:
             if in_trial:
@@ -442,7 +461,9 @@ class AgentOptimizer(torch.optim.Optimizer):
             return
         try:
             self._run_step(fallback, self._grads, ctx)
-        except (Exception, StepTimeout) as second:  # the fallback itself failed: the starting program takes over
+        except BaseException as second:  # noqa: B036 - the fallback itself failed: the starting program takes over
+            if isinstance(second, KeyboardInterrupt):
+                raise
             self.records.event("failed_step", update=self.t, version=fallback.number,
                                message=f"{type(second).__name__}: {second}")
             if fallback is not self.versions[0]:
@@ -498,7 +519,9 @@ class AgentOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"analyze() returned {type(result).__name__}, not a dict")
             json.dumps(result.get("report"), default=float)
             json.dumps(self.memory)
-        except Exception as error:
+        except BaseException as error:  # noqa: B036 - agent code must never end training
+            if isinstance(error, KeyboardInterrupt):
+                raise
             self.errors.append({"kind": "analysis", "update": self.t, "version": self.current.number,
                                 "message": f"{type(error).__name__}: {error}",
                                 "traceback": traceback.format_exc(limit=-4)})
@@ -551,7 +574,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if reason is None:
             return
         if self.inflight is not None:
-            self.queued_reason = self.queued_reason or reason
+            self.queued_reason = reason if self.queued_reason is None else f"{self.queued_reason}; {reason}"
             return
         self._ask(reason)
 
@@ -729,9 +752,15 @@ class AgentOptimizer(torch.optim.Optimizer):
         """Finish: wait for (or abandon) a decision in flight, write the ``end`` event; returns the agent figures."""
         if self._closed:
             return self.figures()
+        if self.queued_reason is not None:
+            self.records.event("skipped", update=self.t, reason=self.queued_reason,
+                               message="the run ended before this decision could be asked")
+            self.queued_reason = None
         if self.inflight is not None:
             if wait:
-                self._poll(wait=True)
+                while self.inflight is not None:
+                    self.queued_reason = None
+                    self._poll(wait=True)
             else:
                 process = self.inflight.get("process")
                 if process is not None:
@@ -770,6 +799,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             "fallback": self.fallback.number,
             "trial_left": self.trial_left,
             "base": self.base.state_dict(),
+            "scheduler": self.spec.scheduler.state_dict() if self.spec.scheduler is not None else None,
             "updater": self.current.updater.state_dict(),
             "fallback_updater": self.fallback.updater.state_dict() if self.fallback is not self.current else None,
             "memory": json.loads(json.dumps(self.memory)),
@@ -801,6 +831,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             by_number[entry["number"]] = Version(number=entry["number"], files=dict(entry["files"]),
                                                  status=entry["status"], applied_at=entry["applied_at"])
         self.base.load_state_dict(state["base"])
+        if state.get("scheduler") is not None and self.spec.scheduler is not None:
+            self.spec.scheduler.load_state_dict(state["scheduler"])
         for number in sorted(by_number):
             version = by_number[number]
             if number in (state["current"], state["fallback"], 0):

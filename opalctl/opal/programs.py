@@ -82,15 +82,22 @@ def check_source(source: str, filename: str) -> list[str]:
             for alias in node.names:
                 if alias.name.split(".")[0] not in ALLOWED_MODULES:
                     refuse(node, f"import of {alias.name!r} is not allowed (allowed: {', '.join(ALLOWED_MODULES)})")
+                elif reason := _forbidden_path(alias.name):
+                    refuse(node, f"import of {alias.name!r} is not allowed: {reason}")
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level or module.split(".")[0] not in ALLOWED_MODULES:
                 refuse(node, f"import from {module or '.'!r} is not allowed (allowed: {', '.join(ALLOWED_MODULES)})")
+            elif reason := _forbidden_path(module):
+                refuse(node, f"import from {module!r} is not allowed: {reason}")
             for alias in node.names:
                 if alias.name in FORBIDDEN_ATTRIBUTES or alias.name == "*":
                     refuse(node, f"importing {alias.name!r} is not allowed")
         elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
             refuse(node, f"{node.id}: {FORBIDDEN_NAMES[node.id]}")
+        elif isinstance(node, ast.Name) and node.id.startswith("__") and node.id.endswith("__") \
+                and node.id not in ("__name__",):
+            refuse(node, f"the name {node.id!r} reaches into interpreter internals and is not allowed")
         elif isinstance(node, ast.Attribute):
             if node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ("__init__", "__name__"):
                 refuse(node, f"the attribute {node.attr!r} reaches into interpreter internals and is not allowed")
@@ -104,11 +111,26 @@ def check_source(source: str, filename: str) -> list[str]:
             name = node.args[1] if len(node.args) > 1 else None
             if not (isinstance(name, ast.Constant) and isinstance(name.value, str) and not name.value.startswith("_")):
                 refuse(node, f"{node.func.id}() needs a literal attribute name that does not start with '_'")
+            elif name.value in FORBIDDEN_ATTRIBUTES:
+                refuse(node, f"{node.func.id}(..., {name.value!r}): {FORBIDDEN_ATTRIBUTES[name.value]}")
         elif isinstance(node, ast.Global):
             refuse(node, "the global statement is not allowed; keep state on your object")
         elif isinstance(node, (ast.AsyncFunctionDef, ast.Await)):
             refuse(node, "async code is not allowed")
     return problems
+
+
+def _forbidden_path(module: str) -> str | None:
+    """Why a dotted module path inside an allowed package is still refused (torch.hub, torch.utils, ...)."""
+    parts = module.split(".")
+    for index, part in enumerate(parts[1:], start=1):
+        if part in FORBIDDEN_ATTRIBUTES:
+            return FORBIDDEN_ATTRIBUTES[part]
+        if part in ("_C", "ops"):
+            return "it reaches into torch internals"
+        if part == "utils" and parts[index - 1] != "nn":
+            return "torch.utils holds data loaders and extension builders, not optimizer code"
+    return None
 
 
 def _root_name(node: ast.AST) -> str | None:

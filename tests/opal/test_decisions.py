@@ -179,8 +179,6 @@ def test_one_decision_in_flight_at_a_time(opal, run_dir):
     assert decisions[2]["update"] == decisions[1]["update"] > 10
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: close() waits for the decision in flight, whose _poll then asks the queued "
-                                       "decision, and closes with that one still in flight (no outcome, no 'abandoned')")
 def test_close_leaves_no_decision_in_flight(opal, run_dir):
     model = opal.make_model()
     writer = opal.Writer(sleep=0.3)

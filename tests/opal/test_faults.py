@@ -136,8 +136,6 @@ def test_loops_forever(opal, run_dir):
     assert opal.mismatches(opal.plain_adamw(STEPS), model) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: step() catches (Exception, StepTimeout) only; a program raising "
-                                       "SystemExit (allowed by the static check) ends training")
 def test_raises_systemexit(opal, run_dir):
     source = opal.broken_updater("        raise SystemExit(3)")
     model, optimizer, figures, log = run_with(opal, run_dir, source)
@@ -191,8 +189,6 @@ def test_raises_after_its_trial_passed(opal, run_dir):
 
 # -- the fallback must undo everything a failing first step (or its build) did ---------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="BUG: the first-step snapshot takes the parameters after build(), not from "
-                                       "before the swap; a build() that changes them is not undone")
 def test_build_that_moves_the_parameters_then_fails_is_undone(opal, run_dir):
     build_body = ("    with torch.no_grad():\n"
                   "        for p in params.values():\n"
@@ -206,8 +202,6 @@ def _decay(step):
     return 1.0 / (1.0 + 0.05 * step)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the snapshot does not hold the scheduler's state; a failing first step "
-                                       "that stepped the scheduler leaves it one step ahead after the restore")
 def test_a_failing_first_step_that_stepped_the_scheduler_is_undone(opal, run_dir):
     source = opal.broken_updater("        self.spec.optimizer.step()\n"
                                  "        self.spec.scheduler.step()\n"
