@@ -150,6 +150,8 @@ def _clone(value: Any) -> Any:
         return [_clone(v) for v in value]
     if isinstance(value, tuple):
         return tuple(_clone(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
     return copy.deepcopy(value)
 
 
@@ -475,7 +477,10 @@ class AgentOptimizer(torch.optim.Optimizer):
     # -- analysis ------------------------------------------------------------------------------------------
     def _read_losses(self) -> list[float]:
         tensors = [x for x in self.pending_losses if isinstance(x, torch.Tensor)]
-        values = torch.stack([x.float().reshape(()) for x in tensors]).tolist() if tensors else []
+        if tensors and all(x.dim() == 0 and x.dtype == tensors[0].dtype for x in tensors):
+            values = torch.stack(tensors).tolist()  # one transfer for the whole interval
+        else:
+            values = torch.stack([x.float().reshape(()) for x in tensors]).tolist() if tensors else []
         out, position = [], 0
         for x in self.pending_losses:
             if isinstance(x, torch.Tensor):
@@ -498,15 +503,16 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.records.write("losses", {"update": self.t, **loss_bin})
         if loss_bin["nonfinite"]:
             self._wake("non-finite loss")
-        problem = self._check(full=True)
-        if problem and self.current is not self.versions[0]:
-            self._step_failed(self.current, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
-                              redo=False)
-        elif problem:
-            self.records.event("nonfinite_parameters", update=self.t, version=0, message=problem)
-        else:
-            self._good = self._snapshot()
-            self._good["update"] = self.t
+        if self.current is not self.versions[0]:
+            # an agent's program is running: check it, and keep a state to roll back to should it go bad later
+            # (the user's own optimizer, version 0, is not second-guessed and costs nothing here)
+            problem = self._check(full=True)
+            if problem:
+                self._step_failed(self.current, StepFailure(problem), None,
+                                  StepContext(self.progress(), None, self.t), redo=False)
+            else:
+                self._good = self._snapshot()
+                self._good["update"] = self.t
         obs = {"update": self.t, "progress": self.progress(), "losses": losses, "params": dict(self.named),
                "before": before, "grads": dict(grads.items()),
                "state": {name: self.base.state.get(p, {}) for name, p in self.named.items()},

@@ -81,7 +81,9 @@ class OpalRecords:
         if not self.enabled:
             return
         handle = self.handles[stream]
-        handle.write(redact(_json_line(value), self.secrets).encode())
+        line = _json_line(value)
+        # losses are numbers written by opalctl itself; everything else may carry text an agent wrote
+        handle.write((line if stream == "losses" else redact(line, self.secrets)).encode())
         handle.flush()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
