@@ -8,8 +8,9 @@ resumed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def demo(folder: str | Path, *, steps: int = 24, runs_dir: str | Path | None = None,

@@ -91,5 +91,5 @@ def atomic_write_json(path: str | os.PathLike, value: Any, durable: bool = True)
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, "r", encoding="utf-8") as handle:
+    with open(path, encoding="utf-8") as handle:
         return json.load(handle)

@@ -12,7 +12,6 @@ from typing import Any
 
 from opalctl.protocol.schema import Arm
 
-
 DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows within the budget: learn the new "
                 "data without losing what the parent knew.")
 

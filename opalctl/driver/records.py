@@ -17,8 +17,9 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 FLUSH_LINES = 512
 

@@ -25,15 +25,16 @@ import fcntl
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
 from opalctl.driver.records import StepsWriter, chain_digest, ids_digest
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.files import atomic_write_json, read_json, sha256_file
+from opalctl.files import atomic_write_json, read_json
 
 RESUME_FILE = "resume.pt"
 INFINITY = float("inf")
@@ -46,7 +47,7 @@ class RunPaths:
     run: Path
 
     @classmethod
-    def of(cls, runs_dir: Path, lock, arm: str, seed: int) -> "RunPaths":
+    def of(cls, runs_dir: Path, lock, arm: str, seed: int) -> RunPaths:
         base = Path(runs_dir) / f"{lock.name}-{lock.sha12}"
         return cls(base=base, anchor=base / "anchors" / f"seed-{seed}", run=base / arm / f"seed-{seed}")
 
@@ -312,7 +313,6 @@ class FormalRun:
         self._cpu_mark = time.process_time()
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
-        import torch
 
         from opalctl.driver.arm import update
         from opalctl.protocol.verify import require_unchanged

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -51,7 +51,7 @@ class Budget(Strict):
         return value
 
     @model_validator(mode="after")
-    def _whole_updates(self) -> "Budget":
+    def _whole_updates(self) -> Budget:
         if self.clock == "updates" and self.amount != int(self.amount):
             raise ValueError("an `updates` budget counts whole updates; give an integer amount")
         return self
@@ -87,8 +87,8 @@ class Prices(Strict):
 class AgentSpec(Strict):
     backend: str = "heuristic"
     decisions: Annotated[int, Field(ge=1, le=1000)] | None = None
-    schedule: Union[Literal["front", "uniform"], list[Annotated[float, Field(gt=0, lt=1)]]] = "front"
-    blocking: Union[bool, Literal["auto"]] = True
+    schedule: Literal["front", "uniform"] | list[Annotated[float, Field(gt=0, lt=1)]] = "front"
+    blocking: bool | Literal["auto"] = True
     max_lag: Annotated[int, Field(ge=0)] = 50
     every: Annotated[int, Field(ge=1)] = 25
     trial_steps: Annotated[int, Field(ge=1)] = 20
@@ -141,7 +141,7 @@ class Protocol(Strict):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     task: TaskSpec
     data: dict[Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")], str]
-    parents: Union[str, dict[int, str]]
+    parents: str | dict[int, str]
     seeds: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1000)]
     budget: Budget
     training: Training

@@ -7,7 +7,8 @@ interface.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from opalctl.opal.agents.base import Answer, Backend, FunctionBackend, KeepBackend
 
