@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -79,6 +80,7 @@ def main() -> None:
     names = ["bare", "ours"] + (["peer"] if importlib.util.find_spec("opal") else [])
     with tempfile.TemporaryDirectory(prefix="opalctl-overhead-") as folder:
         work = Path(folder)
+        os.chdir(work)  # the peer writes its run folder under the current directory
         task, train, parent = setup(work)
         total = args.updates * (args.blocks + 1)
         variants = {name: make_variant(name, task, train, parent, total, work) for name in names}

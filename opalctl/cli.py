@@ -241,16 +241,23 @@ def show(run_dir: str, json_mode: bool) -> None:
                     "yes" if s["promoted"] else "no", "; ".join(s["reasons"]) or "-"] for s in result["stages"]])
     if result["decisions"]:
         console.table("agent decisions", ["decision", "asked at", "reason", "outcome", "answered at", "seconds",
-                                          "rationale"],
+                                          "cost $", "changed", "rationale"],
                       [[d["decision"], d["asked_at"], d["reason"],
                         d["outcome"] + (f" (reverted at {d['reverted_at']})" if d.get("reverted_at") else ""),
-                        d.get("answered_at"), d.get("seconds"),
+                        d.get("answered_at"), d.get("seconds"), d.get("cost_usd"), _changed(d),
                         (d.get("summary") or d.get("rationale") or d.get("message") or "")[:90]]
                        for d in result["decisions"]])
     if result["selected"]:
         selected = result["selected"]
         console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"
                                         else "the anchor (flagged: no stage qualified)"))
+
+
+def _changed(decision: dict) -> str:
+    """The files an applied decision changed, with lines added and removed: ``updater.py +3 -1``."""
+    diff = decision.get("diff") or {}
+    return ", ".join(f"{name} +{diff[name]['added']} -{diff[name]['removed']}" if name in diff else name
+                     for name in decision.get("files") or []) or "-"
 
 
 @cli.command()

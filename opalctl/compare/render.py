@@ -32,12 +32,13 @@ def render_compare(result: dict[str, Any]) -> None:
             *[_mean_spread(arm["metrics"].get(m)) for m in result["metrics"]],
             reached,
             "-" if not agent else (f"{agent['decisions_asked']['mean']:.0f}/{agent['decisions_applied']['mean']:.0f}/"
-                                   f"{agent['decisions_reverted']['mean']:.0f}"),
+                                   f"{agent['decisions_reverted']['mean']:.0f}, "
+                                   f"{agent['waiting_seconds']['mean']:.1f} s, ${agent['cost_usd']['mean']:.2f}"),
         ])
     seconds = "wall s" if result["clock"] in ("wall", "gpu") else "cpu s"
     console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']})",
                   ["arm", "seeds", "updates", f"train {seconds}", "promoted", "anchor kept", *result["metrics"],
-                   f"time to baseline's final {result['primary']}", "agent asked/applied/reverted"], rows)
+                   f"time to baseline's final {result['primary']}", "agent asked/applied/reverted, waiting, cost"], rows)
     paired_rows = []
     for arm in result["arms"]:
         for metric, figure in arm["paired"].items():

@@ -35,18 +35,37 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
 
 def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
     """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates."""
+    import os
+
     from opalctl.errors import BadInput
     from opalctl.opal import wrap
+    from opalctl.opal.agents import make_backend
+    from opalctl.opal.messages import prompt_text
 
     agent = arm.agent
-    if agent.backend not in ("keep", "heuristic"):
+    backend = agent.backend
+    if backend == "anthropic":
+        backend = make_backend(backend, model=agent.model, max_tokens=agent.max_tokens, turns=agent.turns,
+                               seconds_per_decision=agent.seconds_per_decision, retries=agent.retries,
+                               prices=agent.prices, prompt_text=prompt_text(agent.prompt), effort=agent.effort)
+    elif backend == "claude-code":
+        backend = make_backend(backend, model=agent.model, turns=agent.turns,
+                               seconds_per_decision=agent.seconds_per_decision, prompt_text=prompt_text(agent.prompt))
+    elif backend.startswith("replay:"):
+        backend = make_backend(backend)  # a relative run folder is taken from the current folder
+    elif backend not in ("keep", "heuristic"):
         raise BadInput(f"agent backend {agent.backend!r} is not available in this version of opalctl; use "
-                       f"heuristic or keep")
+                       f"heuristic, keep, anthropic, claude-code or replay:<run folder>")
+    # the key never reaches a file: the records redact it wherever it would appear
+    secrets = [os.environ.get("ANTHROPIC_API_KEY", ""), os.environ.get("ANTHROPIC_AUTH_TOKEN", "")]
+    secrets += [backend.secret()] if hasattr(backend, "secret") else []
     decisions, _ = agent_decisions(arm, budget)
-    return wrap(optimizer, model, goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=agent.backend,
-                decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
-                trial_steps=agent.trial_steps, run_dir=run_dir, prompt=agent.prompt, clip=clip,
-                max_lag=agent.max_lag, manual_boundaries=True)
+    wrapped = wrap(optimizer, model, goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend,
+                   decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
+                   trial_steps=agent.trial_steps, run_dir=run_dir, prompt=agent.prompt, clip=clip,
+                   max_lag=agent.max_lag, manual_boundaries=True, secrets=[s for s in secrets if len(s) >= 8])
+    wrapped.max_cost_usd = agent.max_cost_usd  # no decision is asked once the rest is below its expected cost
+    return wrapped
 
 
 def build_optimizer(arm: Arm, parameters) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import os
 import platform
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,12 +153,13 @@ class FormalRun:
 
     def _claim_folder(self, resume: bool) -> None:
         run = self.paths.run
+        started = (run / RESUME_FILE).exists() or (run / "start.json").exists()
         if resume:
-            if not (run / RESUME_FILE).exists() and not (run / "start.json").exists():
+            if not started:
                 raise BadInput(f"there is no run to resume in {run}; start it without --resume")
             if (run / "report.json").exists():
                 raise BadInput(f"run {run} already finished; its report is {run / 'report.json'}")
-        elif run.exists() and any(path.name != ".running" for path in run.iterdir()):
+        elif started or (run / "report.json").exists():
             raise BadInput(f"run folder {run} already exists; a run is never overwritten (use --resume to continue "
                            f"an interrupted run, or --runs-dir for a separate copy)")
         run.mkdir(parents=True, exist_ok=True)
@@ -166,6 +168,9 @@ class FormalRun:
             fcntl.flock(self._lock_handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise BadInput(f"another opalctl process is running {run} now; wait for it to finish") from None
+        if not (run / RESUME_FILE).exists() and (run / "opal").exists():
+            # an agent's records from a start that never reached its first resume checkpoint: nothing to keep
+            shutil.rmtree(run / "opal")
 
     def _build(self) -> None:
         import torch
@@ -323,8 +328,11 @@ class FormalRun:
         run_started_wall, run_started_cpu = time.perf_counter(), time.process_time()
         self._build()
         model_digest = checkpoints.model_sha256(self.model.state_dict())
+        # the anchor is evaluated by the first run of a seed only: keep the RNG as if it were not there at all
+        saved_rng = rng_state()
         anchor = prepare_anchor(self.lock, self.task, self.splits, self.seed, self.paths.anchor, self.device,
                                 model_digest if not self.arm.model else self._parent_digest())
+        set_rng_state(saved_rng)
         self.steps_offset = 0
         if resume and (self.paths.run / RESUME_FILE).exists():
             self._restore()

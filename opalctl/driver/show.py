@@ -39,7 +39,8 @@ def show(run_dir: str | Path) -> dict[str, Any]:
 
 
 def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
-    """Each decision of an agent arm: when asked, what became of it, the rationale's first line, seconds, cost."""
+    """Each decision of an agent arm: when asked, what became of it, the rationale's first line, seconds, cost,
+    and for an applied one the files it changed with lines added and removed (``diff``)."""
     if not events_path.exists():
         return None
     decisions: dict[int, dict[str, Any]] = {}
@@ -58,7 +59,7 @@ def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
             entry.update(outcome=kind, answered_at=event["update"], rationale=event.get("rationale", ""),
                          summary=event.get("summary", ""),
                          seconds=event.get("seconds"), cost_usd=event.get("cost_usd"), version=event.get("version"),
-                         files=event.get("files"), message=event.get("message"))
+                         files=event.get("files"), diff=event.get("diff"), message=event.get("message"))
         elif kind == "reverted":
             reverted[event["version"]] = event
     for entry in decisions.values():

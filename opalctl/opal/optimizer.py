@@ -142,6 +142,15 @@ class Version:
     step_seconds: list[float] = field(default_factory=list)
 
 
+def _diff_lines(old: str, new: str) -> dict[str, int]:
+    """Lines added and removed from ``old`` to ``new`` (a short summary of a program change)."""
+    import difflib
+
+    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
+    return {"added": sum(1 for x in lines if x.startswith("+") and not x.startswith("+++")),
+            "removed": sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))}
+
+
 def _clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
@@ -230,6 +239,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                          "failed": 0, "waiting_seconds": 0.0, "agent_seconds": 0.0, "cost_usd": 0.0,
                          "wakes": 0, "step_failures": 0}
         self.inflight: dict[str, Any] | None = None
+        self.max_cost_usd: float | None = None  # cost cap (USD): see _over_cost_cap; set by the caller
         self.queued_reason: str | None = None
         self._good: dict[str, Any] | None = None
         self._swap: dict[str, Any] | None = None
@@ -394,6 +404,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.between_updates()
         progress = self.progress()
         ctx = StepContext(progress, loss, self.t)
+        # records made during the step wait in memory: writing files is not part of an update
+        self.records.defer = True
         grads = self._grads
         probe = (self.t + 1) % self.current.every == 0
         before = {name: p.detach().clone() for name, p in self.named.items()} if probe else None
@@ -428,6 +440,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.t += 1
         if probe:
             self._analyse(before, grads)
+        self.records.defer = False
+        if not self.manual_boundaries:
+            self.records.flush()
         return loss
 
     def observe(self, loss) -> None:
@@ -559,12 +574,13 @@ class AgentOptimizer(torch.optim.Optimizer):
         """Whether ``between_updates`` has anything to do now (a decision due or in flight, a wake-up waiting).
         Cheap, so a caller that times its updates can skip the boundary bookkeeping on most updates."""
         return (self.inflight is not None or self.wake_reason is not None or self.queued_reason is not None
-                or self.schedule.due(self.progress()))
+                or bool(self.records.pending) or self.schedule.due(self.progress()))
 
     def between_updates(self) -> None:
         """Ask the agent when a decision is due, and apply an answer that has arrived. Call between updates."""
         if self._closed:
             return
+        self.records.flush()
         if self.inflight is not None:
             self._poll()
         progress = self.progress()
@@ -593,7 +609,8 @@ class AgentOptimizer(torch.optim.Optimizer):
                 "total_steps": self.total_steps, "goal": self.goal, "remaining": self.schedule.remaining,
                 "lrs": [float(g["lr"]) for g in self.param_groups], "version": self.current.number,
                 "losses": {"bins": rebin(since)}, "report": self.latest_report, "errors": self.errors[-8:],
-                "last_change": self.last_change, "timing": timing}
+                "last_change": self.last_change, "timing": timing,
+                "shapes": {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in self.named.items()}}
 
     def _prepare_workspace(self, facts: dict[str, Any]) -> str:
         for name in PROGRAM_FILES:
@@ -605,7 +622,27 @@ class AgentOptimizer(torch.optim.Optimizer):
         (meta / "message.md").write_text(message, encoding="utf-8")
         return message
 
+    def _over_cost_cap(self, reason: str) -> bool:
+        """True (with a ``skipped`` event) when what is left of ``max_cost_usd`` is below the expected cost of the next
+        decision: the mean cost of the decisions answered so far, or before any has cost something the typical
+        figure of the estimate (SPEC 6.9) for a first or a later decision."""
+        if self.max_cost_usd is None:
+            return False
+        from opalctl.opal.estimate import FIGURES, MEASURED_EFFORT, MEASURED_MODEL
+
+        spent = self.counters["cost_usd"]
+        answered = self.counters["asked"] - (1 if self.inflight is not None else 0)
+        figures = FIGURES[(MEASURED_MODEL, MEASURED_EFFORT)]["later" if self.counters["asked"] else "first"]
+        expected = spent / answered if spent > 0 and answered > 0 else figures["usd"]["typical"]
+        if self.max_cost_usd - spent >= expected:
+            return False
+        self.records.event("skipped", update=self.t, reason="cost cap", asked_for=reason, spent_usd=spent,
+                           max_cost_usd=self.max_cost_usd, expected_usd=expected)
+        return True
+
     def _ask(self, reason: str) -> None:
+        if self._over_cost_cap(reason):
+            return
         self.counters["asked"] += 1
         number = self.counters["asked"]
         facts = self._facts(reason, number)
@@ -746,8 +783,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.counters["applied"] += 1
         self.records.save_program(version.number, edited)
         changed = [name for name in PROGRAM_FILES if edited[name] != previous_version.files[name]]
+        diff = {name: _diff_lines(previous_version.files[name], edited[name]) for name in changed}
         self.records.event("applied", version=version.number, previous=previous_version.number, files=changed,
-                           **common)
+                           diff=diff, **common)
         self.records.save_decision(number, files, {**meta, "outcome": "applied", "version": version.number,
                                                    "files": changed})
         recent = [b["mean"] for b in self.loss_bins[-4:] if b["mean"] is not None]

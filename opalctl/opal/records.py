@@ -69,6 +69,9 @@ class OpalRecords:
             for stream in self.STREAMS:
                 self.handles[stream] = open(self.folder / f"{stream}.jsonl", "ab")
         self.memory: dict[str, list[dict]] = {stream: [] for stream in self.STREAMS}
+        # while ``defer`` is set (inside a timed update) lines wait in memory; ``flush`` writes them later
+        self.defer = False
+        self.pending: list[tuple[str, bytes]] = []
 
     @property
     def enabled(self) -> bool:
@@ -80,11 +83,29 @@ class OpalRecords:
             del self.memory[stream][:5_000]
         if not self.enabled:
             return
-        handle = self.handles[stream]
         line = _json_line(value)
         # losses are numbers written by opalctl itself; everything else may carry text an agent wrote
-        handle.write((line if stream == "losses" else redact(line, self.secrets)).encode())
+        data = (line if stream == "losses" else redact(line, self.secrets)).encode()
+        if self.defer:
+            self.pending.append((stream, data))
+            return
+        self.flush()
+        handle = self.handles[stream]
+        handle.write(data)
         handle.flush()
+
+    def flush(self) -> None:
+        """Write the lines held back while ``defer`` was set, in order."""
+        if not self.pending or not self.enabled:
+            self.pending = []
+            return
+        pending, self.pending = self.pending, []
+        touched = set()
+        for stream, data in pending:
+            self.handles[stream].write(data)
+            touched.add(stream)
+        for stream in touched:
+            self.handles[stream].flush()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         value = {"kind": kind, **fields}
@@ -92,6 +113,7 @@ class OpalRecords:
         return value
 
     def offsets(self) -> dict[str, int]:
+        self.flush()
         out = {}
         for stream, handle in self.handles.items():
             handle.flush()
@@ -124,6 +146,8 @@ class OpalRecords:
                           durable=False)
 
     def close(self) -> None:
+        self.defer = False
+        self.flush()
         for handle in self.handles.values():
             handle.close()
         self.handles = {}

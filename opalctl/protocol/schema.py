@@ -390,6 +390,14 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     for arm_name, arm in protocol.arms.items():
         if reason := check_optimizer(arm.optimizer):
             problem(("arms", arm_name, "optimizer", "name"), reason)
+        if arm.agent is not None and arm.agent.backend == "anthropic" and arm.agent.prices is None:
+            from opalctl.opal.agents.anthropic import DEFAULT_MODEL, default_prices
+
+            model = arm.agent.model or DEFAULT_MODEL
+            if default_prices(model) is None:
+                problem(("arms", arm_name, "agent", "model"),
+                        f"model {model!r} has no default prices; give arms.{arm_name}.agent.prices (input, output, "
+                        f"cache_read, cache_write in USD per million tokens)")
     if problems:
         raise ProtocolError(where, problems)
 

@@ -66,16 +66,15 @@ def _maybe_die(kind):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_decide = HeuristicBackend.decide
+if os.environ.get("KILL_DECIDE_AT"):  # only in the child that is to die so
+    _decide = HeuristicBackend.decide
 
+    def _decide_then_maybe_die(self, workspace, message, facts):
+        answer = _decide(self, workspace, message, facts)
+        _maybe_die("decide")
+        return answer
 
-def _decide_then_maybe_die(self, workspace, message, facts):
-    answer = _decide(self, workspace, message, facts)
-    _maybe_die("decide")
-    return answer
-
-
-HeuristicBackend.decide = _decide_then_maybe_die
+    HeuristicBackend.decide = _decide_then_maybe_die
 
 
 class CrashDigits(Digits):
@@ -198,7 +197,7 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project, 
     assert figures["decisions_reverted"] == 0
     assert isinstance(figures["waiting_seconds"], float) and figures["waiting_seconds"] >= 0.0
     assert figures["cost_usd"] == 0.0, "the heuristic agent costs nothing"
-    assert report["seconds"]["agent_wait_wall"] >= figures["waiting_seconds"] * 0.5
+    assert report["seconds"]["agent_wait_wall"] >= figures["waiting_seconds"]
     assert report["updates"] == AMOUNT and report["budget"]["used"] == AMOUNT
 
     # the events: start ... end, and the figures agree with them
@@ -284,9 +283,10 @@ def resume_state(run_dir):
     return payload["meta"]["update"], payload["extra"]["optimizer"]
 
 
-def finish(project, run_dir):
-    result = child(project, resume=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+def finish(project, run_dir, main_cli):
+    """``opalctl run ... --resume`` (in this process: nothing kills it any more) until the run's end."""
+    code, _, err = main_cli(project.run_args("agent", 1, "--resume"))
+    assert code == 0, err[-3000:]
     assert (run_dir / "report.json").exists() and not (run_dir / "resume.pt").exists()
 
 
@@ -294,7 +294,7 @@ def checkpoint_at_or_after(update):
     return -(-update // EVERY) * EVERY
 
 
-def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tools):
+def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tools, main_cli):
     """Killed inside an update before any change, then right after the agent answered the decision that changes
     the program (the edit is in the workspace, not yet applied); each time resumed, then run to the end."""
     log = events(crash.reference)
@@ -320,11 +320,11 @@ def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tool
     assert (run_dir / "opal" / "workspace" / "updater.py").read_text() == \
         (crash.reference / "opal" / "programs" / "v001" / "updater.py").read_text(), "the edit was made"
 
-    finish(crash, run_dir)
+    finish(crash, run_dir, main_cli)
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=2)
 
 
-def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash, tools):
+def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash, tools, main_cli):
     """Killed during the new program's trial (resuming from a checkpoint taken after it was applied), then after
     its trial passed; each time resumed, then run to the end."""
     applied = first_applied(crash.reference)
@@ -343,25 +343,30 @@ def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash, to
         assert state["trial_left"] == passed["update"] - after_change and state["fallback"] == 0
     assert any(e["kind"] == "applied" for e in events(run_dir))
 
-    # 2. resumed from there, and killed late in the run (after the trial passed, once the new program's anneal
-    #    has begun in the heuristic's usual change), after the agent answered one more decision
-    after_trial = checkpoint_at_or_after(max(passed["update"] + 1, int(0.85 * AMOUNT), after_change + 1))
-    later = [e["update"] for e in events(crash.reference) if e["kind"] == "requested" and e["update"] > after_trial]
-    kill_at = (later[0] + 3) if later and later[0] + 3 < checkpoint_at_or_after(later[0] + 1) else after_trial + 7
-    assert kill_at < AMOUNT
+    # 2. resumed from there, and killed late in the run (the trial passed, and in the heuristic's usual change the
+    #    new program's anneal has begun), just after the agent answered one more decision
+    late = next(e for e in events(crash.reference) if e["kind"] == "requested"
+                and e["update"] > max(passed["update"], int(0.8 * AMOUNT), after_change + EVERY))
+    kill_at = late["update"] + 1
+    after_trial = late["update"] // EVERY * EVERY  # the last checkpoint before the kill
+    assert kill_at < AMOUNT and after_trial > max(after_change, passed["update"])
     assert_killed(child(crash, resume=True, env={"KILL_LOSS_AT": str(kill_at - after_change)}), run_dir)
     checkpoint, state = resume_state(run_dir)
     assert checkpoint == after_trial and state["current"] == state["fallback"] == 1
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change]
+    assert events(run_dir)[-1]["decision"] == late["decision"], "the decision was answered before the kill"
 
-    finish(crash, run_dir)
+    finish(crash, run_dir, main_cli)
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=2)
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change, after_trial]
 
 
-@pytest.mark.xfail(strict=True, reason="an agent arm killed before start.json (e.g. during the anchor evaluation) "
-                                       "leaves opal/ behind: a new run is refused as 'already exists' and --resume "
-                                       "as 'no run to resume', so the run can never be started again")
+def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(crash, tools):
+    crash.run("adamw", 1)  # evaluates the anchor of seed 1 in these runs
+    crash.run("agent", 1)  # finds it and only checks it
+    assert_same_agent_run(tools, crash.run_dir("agent", 1), crash.reference, resumes=0)
+
+
 def test_an_agent_arm_killed_during_the_anchor_evaluation_can_be_started_again(crash, tools, main_cli):
     run_dir = crash.run_dir("agent", 1)
     result = child(crash, resume=False, env={"KILL_EVALUATE_AT": "2"})
@@ -373,11 +378,8 @@ def test_an_agent_arm_killed_during_the_anchor_evaluation_can_be_started_again(c
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=0)
 
 
-@pytest.mark.xfail(strict=True, reason="when the first resume.pt write is torn, --resume starts the records over "
-                                       "but opal/events.jsonl is appended to, so it holds two start events (and the "
-                                       "restart verifies the anchor instead of evaluating it, which shifts the RNG)")
-def test_an_agent_arm_killed_while_writing_its_first_resume_checkpoint_ends_like_an_uninterrupted_run(crash,
-                                                                                                      tools):
+def test_an_agent_arm_killed_while_writing_its_first_resume_checkpoint_ends_like_an_uninterrupted_run(
+        crash, tools, main_cli):
     torn = '''
 import os, signal, sys, tempfile
 from pathlib import Path
@@ -400,7 +402,7 @@ main(sys.argv[1:])
     result = crash.process(crash.run_args("agent", 1), python=["-c", torn])
     assert result.returncode == KILLED, result.stderr[-2000:]
     assert (run_dir / "start.json").exists() and not (run_dir / "resume.pt").exists()
-    finish(crash, run_dir)
+    finish(crash, run_dir, main_cli)
     assert [e["kind"] for e in events(run_dir)].count("start") == 1
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=0)
 
@@ -441,7 +443,7 @@ class FakeClock(Clock):
 
 
 CHARGES = [1 / 256] * 256  # dyadic: the sums are exact, the budget of 1.0 is spent at update 256
-SLEEP = 0.05
+SLEEP = 0.1
 
 
 def fake_clock_runs(project, monkeypatch, watch=None):
@@ -490,8 +492,9 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, tools, monkeyp
     assert [s["update"] for s in agent["stages"]] == [s["update"] for s in plain["stages"]] == [64, 128, 192, 256]
     assert [s["budget_used"] for s in agent["stages"]] == [s["budget_used"] for s in plain["stages"]]
     assert [s["charge"] for s in read_steps(run_dir / "steps.jsonl.gz")] == CHARGES
-    # training seconds leave the waiting out
-    assert agent["seconds"]["train_wall"] < agent["seconds"]["agent_wait_wall"] + plain["seconds"]["train_wall"]
+    # the training seconds leave the waiting out (8 x SLEEP of it; the two arms' updates cost about the same)
+    assert agent["seconds"]["train_cpu"] == plain["seconds"]["train_cpu"] == 1.0
+    assert agent["seconds"]["train_wall"] < plain["seconds"]["train_wall"] + 4 * SLEEP
 
     # decisions fall due by the fraction of the budget charged so far: the first update that reaches each one
     log = events(run_dir)
@@ -504,9 +507,6 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, tools, monkeyp
     assert [e["update"] for e in log if e["kind"] == "requested"] == due
 
 
-@pytest.mark.xfail(strict=True, reason="SPEC 5.4 (log writes outside the timed intervals): the agent optimizer "
-                                       "writes opal/losses.jsonl, reports.jsonl and trial_passed events inside "
-                                       "step(), i.e. inside the timed update")
 def test_no_agent_record_is_written_inside_a_timed_update(project, tools, monkeypatch):
     _, clocks, _ = fake_clock_runs(project, monkeypatch, watch="opal")
     assert clocks["agent"].given == CHARGES
@@ -568,16 +568,20 @@ def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project,
     assert code == 0 and "agent decisions" not in out
 
 
-# -- 6. LLM backends are refused until they land -----------------------------------------------------------------
+# -- 6. an LLM backend that cannot work is refused before any work ----------------------------------------------
 
-@pytest.mark.parametrize("backend", ["anthropic", "claude-code"])
-def test_an_llm_backend_is_refused_by_run(project, tools, main_cli, backend):
+@pytest.mark.parametrize("backend,needs", [("anthropic", "ANTHROPIC_API_KEY"), ("claude-code", "OPALCTL_CLAUDE_BIN")])
+def test_an_llm_backend_without_its_key_or_binary_is_refused_by_run(project, tools, main_cli, monkeypatch, backend,
+                                                                       needs):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("OPALCTL_CLAUDE_BIN", str(project.folder / "no-such-claude"))
     lock = freeze_agent_protocol(project, arms={"adamw": ADAMW, "llm": {**ADAMW, "agent": {"backend": backend}}})
     assert tools.read(lock)  # the protocol freezes: the schema accepts the backend
     code, out, err = main_cli(project.run_args("llm", 1))
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("opalctl: error: ") and repr(backend) in lines[0]
+    assert needs in lines[0]
     run_dir = project.run_dir("llm", 1)
     assert not (run_dir / "start.json").exists() and not (run_dir / "opal").exists()
-    assert not (project.base / "anchors").exists(), "refused before any work"

@@ -1,0 +1,603 @@
+"""The Anthropic Messages API agent (``backend: anthropic``): a tool-use loop over the run's workspace.
+
+For each decision the agent gets the prompt (neutral or aggressive) and the tool instructions below as its
+system prompt (cached with ``cache_control``), the decision message as its first user turn, and five tools that
+act on the workspace only:
+
+    list_files       the files of the workspace (or of a folder in it)
+    read_file        one file's text
+    write_file       a whole file (path, content)
+    replace_text     one unique piece of text in a file (path, old, new)
+    check_programs   a dry run of the workspace's updater.py and analysis.py: the static check, build() on
+                     stand-in tensors of the run's real parameter shapes and dtypes wrapped in a fresh AdamW, one
+                     step on random gradients, state_dict()/load_state_dict(), one analyze(); the error text, if any
+
+Paths are confined to the workspace: an absolute path, a ``..`` part, or a symlink that leads out is refused,
+and the refusal is the tool's result (the agent reads it and goes on). The optimizer's own folder ``.opal`` is
+read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
+decision has at most ``turns`` requests and ``seconds_per_decision`` seconds; the last turn is sent with tools
+switched off, so the agent must end with its rationale.
+
+Errors: *unavailable* (429 rate limit, 529 overloaded, other 5xx, 408, a connection error or timeout) waits with
+exponential backoff (or the server's ``retry-after``) and retries, up to ``retries`` times per request: the
+decision goes on. *Failed* (400, 401, 403, 404 and every other 4xx) ends the decision at once with a clear
+message: the optimizer records a ``decision_failed`` event and training goes on with the programs it has.
+
+Cost of a decision = its summed token usage times the model's prices (USD per million tokens). The API key comes
+from ``ANTHROPIC_API_KEY`` (or ``api_key=``) and is only ever handed to the SDK; ``secret()`` gives it to the
+records so that anything that would carry it is redacted. ``base_url=`` or ``ANTHROPIC_BASE_URL`` points the
+client at another server (the tests use a loopback one).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import threading
+import time
+import traceback
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from opalctl.errors import BadInput
+from opalctl.opal.agents.base import Answer, Backend
+
+DEFAULT_MODEL = "claude-opus-5-5"
+
+# Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
+# are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
+# overrides them (and must be given for a model not listed here). claude-opus-5-5, the model of the measured
+# figures in estimate.py, is priced like the current Opus list price.
+DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
+    "claude-opus-5-5": (5.0, 25.0, 0.50, 6.25),
+    "claude-opus-4-5": (5.0, 25.0, 0.50, 6.25),
+    "claude-opus-4-1": (15.0, 75.0, 1.50, 18.75),
+    "claude-opus-4-0": (15.0, 75.0, 1.50, 18.75),
+    "claude-sonnet-4-5": (3.0, 15.0, 0.30, 3.75),
+    "claude-sonnet-4-0": (3.0, 15.0, 0.30, 3.75),
+    "claude-haiku-4-5": (1.0, 5.0, 0.10, 1.25),
+    "claude-3-5-haiku": (0.80, 4.0, 0.08, 1.0),
+}
+# models that take `output_config.effort`; for any other model the effort setting is not sent
+EFFORT_MODELS = ("claude-opus-5-5", "claude-opus-4-5")
+PRICE_KEYS = ("input", "output", "cache_read", "cache_write")
+USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+RETRYABLE_STATUS = (408, 429)  # and every 5xx (500, 502, 503, 504, 529 overloaded)
+MAX_BACKOFF_SECONDS = 60.0
+MAX_READ_CHARS = 100_000
+MAX_WRITE_CHARS = 200_000
+MAX_RECORDED_CHARS = 20_000
+META_FOLDER = ".opal"
+
+TOOL_INSTRUCTIONS = """\
+## Your tools
+
+You work in a folder (the workspace) that holds `updater.py` and `analysis.py` as they run now. Paths are relative
+to it; absolute paths, `..` and links out of it are refused.
+
+- `list_files` lists the files of the workspace.
+- `read_file` returns a file's text.
+- `write_file` replaces a whole file (`path`, `content`).
+- `replace_text` replaces one piece of text that occurs exactly once in a file (`path`, `old`, `new`).
+- `check_programs` dry-runs the workspace's programs: the load-time check, `build()` on stand-in tensors of the
+  run's parameter shapes and dtypes (wrapped in a fresh AdamW), one step on random gradients, `state_dict()` /
+  `load_state_dict()`, and one `analyze()`. It returns "ok" or the error. Run it after every edit and fix what it
+  reports: a program that fails when it is loaded is not applied.
+
+Only `updater.py` and `analysis.py` are loaded; other files are ignored. To keep the programs, change nothing.
+When you are done, stop calling tools and answer with your rationale only; that text is recorded as your
+decision. Each decision has a limited number of turns; the last one has no tools."""
+
+TOOLS: list[dict[str, Any]] = [
+    {"name": "list_files", "description": "List the files of the workspace (or of one folder in it), with sizes.",
+     "input_schema": {"type": "object", "properties": {
+         "path": {"type": "string", "description": "a folder relative to the workspace; default: the workspace"}}}},
+    {"name": "read_file", "description": "Return the text of one file of the workspace.",
+     "input_schema": {"type": "object", "properties": {
+         "path": {"type": "string", "description": "relative to the workspace, e.g. updater.py"}},
+         "required": ["path"]}},
+    {"name": "write_file", "description": "Write a whole file of the workspace (it is replaced).",
+     "input_schema": {"type": "object", "properties": {
+         "path": {"type": "string", "description": "relative to the workspace, e.g. updater.py"},
+         "content": {"type": "string", "description": "the complete new text of the file"}},
+         "required": ["path", "content"]}},
+    {"name": "replace_text", "description": "Replace a piece of text that occurs exactly once in a file.",
+     "input_schema": {"type": "object", "properties": {
+         "path": {"type": "string", "description": "relative to the workspace, e.g. updater.py"},
+         "old": {"type": "string", "description": "the exact text to replace; it must occur exactly once"},
+         "new": {"type": "string", "description": "the text to put in its place"}},
+         "required": ["path", "old", "new"]}},
+    {"name": "check_programs", "description": "Dry-run updater.py and analysis.py of the workspace on stand-in "
+                                              "tensors of the run's real shapes; returns 'ok' or the error.",
+     "input_schema": {"type": "object", "properties": {}}},
+]
+
+
+# -- prices and cost ---------------------------------------------------------------------------------------------
+
+def default_prices(model: str | None) -> dict[str, float] | None:
+    """The default prices of ``model`` (None when it has none): an exact name, or one with a date suffix."""
+    if not model:
+        return None
+    name = re.sub(r"-(\d{8}|latest)$", "", model)
+    row = DEFAULT_PRICES.get(name)
+    return dict(zip(PRICE_KEYS, row)) if row is not None else None
+
+
+def _price_dict(prices: Any) -> dict[str, float] | None:
+    if prices is None:
+        return None
+    if hasattr(prices, "model_dump"):
+        prices = prices.model_dump()
+    return {key: float(prices.get(key) or 0.0) for key in PRICE_KEYS}
+
+
+def cost_of(usage: dict[str, Any], prices: dict[str, float]) -> float:
+    """US dollars for ``usage`` (token counts as the API reports them) at ``prices`` (per million tokens)."""
+    return (usage.get("input_tokens", 0) * prices["input"] + usage.get("output_tokens", 0) * prices["output"]
+            + usage.get("cache_read_input_tokens", 0) * prices["cache_read"]
+            + usage.get("cache_creation_input_tokens", 0) * prices["cache_write"]) / 1e6
+
+
+# -- the workspace as the tools see it ---------------------------------------------------------------------------
+
+class Refused(Exception):
+    """A tool call the workspace refuses; the message goes back to the agent as the tool's result."""
+
+
+class Workspace:
+    """The run's workspace, with every path confined to it."""
+
+    def __init__(self, root: Path):
+        self.root = Path(os.path.realpath(root))
+
+    def path(self, given: Any, *, write: bool = False) -> Path:
+        if not isinstance(given, str) or not given.strip():
+            raise Refused("give a path relative to the workspace, e.g. updater.py")
+        if "\x00" in given:
+            raise Refused("a path may not contain a NUL character")
+        text = given.strip()
+        pure = PurePosixPath(text.replace("\\", "/"))
+        if pure.is_absolute() or text.startswith("~") or re.match(r"^[A-Za-z]:", text):
+            raise Refused(f"{given!r} is an absolute path; paths are relative to the workspace (e.g. updater.py)")
+        if ".." in pure.parts:
+            raise Refused(f"{given!r} goes up with '..'; only files inside the workspace can be used")
+        target = Path(os.path.realpath(self.root / pure))
+        if target != self.root and self.root not in target.parents:
+            raise Refused(f"{given!r} leads outside the workspace (through a symbolic link); only files inside the "
+                          f"workspace can be used")
+        relative = target.relative_to(self.root)
+        if write and (relative.parts[:1] == (META_FOLDER,) or target == self.root):
+            raise Refused(f"{given!r} cannot be written: {META_FOLDER}/ belongs to the optimizer; edit updater.py "
+                          f"or analysis.py")
+        return target
+
+    def list_files(self, folder: Any = None) -> str:
+        base = self.path(folder) if folder not in (None, "", ".") else self.root
+        if not base.is_dir():
+            raise Refused(f"{folder!r} is not a folder of the workspace")
+        lines = []
+        for current, folders, files in os.walk(base):
+            folders[:] = sorted(f for f in folders if f not in (META_FOLDER, "__pycache__"))
+            for name in sorted(files):
+                path = Path(current) / name
+                relative = path.relative_to(self.root).as_posix()
+                if path.is_symlink():
+                    lines.append(f"{relative} (a link)")
+                else:
+                    lines.append(f"{relative} ({path.stat().st_size} bytes)")
+                if len(lines) >= 200:
+                    return "\n".join(lines + ["(more files not listed)"])
+        return "\n".join(lines) or "(no files)"
+
+    def read(self, given: Any) -> str:
+        path = self.path(given)
+        if not path.is_file():
+            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) > MAX_READ_CHARS:
+            return text[:MAX_READ_CHARS] + f"\n... (cut at {MAX_READ_CHARS} characters of {len(text)})"
+        return text
+
+    def write(self, given: Any, content: Any) -> str:
+        if not isinstance(content, str):
+            raise Refused("content must be the file's text (a string)")
+        if len(content) > MAX_WRITE_CHARS:
+            raise Refused(f"the content has {len(content)} characters; the limit is {MAX_WRITE_CHARS}")
+        path = self.path(given, write=True)
+        if path.is_dir():
+            raise Refused(f"{given!r} is a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+        return f"wrote {path.relative_to(self.root).as_posix()} ({len(content.splitlines())} lines)"
+
+    def replace(self, given: Any, old: Any, new: Any) -> str:
+        if not isinstance(old, str) or not isinstance(new, str) or not old:
+            raise Refused("old must be a non-empty string and new a string")
+        path = self.path(given, write=True)
+        if not path.is_file():
+            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
+        text = path.read_text(encoding="utf-8")
+        count = text.count(old)
+        if count != 1:
+            raise Refused(f"the old text occurs {count} times in {given}; it must occur exactly once (include more "
+                          f"of the surrounding lines)" if count else f"the old text does not occur in {given}; read "
+                          f"the file and copy the text exactly")
+        path.write_text(text.replace(old, new, 1), encoding="utf-8")
+        return f"replaced 1 occurrence in {path.relative_to(self.root).as_posix()}"
+
+
+# -- the dry run ---------------------------------------------------------------------------------------------------
+
+def _stand_ins(facts: dict[str, Any]):
+    """name -> a parameter of the run's shape and dtype (random, from a private generator)."""
+    import torch
+
+    shapes = facts.get("shapes") or {"weight": [[8, 8], "float32"], "bias": [[8], "float32"]}
+    generator = torch.Generator().manual_seed(0)
+    params = {}
+    for name, (shape, dtype_name) in shapes.items():
+        dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.float32
+        value = torch.randn(tuple(shape), generator=generator) * 0.1
+        params[name] = torch.nn.Parameter(value.to(dtype), requires_grad=dtype.is_floating_point)
+    return params, generator
+
+
+def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None = None) -> str | None:
+    """The error text of the workspace's programs on stand-in tensors (None when they pass).
+
+    The running programs (``running``, the files as the decision began) are built and stepped first, so that the
+    new updater is built with a ``previous`` and an optimizer state, as it will be in the run. Torch's global
+    random state is kept when this runs on the main thread (a program may draw from it).
+    """
+    import torch
+
+    if threading.current_thread() is threading.main_thread():
+        with torch.random.fork_rng(devices=[]):
+            return _dry_run(workspace, facts, running)
+    return _dry_run(workspace, facts, running)
+
+
+def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
+    import torch
+
+    from opalctl.opal.optimizer import PROGRAM_FILES, GradView, Spec, StepContext
+    from opalctl.opal.programs import ProgramRejected, load_program
+    from opalctl.opal.roles import role_of
+
+    sources = {}
+    for name in PROGRAM_FILES:
+        path = Path(workspace) / name
+        if not path.is_file():
+            return f"{name} is missing from the workspace; write it"
+        sources[name] = path.read_text(encoding="utf-8")
+    try:
+        updater_program = load_program("updater", sources["updater.py"], label="updater")
+        analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
+    except ProgramRejected as error:
+        return str(error)
+    build = getattr(updater_program.module, "build", None)
+    analyze = getattr(analysis_program.module, "analyze", None)
+    if not callable(build):
+        return "updater.py must define build(params, previous, spec)"
+    if not callable(analyze):
+        return "analysis.py must define analyze(obs, memory)"
+    every = getattr(analysis_program.module, "EVERY", 25)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return f"analysis.py: EVERY must be a positive integer, not {every!r}"
+
+    params, generator = _stand_ins(facts)
+    lrs = facts.get("lrs") or [1e-3]
+    optimizer = torch.optim.AdamW(list(params.values()), lr=float(lrs[0]) or 1e-3)
+    spec = Spec(optimizer, None, None, facts.get("total_steps"), facts.get("goal"), params)
+    grads = GradView(params)
+    update = int(facts.get("update") or 0)
+    progress = float(facts.get("progress") or 0.0)
+
+    def random_grads() -> None:
+        for p in params.values():
+            if p.requires_grad:
+                p.grad = (torch.randn(tuple(p.shape), generator=generator) * 0.01).to(p.dtype)
+
+    stage = "building the running program"
+    try:
+        previous = None
+        if running and running.get("updater.py") and running["updater.py"] != sources["updater.py"]:
+            try:
+                old = load_program("updater", running["updater.py"], label="running-updater")
+                previous = old.module.build(params, None, spec)
+                random_grads()
+                with torch.no_grad():
+                    previous.step(grads, update, StepContext(progress, torch.tensor(1.0), update))
+            except Exception:  # the running program is not on trial here
+                previous = None
+        stage = "build()"
+        updater = build(params, previous, spec)
+        for method in ("step", "state_dict", "load_state_dict"):
+            if not callable(getattr(updater, method, None)):
+                return f"updater.py: the object build() returns has no {method}()"
+        random_grads()
+        before = {name: p.detach().clone() for name, p in params.items()}
+        layout = {name: (p.dtype, tuple(p.shape)) for name, p in params.items()}
+        stage = "step()"
+        with torch.no_grad():
+            updater.step(grads, update, StepContext(progress, torch.tensor(1.0), update))
+        for name, p in params.items():
+            if (p.dtype, tuple(p.shape)) != layout[name]:
+                return (f"step() changed parameter {name} from {layout[name][0]} {list(layout[name][1])} to "
+                        f"{p.dtype} {list(p.shape)}; keep dtype and shape")
+            if not bool(torch.isfinite(p.detach()).all()):
+                return f"step() left non-finite values in parameter {name}"
+        stage = "state_dict() / load_state_dict()"
+        updater.load_state_dict(updater.state_dict())
+        stage = "analyze()"
+        obs = {"update": update + 1, "progress": progress, "losses": [2.0 - 0.01 * i for i in range(every)],
+               "params": dict(params), "before": before, "grads": dict(grads.items()),
+               "state": {name: optimizer.state.get(p, {}) for name, p in params.items()},
+               "roles": {name: role_of(name, tuple(p.shape)) for name, p in params.items()},
+               "lrs": [float(g["lr"]) for g in (getattr(updater, "param_groups", None) or optimizer.param_groups)]}
+        memory: dict[str, Any] = {}
+        with torch.no_grad():
+            result = analyze(obs, memory)
+        if not isinstance(result, dict):
+            return f"analyze() returned {type(result).__name__}, not a dict"
+        try:
+            json.dumps(result.get("report"), default=float)
+            json.dumps(memory)
+        except (TypeError, ValueError) as error:
+            return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
+    except Exception as error:
+        lines = traceback.format_exc(limit=-4).rstrip()
+        return f"{stage} raised {type(error).__name__}: {error}\n{lines}"
+    return None
+
+
+# -- the backend -------------------------------------------------------------------------------------------------
+
+class AnthropicBackend(Backend):
+    name = "anthropic"
+    runs_in = "thread"  # it only waits on the network (and runs a tiny dry run)
+    backoff_seconds = 2.0  # the first wait after an unavailable answer without retry-after; doubles each time
+
+    def __init__(self, model: str | None = None, max_tokens: int = 8192, turns: int = 24,
+                 seconds_per_decision: float = 900.0, retries: int = 4, prices: Any = None,
+                 prompt_text: str | None = None, api_key: str | None = None, base_url: str | None = None,
+                 effort: str | None = None):
+        self.model = model or DEFAULT_MODEL
+        self.max_tokens = int(max_tokens)
+        self.turns = int(turns)
+        self.seconds_per_decision = float(seconds_per_decision)
+        self.retries = int(retries)
+        self.prices = _price_dict(prices) or default_prices(self.model)
+        if self.prices is None:
+            raise BadInput(f"agent model {self.model!r} has no default prices; give them as "
+                           f"arms.NAME.agent.prices (input, output, cache_read, cache_write in USD per million tokens)")
+        self.prompt_text = prompt_text
+        self.effort = effort if self.model in EFFORT_MODELS else None
+        self._api_key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
+        if not self._api_key:
+            raise BadInput("agent backend 'anthropic' needs an API key: set ANTHROPIC_API_KEY in the environment of "
+                           "opalctl (it is never written to any file)")
+        try:
+            import anthropic
+        except ImportError:  # pragma: no cover - a dependency of opalctl
+            raise BadInput("agent backend 'anthropic' needs the anthropic package: pip install anthropic") from None
+        self._sdk = anthropic
+        self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or None
+        # the SDK's own retries are off: this backend retries itself, records each attempt and keeps to the
+        # decision's time limit
+        self.client = anthropic.Anthropic(api_key=self._api_key, base_url=self.base_url, max_retries=0,
+                                          open_telemetry=False)
+
+    def secret(self) -> str:
+        """The API key, for the records' redaction list (never for a file)."""
+        return self._api_key
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "model": self.model, "max_tokens": self.max_tokens, "turns": self.turns,
+                "seconds_per_decision": self.seconds_per_decision, "retries": self.retries, "prices": self.prices,
+                "effort": self.effort, "base_url": self.base_url}
+
+    # -- one decision ------------------------------------------------------------------------------------------
+    def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
+        deadline = time.monotonic() + self.seconds_per_decision
+        space = Workspace(workspace)
+        running = {}
+        for name in ("updater.py", "analysis.py"):
+            path = Path(workspace) / name
+            running[name] = path.read_text(encoding="utf-8") if path.is_file() else ""
+        prompt = self._prompt_for(message)
+        system = (prompt.rstrip() + "\n\n" + TOOL_INSTRUCTIONS) if prompt else TOOL_INSTRUCTIONS
+        user = message[len(prompt):].lstrip() if prompt and message.startswith(prompt) else message
+        messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": user}]}]
+        usage = {key: 0 for key in USAGE_KEYS}
+        usage["requests"] = 0
+        transcript: list[dict[str, Any]] = [{"event": "start", "model": self.model, "max_tokens": self.max_tokens,
+                                             "turns": self.turns, "system": system, "tools": TOOLS, "user": user}]
+
+        def answer(rationale: str = "", failed: str | None = None) -> Answer:
+            cost = cost_of(usage, self.prices)
+            transcript.append({"event": "end", "usage": dict(usage), "cost_usd": cost, "failed": failed})
+            return Answer(rationale=rationale, usage=dict(usage), cost_usd=cost, transcript=transcript, failed=failed)
+
+        for turn in range(1, self.turns + 1):
+            last = turn == self.turns
+            request: dict[str, Any] = {
+                "model": self.model, "max_tokens": self.max_tokens, "tools": TOOLS, "messages": _mark_cache(messages),
+                "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]}
+            if last:
+                request["tool_choice"] = {"type": "none"}
+            if self.effort:
+                request["output_config"] = {"effort": self.effort}
+            response, failure = self._create(request, deadline, transcript, turn)
+            if failure is not None:
+                return answer(failed=failure)
+            usage["requests"] += 1
+            for key in USAGE_KEYS:
+                usage[key] += int(getattr(response.usage, key, 0) or 0)
+            content = [_block_param(block) for block in response.content]
+            messages.append({"role": "assistant", "content": content})
+            text = "\n".join(block["text"] for block in content if block.get("type") == "text").strip()
+            calls = [block for block in content if block.get("type") == "tool_use"]
+            if not calls:
+                return answer(rationale=text or "(the agent gave no rationale)")
+            if last:
+                break
+            results: list[dict[str, Any]] = []
+            for call in calls:
+                started = time.monotonic()
+                result, is_error = self._tool(space, call["name"], call.get("input") or {}, facts, running)
+                transcript.append({"event": "tool", "turn": turn, "name": call["name"],
+                                   "input": _shorten(call.get("input")), "result": _shorten(result),
+                                   "is_error": is_error, "seconds": time.monotonic() - started})
+                results.append({"type": "tool_result", "tool_use_id": call["id"], "content": result,
+                                "is_error": is_error})
+            if turn + 1 == self.turns:
+                results.append({"type": "text", "text": "This is your last turn: tools are off now. End with your "
+                                                        "rationale."})
+            messages.append({"role": "user", "content": results})
+        return answer(failed=f"the agent used all {self.turns} turns without finishing (arms.NAME.agent.turns); "
+                             f"its edits were not applied")
+
+    def _prompt_for(self, message: str) -> str:
+        if self.prompt_text is not None:
+            return self.prompt_text
+        from opalctl.opal.messages import prompt_text
+
+        for name in ("neutral", "aggressive"):
+            text = prompt_text(name)
+            if message.startswith(text):
+                return text
+        return ""
+
+    def _create(self, request: dict[str, Any], deadline: float, transcript: list, turn: int):
+        """One request, retried while the API is unavailable; (response, None) or (None, why it failed)."""
+        sdk = self._sdk
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None, (f"the decision ran past its limit of {self.seconds_per_decision:g} s "
+                              f"(arms.NAME.agent.seconds_per_decision)")
+            started = time.monotonic()
+            retry_after = None
+            try:
+                response = self.client.messages.create(**request, timeout=remaining)
+            except sdk.APIStatusError as error:
+                status = error.status_code
+                retryable = status in RETRYABLE_STATUS or status >= 500
+                detail = f"HTTP {status}" + (f" {error.type}" if error.type else "") + \
+                         f": {error.api_message or error.message}"
+                retry_after = _retry_after(error.response.headers)
+            except sdk.APIConnectionError as error:
+                status, retryable = None, True
+                detail = f"{type(error).__name__}: {error}"
+            else:
+                transcript.append({"event": "response", "turn": turn, "seconds": time.monotonic() - started,
+                                   "stop_reason": response.stop_reason, "usage": _usage(response.usage),
+                                   "content": [_shorten(_block_param(b)) for b in response.content]})
+                return response, None
+            transcript.append({"event": "error", "turn": turn, "attempt": attempt + 1, "status": status,
+                               "retryable": retryable, "message": detail, "seconds": time.monotonic() - started})
+            if not retryable:
+                return None, _failed_text(status, detail, self.model)
+            if attempt >= self.retries:
+                return None, (f"unavailable: the API did not answer after {attempt + 1} attempt(s) (last: {detail}); "
+                              f"the decision is given up and training goes on")
+            wait = retry_after if retry_after is not None else min(MAX_BACKOFF_SECONDS,
+                                                                   self.backoff_seconds * 2 ** attempt)
+            if time.monotonic() + wait >= deadline:
+                return None, (f"unavailable ({detail}), and waiting {wait:g} s more would run past the decision's "
+                              f"limit of {self.seconds_per_decision:g} s")
+            transcript.append({"event": "retry", "turn": turn, "attempt": attempt + 2, "wait_seconds": wait})
+            time.sleep(wait)
+            attempt += 1
+
+    def _tool(self, space: Workspace, name: str, arguments: dict[str, Any], facts: dict[str, Any],
+              running: dict[str, str]) -> tuple[str, bool]:
+        if not isinstance(arguments, dict):
+            return "the tool's input must be an object", True
+        try:
+            if name == "list_files":
+                return space.list_files(arguments.get("path")), False
+            if name == "read_file":
+                return space.read(arguments.get("path")), False
+            if name == "write_file":
+                return space.write(arguments.get("path"), arguments.get("content")), False
+            if name == "replace_text":
+                return space.replace(arguments.get("path"), arguments.get("old"), arguments.get("new")), False
+            if name == "check_programs":
+                problem = dry_run(space.root, facts, running)
+                return ("ok: both programs load, build, step and analyse on stand-in tensors of the run's shapes"
+                        if problem is None else problem), problem is not None
+        except Refused as refusal:
+            return f"refused: {refusal}", True
+        except OSError as error:
+            return f"{type(error).__name__}: {error}", True
+        return f"unknown tool {name!r}; the tools are {', '.join(t['name'] for t in TOOLS)}", True
+
+
+def _failed_text(status: int | None, detail: str, model: str) -> str:
+    if status == 401:
+        return f"failed: the API refused the key ({detail}); check ANTHROPIC_API_KEY"
+    if status == 403:
+        return f"failed: the key may not use this ({detail}); check the key's permissions"
+    if status == 404:
+        return f"failed: not found ({detail}); check that the model {model!r} exists (arms.NAME.agent.model)"
+    if status == 400:
+        return f"failed: the API refused the request ({detail})"
+    return f"failed: {detail}"
+
+
+def _retry_after(headers) -> float | None:
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        value = headers.get(name) if headers is not None else None
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue
+        if math.isfinite(seconds):
+            return min(max(seconds, 0.0), MAX_BACKOFF_SECONDS * 2)
+    return None
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    return {key: int(getattr(usage, key, 0) or 0) for key in USAGE_KEYS}
+
+
+def _block_param(block: Any) -> dict[str, Any]:
+    """A response content block as a request content block (what goes back in the next request)."""
+    kind = getattr(block, "type", None)
+    if kind == "text":
+        return {"type": "text", "text": block.text}
+    if kind == "tool_use":
+        return {"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}
+    return block.model_dump(mode="json", exclude_none=True) if hasattr(block, "model_dump") else dict(block)
+
+
+def _mark_cache(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with a cache breakpoint on the last block of the last user turn (the conversation so far is
+    read from the cache on the next turn)."""
+    marked = copy.deepcopy(messages)
+    for message in reversed(marked):
+        if message["role"] == "user" and message["content"]:
+            message["content"][-1]["cache_control"] = {"type": "ephemeral"}
+            break
+    return marked
+
+
+def _shorten(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_RECORDED_CHARS:
+        return value[:MAX_RECORDED_CHARS] + f"... (cut at {MAX_RECORDED_CHARS} of {len(value)} characters)"
+    if isinstance(value, dict):
+        return {k: _shorten(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shorten(v) for v in value]
+    return value
