@@ -276,6 +276,8 @@ class FormalRun:
             saved.append(checkpoints.save(path, self.model.state_dict(), kind="stage",
                                           meta={"stage": index + 1, "update": self.meter.updates}))
         self.totals.add("checkpoint_wall", time.perf_counter() - started)
+        if self.agent is not None:
+            self.agent.report_dev(stage=indices[-1] + 1)  # opens the evaluation-integrity check around this update
         started = time.perf_counter()
         metrics = evaluate_all(self.task, self.model, self.splits)
         eval_seconds = time.perf_counter() - started
@@ -526,6 +528,11 @@ class FormalRun:
                        f"({100 * self.meter.overshoot / self.meter.total:.2f} %), as no update is cut short.")
         if self.incumbent["stage"] is None:
             out.append("No stage qualified under the promotion policy: the selected model is the anchor (flagged).")
+        integrity = (getattr(self, "agent_figures", None) or {}).get("eval_integrity")
+        if integrity and integrity["flagged"]:
+            out.append(f"Evaluation integrity: {integrity['flagged']} round trip(s) of the parameters around an "
+                       f"evaluation ({', '.join(integrity['tensors'][:3])}): a program moved them for the evaluation "
+                       f"and back; do not trust this arm's stage metrics.")
         if totals["resumes"]:
             out.append(f"The run was resumed {totals['resumes']} time(s); clock totals are the sum of the sessions.")
         if totals["nonfinite_losses"]:

@@ -140,6 +140,7 @@ class Version:
     analysis: Any = None  # the loaded analysis module
     every: int = 25
     step_seconds: list[float] = field(default_factory=list)
+    steps: int = 0  # updates this version has stepped (the audit measures its second)
 
 
 def _diff_lines(old: str, new: str) -> dict[str, int]:
@@ -172,7 +173,8 @@ class AgentOptimizer(torch.optim.Optimizer):
                  total_steps: int | None, progress: Callable[[], float] | None, backend, decisions: int,
                  schedule, blocking, every: int, trial_steps: int, run_dir, prompt: str, scheduler, clip,
                  max_lag: int, step_time_limit: float, max_wakes: int | None, manual_boundaries: bool,
-                 secrets: list[str] | None = None, sources: dict[str, str] | None = None):
+                 secrets: list[str] | None = None, sources: dict[str, str] | None = None,
+                 eval_integrity: bool = True):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -200,6 +202,13 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.manual_boundaries = manual_boundaries
         self.named = OrderedDict((name, p) for name, p in model.named_parameters() if p.requires_grad)
         self._grads = GradView(self.named)
+        from opalctl.opal.integrity import IntegrityRecorder
+
+        # evaluation integrity (SPEC 6.7): a seeded sample of every tensor's entries recorded on the device
+        # after each update; report_dev opens a check of the window around an evaluation
+        self.integrity = IntegrityRecorder(self.named, seed=0) if eval_integrity else None
+        self.integrity_findings: list[dict[str, Any]] = []
+        self.audits: dict[int, dict[str, Any]] = {}
         self.step_time_limit = step_time_limit
         self._alarm_installed = self._install_alarm()
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -419,7 +428,10 @@ class AgentOptimizer(torch.optim.Optimizer):
             snapshot["scheduler"] = self._swap.get("scheduler")
         self._swap = None
         try:
-            self._run_step(version, grads, ctx)
+            if version.steps == 1 and version.number not in self.audits:
+                self._audited_step(version, grads, ctx)
+            else:
+                self._run_step(version, grads, ctx)
             # during a trial every step is checked in full (one device sync); after it, the periodic check does
             problem = self._check(full=True) if in_trial else None
             if problem:
@@ -438,12 +450,47 @@ class AgentOptimizer(torch.optim.Optimizer):
         if loss is not None:
             self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
         self.t += 1
+        version.steps += 1
+        if self.integrity is not None:
+            self.integrity.record(self.t)
+            findings = self.integrity.maybe_check(self.t)
+            if findings is not None:
+                self._integrity_events(findings)
         if probe:
             self._analyse(before, grads)
         self.records.defer = False
         if not self.manual_boundaries:
             self.records.flush()
         return loss
+
+    def _audited_step(self, version: Version, grads, ctx: StepContext) -> None:
+        """The second update of each version runs under the profiler once (SPEC 6.8): outermost operator calls and,
+        on CUDA, host synchronisations, shown to the agent beside the starting program's counts."""
+        from opalctl.opal.audit import count_step
+
+        counts = count_step(lambda: self._run_step(version, grads, ctx))
+        counts = {"version": version.number, "update": self.t, **counts}
+        self.audits[version.number] = counts
+        self.records.event("audit", **counts)
+
+    def report_dev(self, **metrics: Any) -> None:
+        """A development evaluation happens now (at the current update). Opens an evaluation-integrity check; the
+        metrics are recorded, never shown to the agent."""
+        if self.integrity is not None:
+            self.integrity.open_check(self.t)
+        self.records.event("dev_report", update=self.t, metrics=metrics)
+
+    def log(self, **values: Any) -> None:
+        """Record values with the current update (kept in ``events.jsonl``; not shown to the agent)."""
+        self.records.event("log", update=self.t, values=values)
+
+    def _integrity_events(self, findings: list[dict[str, Any]]) -> None:
+        for finding in findings:
+            flagged = finding.get("kind") == "round_trip"
+            self.integrity_findings.append({**finding, "flagged": flagged})
+            fields = {("finding" if key == "kind" else key): value for key, value in finding.items()
+                      if key != "update"}
+            self.records.event("eval_integrity", update=self.t, flagged=flagged, **fields)
 
     def observe(self, loss) -> None:
         """Record the loss of the update that is about to step (for frameworks that call ``step()`` themselves)."""
@@ -466,6 +513,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         elif self._check(full=True) is not None and self._good is not None:
             self._restore(self._good)
             restored = f"rolled back to update {self._good['update']}"
+            if self.integrity is not None:
+                self.integrity.discontinuity(self.t + 1)
         else:
             restored = "none (the state after the failed step is kept)"
         version.status = "failed"
@@ -610,6 +659,8 @@ class AgentOptimizer(torch.optim.Optimizer):
                 "lrs": [float(g["lr"]) for g in self.param_groups], "version": self.current.number,
                 "losses": {"bins": rebin(since)}, "report": self.latest_report, "errors": self.errors[-8:],
                 "last_change": self.last_change, "timing": timing,
+                "audit": {f"v{number:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
+                          for number, counts in sorted(self.audits.items())},
                 "shapes": {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in self.named.items()}}
 
     def _prepare_workspace(self, facts: dict[str, Any]) -> str:
@@ -812,6 +863,10 @@ class AgentOptimizer(torch.optim.Optimizer):
                     process.kill()
                 self.records.event("abandoned", update=self.t, decision=self.inflight["number"])
                 self.inflight = None
+        if self.integrity is not None:
+            findings = self.integrity.flush()
+            if findings:
+                self._integrity_events(findings)
         self._closed = True
         if self._alarm_installed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
@@ -829,7 +884,11 @@ class AgentOptimizer(torch.optim.Optimizer):
                 "decisions_failed": counters["failed"], "decisions_reverted": counters["reverted"],
                 "waiting_seconds": counters["waiting_seconds"], "agent_seconds": counters["agent_seconds"],
                 "cost_usd": counters["cost_usd"], "wakes": counters["wakes"], "version": self.current.number,
-                "versions": len(self.versions)}
+                "versions": len(self.versions),
+                "eval_integrity": None if self.integrity is None else {
+                    "flagged": sum(1 for f in self.integrity_findings if f["flagged"]),
+                    "information": sum(1 for f in self.integrity_findings if not f["flagged"]),
+                    "tensors": sorted({f["tensor"] for f in self.integrity_findings if f["flagged"]})}}
 
     def state_dict(self) -> dict[str, Any]:
         if self.inflight is not None:  # a checkpoint is a consistent state: finish the decision in flight first
@@ -858,6 +917,10 @@ class AgentOptimizer(torch.optim.Optimizer):
             "queued_reason": self.queued_reason,
             "last_decision_update": self.last_decision_update,
             "counters": dict(self.counters),
+            "integrity": self.integrity.state_dict() if self.integrity is not None else None,
+            "integrity_findings": self.integrity_findings,
+            "audits": {str(k): v for k, v in self.audits.items()},
+            "version_steps": {str(v.number): v.steps for v in self.versions},
             "records": self.records.offsets(),
         }
 
@@ -903,6 +966,12 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.queued_reason = state["queued_reason"]
         self.last_decision_update = int(state["last_decision_update"])
         self.counters = dict(state["counters"])
+        if self.integrity is not None and state.get("integrity") is not None:
+            self.integrity.load_state_dict(state["integrity"])
+        self.integrity_findings = list(state.get("integrity_findings", []))
+        self.audits = {int(k): v for k, v in state.get("audits", {}).items()}
+        for version in self.versions:
+            version.steps = int(state.get("version_steps", {}).get(str(version.number), 0))
         self._good = None
         self.records.event("resumed", update=self.t, version=self.current.number)
 
@@ -926,7 +995,7 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
          blocking: bool | str = True, every: int = 25, trial_steps: int = 20, run_dir: str | Path | None = None,
          prompt: str = "neutral", scheduler=None, clip: float | None = None, max_lag: int = 50,
          step_time_limit: float = 10.0, max_wakes: int | None = None, manual_boundaries: bool = False,
-         secrets: list[str] | None = None) -> AgentOptimizer:
+         secrets: list[str] | None = None, eval_integrity: bool = True) -> AgentOptimizer:
     """Wrap a torch optimizer so that an agent may rewrite its update rule while the model trains.
 
     ``optimizer`` (and ``scheduler``, and ``clip`` when given) are what the starting program runs, unchanged.
@@ -938,4 +1007,4 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
                           decisions=decisions, schedule=schedule, blocking=blocking, every=every,
                           trial_steps=trial_steps, run_dir=run_dir, prompt=prompt, scheduler=scheduler, clip=clip,
                           max_lag=max_lag, step_time_limit=step_time_limit, max_wakes=max_wakes,
-                          manual_boundaries=manual_boundaries, secrets=secrets)
+                          manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity)
