@@ -247,6 +247,11 @@ def show(run_dir: str, json_mode: bool) -> None:
                         d.get("answered_at"), d.get("seconds"), d.get("cost_usd"), _changed(d),
                         (d.get("summary") or d.get("rationale") or d.get("message") or "")[:90]]
                        for d in result["decisions"]])
+    integrity = ((result.get("report") or {}).get("agent") or {}).get("eval_integrity")
+    if integrity:
+        console.message(f"evaluation integrity: {integrity['flagged']} flagged round trip(s)"
+                        + (f" in {', '.join(integrity['tensors'])}" if integrity["tensors"] else "")
+                        + f", {integrity['information']} lasting jump(s) recorded as information")
     if result["selected"]:
         selected = result["selected"]
         console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"

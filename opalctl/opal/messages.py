@@ -79,6 +79,15 @@ def render(facts: dict[str, Any], sources: dict[str, str]) -> str:
     lines += ["", "## Timing of your programs", "",
               f"updater step: {_number(timing.get('updater_ms'))} ms on average; analysis: "
               f"{_number(timing.get('analysis_ms'))} ms per call.", ""]
+    audit = facts.get("audit") or {}
+    if audit:
+        lines += ["## Operator calls per update (profiled once, at each version's second update)", ""]
+        for version, counts in audit.items():
+            top = ", ".join(f"{name} x{count}" for name, count in (counts.get("top") or [])[:6])
+            syncs = counts.get("syncs")
+            lines.append(f"- {version}: {counts.get('ops')} operator calls"
+                         + (f", {syncs} host synchronisations" if syncs is not None else "") + (f" ({top})" if top else ""))
+        lines.append("")
     for name in ("updater.py", "analysis.py"):
         lines += [f"## {name} (now running)", "", "```python", sources[name].rstrip(), "```", ""]
     lines.append("Edit the files in your workspace, then end with your rationale.")
