@@ -5,10 +5,11 @@ sampler). Each variant keeps its own model and optimizer and trains in blocks of
 variants are interleaved, in a rotating order, so that noise from the machine falls on all of them alike. Each
 figure is the median over blocks of the time per whole update (batch, forward, backward, step).
 
-Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the keep backend: 8 decisions over
-the run, the starting programs, analysis every 25 updates) and, when the package is installed, ``peer``
+Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the keep backend and every default:
+8 decisions over the run, the starting programs, analysis every 25 updates, evaluation-integrity recording on),
+``ours-no-integrity`` (the same with ``eval_integrity=False``) and, when the package is installed, ``peer``
 (opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison.
-Targets: ours/bare at most 1.02; ours below the peer.
+Targets: ours/bare at most 1.02; ours below the peer; integrity recording (ours / ours-no-integrity) under 1 %.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path
     model = task.build(parent, {}, 1).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sampler = task.sampler(train, 1, 64)
-    if name == "ours":
+    if name in ("ours", "ours-no-integrity"):
         from opalctl.opal import wrap
 
         optimizer = wrap(optimizer, model, backend="keep", total_steps=total, decisions=8,
-                         run_dir=scratch / "ours")
+                         run_dir=scratch / name, eval_integrity=name == "ours")
     elif name == "peer":
         import opal
 
@@ -77,7 +78,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    names = ["bare", "ours"] + (["peer"] if importlib.util.find_spec("opal") else [])
+    names = ["bare", "ours", "ours-no-integrity"] + (["peer"] if importlib.util.find_spec("opal") else [])
     with tempfile.TemporaryDirectory(prefix="opalctl-overhead-") as folder:
         work = Path(folder)
         os.chdir(work)  # the peer writes its run folder under the current directory
@@ -97,18 +98,19 @@ def main() -> None:
                 close()
     median = {name: statistics.median(values) for name, values in times.items()}
     ratios = {f"{name}/bare": median[name] / median["bare"] for name in names if name != "bare"}
+    ratios["integrity on/off"] = median["ours"] / median["ours-no-integrity"]
     if "peer" in median:
         ratios["ours/peer"] = median["ours"] / median["peer"]
     result = {"bench": "overhead", "updates_per_block": args.updates, "blocks": args.blocks,
-              "seconds_per_update": median, "ratios": ratios, "targets": {"ours/bare": 1.02, "ours/peer": 1.0},
+              "seconds_per_update": median, "ratios": ratios, "targets": {"ours/bare": 1.02, "ours/peer": 1.0, "integrity on/off": 1.01},
               "peer_installed": "peer" in median}
     if args.json:
         print(json.dumps(result, indent=2))
         return
     for name in names:
-        print(f"{name:5s} {1e6 * median[name]:8.1f} us per update")
+        print(f"{name:18s} {1e6 * median[name]:8.1f} us per update")
     for key, value in ratios.items():
-        print(f"{key:10s} {value:.3f}")
+        print(f"{key:26s} {value:.3f}")
     if "peer" not in median:
         print("peer: opal-optimizer is not installed (pip install opal-optimizer to compare)", file=sys.stderr)
 

@@ -22,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 FLUSH_LINES = 512
+_INF = float("inf")
 
 
 def ids_digest(ids) -> str:
     import numpy as np
 
-    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+    if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.flags.c_contiguous):
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+    return hashlib.sha256(ids.data).hexdigest()[:16]
 
 
 def chain_digest(previous: str, batch_digest: str) -> str:
@@ -49,10 +52,30 @@ class StepsWriter:
         if len(self.lines) >= FLUSH_LINES:
             self.flush()
 
+    def write_update(self, update: int, charge: float, used: float, cpu: float | None, wall: float, loss: float,
+                     rows: str, seen: str) -> None:
+        """The per-update line, kept as a tuple until it is written (formatting is the dearest part of a record,
+        and here it happens once per flush, not inside the loop body's hot path)."""
+        self.lines.append((update, charge, used, cpu, wall, loss, rows, seen))
+        if len(self.lines) >= FLUSH_LINES:
+            self.flush()
+
+    @staticmethod
+    def _format(line) -> str:
+        if isinstance(line, str):
+            return line
+        update, charge, used, cpu, wall, loss, rows, seen = line
+        numbers = [charge, used, wall, loss] + ([] if cpu is None else [cpu])
+        if all(x == x and x not in (_INF, -_INF) for x in numbers):
+            return (f'{{"charge":{charge!r},"cpu":{"null" if cpu is None else repr(cpu)},"loss":{loss!r},'
+                    f'"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},"wall":{wall!r}}}')
+        return json.dumps({"charge": charge, "cpu": cpu, "loss": loss, "rows": rows, "seen": seen, "update": update,
+                           "used": used, "wall": wall}, separators=(",", ":"), allow_nan=True, sort_keys=True)
+
     def flush(self) -> int:
         """Write the buffered lines as one gzip member and fsync; returns the file's complete length."""
         if self.lines:
-            data = ("\n".join(self.lines) + "\n").encode()
+            data = ("\n".join(self._format(line) for line in self.lines) + "\n").encode()
             self.handle.write(gzip.compress(data, compresslevel=6, mtime=0))
             self.lines = []
             self.handle.flush()

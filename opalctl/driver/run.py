@@ -380,9 +380,8 @@ class FormalRun:
             self.last_loss = value
             batch_digest = ids_digest(batch.ids)
             self.seen = chain_digest(self.seen, batch_digest)
-            self.steps.write({"update": meter.updates, "charge": charge, "used": meter.used,
-                              "cpu": charge if cpu_clock else None, "wall": wall1 - wall0, "loss": value,
-                              "rows": batch_digest, "seen": self.seen})
+            self.steps.write_update(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0,
+                                    value, batch_digest, self.seen)
             if agent is not None and not meter.done and agent.needs_boundary():
                 # the agent's work (and training's waiting for it) happens here, outside the timed interval
                 self._fold_cpu()

@@ -588,8 +588,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                 result = self.current.analysis.analyze(obs, self.memory)
             if not isinstance(result, dict):
                 raise TypeError(f"analyze() returned {type(result).__name__}, not a dict")
-            json.dumps(result.get("report"), default=float)
-            json.dumps(self.memory)
+            report_text = json.dumps(result["report"], default=float) if "report" in result else None
         except BaseException as error:  # noqa: B036 - agent code must never end training
             if isinstance(error, KeyboardInterrupt):
                 raise
@@ -606,10 +605,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         finally:
             self._analysis_seconds.append(time.perf_counter() - started)
             del self._analysis_seconds[:-64]
-        if "report" in result:
-            self.latest_report = json.loads(json.dumps(result["report"], default=float))
-            self.records.write("reports", {"update": self.t, "version": self.current.number,
-                                           "report": self.latest_report})
+        if report_text is not None:
+            self.latest_report = json.loads(report_text)
+            self.records.write_line("reports", f'{{"report":{report_text},"update":{self.t},'
+                                               f'"version":{self.current.number}}}\n')
         if result.get("wake"):
             self._wake(str(result["wake"]))
 
@@ -906,7 +905,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             "scheduler": self.spec.scheduler.state_dict() if self.spec.scheduler is not None else None,
             "updater": self.current.updater.state_dict(),
             "fallback_updater": self.fallback.updater.state_dict() if self.fallback is not self.current else None,
-            "memory": json.loads(json.dumps(self.memory)),
+            "memory": self._memory_copy(),
             "schedule": self.schedule.state_dict(),
             "pending_losses": list(self.pending_losses),
             "loss_bins": self.loss_bins,
@@ -923,6 +922,17 @@ class AgentOptimizer(torch.optim.Optimizer):
             "version_steps": {str(v.number): v.steps for v in self.versions},
             "records": self.records.offsets(),
         }
+
+    def _memory_copy(self) -> dict[str, Any]:
+        """The analysis memory as plain data (checked here, at checkpoints, rather than at every analysis)."""
+        try:
+            return json.loads(json.dumps(self.memory))
+        except (TypeError, ValueError) as error:
+            self.errors.append({"kind": "analysis", "update": self.t, "version": self.current.number,
+                                "message": f"the analysis memory holds something that is not plain data ({error}); "
+                                           f"it was cleared", "traceback": ""})
+            self.memory = {}
+            return {}
 
     def _read_pending_as_floats(self) -> None:
         if any(isinstance(x, torch.Tensor) for x in self.pending_losses):

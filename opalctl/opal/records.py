@@ -94,6 +94,19 @@ class OpalRecords:
         handle.write(data)
         handle.flush()
 
+    def write_line(self, stream: str, line: str) -> None:
+        """A line already serialised by opalctl (losses, reports: numbers and an analysis report, which cannot
+        hold a secret since programs see no environment), written without redaction."""
+        if not self.enabled:
+            return
+        data = line.encode()
+        if self.defer:
+            self.pending.append((stream, data))
+            return
+        self.flush()
+        self.handles[stream].write(data)
+        self.handles[stream].flush()
+
     def flush(self) -> None:
         """Write the lines held back while ``defer`` was set, in order."""
         if not self.pending or not self.enabled:

@@ -52,12 +52,16 @@ def _mean(values):
 
 
 def _slope(values):
+    """Least-squares slope per update, in one pass (sum of i*y against the closed forms of sum i and sum i^2)."""
     n = len(values)
+    if n < 2:
+        return 0.0
+    sum_y = math.fsum(values)
+    sum_iy = math.fsum(i * y for i, y in enumerate(values))
     mean_x = (n - 1) / 2
-    mean_y = sum(values) / n
-    numerator = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values))
-    denominator = sum((i - mean_x) ** 2 for i in range(n))
-    return numerator / denominator if denominator else 0.0
+    numerator = sum_iy - mean_x * sum_y
+    denominator = n * (n * n - 1) / 12
+    return numerator / denominator
 
 
 def _roles(obs):
