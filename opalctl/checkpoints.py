@@ -104,6 +104,11 @@ def skeleton_sha256(payload: dict[str, Any]) -> str:
 def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
            meta: dict[str, Any] | None = None) -> bytes:
     """Serialise a model state (and optional extra state: optimizer, sampler, RNG) with digests of every tensor."""
+    return _encode(model_state, kind=kind, extra=extra, meta=meta)[0]
+
+
+def _encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None,
+            meta: dict[str, Any] | None) -> tuple[bytes, str]:
     import torch
 
     model_state = {name: tensor.detach().to("cpu").clone() for name, tensor in model_state.items()}
@@ -123,15 +128,14 @@ def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | No
     payload["skeleton_sha256"] = skeleton_sha256(payload)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    return buffer.getvalue()
+    return buffer.getvalue(), payload["model_sha256"]
 
 
 def save(path: str | os.PathLike, model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
          meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write a checkpoint atomically; returns ``{path, bytes, sha256, model_sha256}``."""
-    data = encode(model_state, kind=kind, extra=extra, meta=meta)
+    data, model_digest = _encode(model_state, kind=kind, extra=extra, meta=meta)
     atomic_write_bytes(path, data)
-    model_digest = model_sha256({name: t.detach().to("cpu") for name, t in model_state.items()})
     return {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "model_sha256": model_digest}
 

@@ -360,8 +360,10 @@ class FormalRun:
         last_progress = 0.0
         loop_started = perf_counter()
         self._cpu_mark = time.process_time()
+        scheduled = self.arm.schedule != "constant"  # a constant schedule set the learning rate once, at the start
         while not meter.done:
-            self.schedule.apply(meter.fraction_used)
+            if scheduled:
+                self.schedule.apply(meter.fraction_used)
             wall0 = perf_counter()
             token = clock.start()
             batch = sampler.next_batch()

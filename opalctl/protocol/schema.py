@@ -61,7 +61,7 @@ class Training(Strict):
     batch_size: Annotated[int, Field(ge=1)]
     gradient_clip: Annotated[float, Field(gt=0)] | None = None
     # a resume checkpoint every this fraction of the budget (besides the stage checkpoints), so a crash loses little
-    checkpoint_every: Annotated[float, Field(gt=0, le=1)] = 0.05
+    checkpoint_every: Annotated[float, Field(gt=0, le=1)] = 0.1
     device: Literal["cpu", "cuda"] = "cpu"
 
 

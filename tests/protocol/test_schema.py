@@ -45,7 +45,7 @@ def test_the_digits_template_is_valid(tmp_path):
     assert protocol.budget.threads == 1 and protocol.budget.fractions == [0.25, 0.5, 0.75, 1.0]
     assert protocol.parent_for(2) == "parents/digits/seed-2.pt"
     assert protocol.arms["adamw"].schedule == "constant"  # a default, resolved by the schema
-    assert protocol.training.checkpoint_every == 0.05
+    assert protocol.training.checkpoint_every == 0.1
 
 
 # --------------------------------------------------------------------------------------------------------------
