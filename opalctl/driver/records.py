@@ -21,16 +21,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 FLUSH_LINES = 512
 _INF = float("inf")
 
 
-def ids_digest(ids) -> str:
-    import numpy as np
+_INT64 = np.dtype(np.int64)
 
-    if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.flags.c_contiguous):
+
+def ids_digest(ids) -> str:
+    """The batch's row ids as int64 bytes, hashed (the fast path takes the sampler's own array as it is)."""
+    if getattr(ids, "dtype", None) is not _INT64:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-    return hashlib.sha256(ids.data).hexdigest()[:16]
+    try:
+        return hashlib.sha256(ids).hexdigest()[:16]
+    except (BufferError, ValueError):  # not contiguous
+        return hashlib.sha256(np.ascontiguousarray(ids)).hexdigest()[:16]
 
 
 def chain_digest(previous: str, batch_digest: str) -> str:
