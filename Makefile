@@ -22,6 +22,8 @@ test: install
 	$(BIN)/python -m pytest -n $(JOBS) tests
 
 bench: install
+	# the peer is installed only as a comparison for bench/overhead.py (never imported by opalctl)
+	-$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) opal-optimizer
 	$(BIN)/python bench/run_all.py
 
 lint: install
