@@ -30,6 +30,9 @@ already running (or the profiler fails to start or to stop), ``fn`` still runs e
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +98,26 @@ def _within_mark(events) -> list:
             if event.name != MARK and start <= event.time_range.start and event.time_range.end <= end]
 
 
+@contextlib.contextmanager
+def _native_stderr_quiet():
+    """Silence file descriptor 2 while the profiler starts or stops: torch's native tracer may print a status line
+    there ("USDT: ... profiler_start") that says nothing to a user. Only this call is covered; Python's own
+    ``sys.stderr`` is flushed first, and the descriptor is always restored."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
     """Run ``fn()`` once and count its outermost operator calls (and, on CUDA, its host synchronisations)."""
     from torch.profiler import ProfilerActivity, profile
@@ -108,7 +131,8 @@ def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
     for attempt in (activities, [ProfilerActivity.CPU]):
         try:
             profiler = profile(activities=attempt)
-            profiler.__enter__()
+            with _native_stderr_quiet():  # some torch builds print a line on stderr when the profiler starts
+                profiler.__enter__()
             break
         except Exception:  # noqa: BLE001 - CUPTI unavailable, say: try the CPU profiler alone
             profiler = None
@@ -137,7 +161,8 @@ def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
         failure = error
     stop_error = None
     try:
-        profiler.__exit__(None, None, None)
+        with _native_stderr_quiet():
+            profiler.__exit__(None, None, None)
         events = profiler.events()
     except Exception as error:  # noqa: BLE001 - the counts are lost, not the update
         stop_error, events = f"the profiler failed: {type(error).__name__}: {error}", None
