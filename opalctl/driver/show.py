@@ -54,7 +54,7 @@ def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
         if kind == "requested":
             decisions[event["decision"]] = {"decision": event["decision"], "asked_at": event["update"],
                                             "reason": event.get("reason"), "outcome": "pending"}
-        elif kind in ("applied", "kept", "load_failed", "decision_failed") and event.get("decision") in decisions:
+        elif kind in ("applied", "kept", "load_failed", "decision_failed", "late") and event.get("decision") in decisions:
             entry = decisions[event["decision"]]
             entry.update(outcome=kind, answered_at=event["update"], rationale=event.get("rationale", ""),
                          summary=event.get("summary", ""),

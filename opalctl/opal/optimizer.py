@@ -254,6 +254,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._swap: dict[str, Any] | None = None
         self._analysis_seconds: list[float] = []
         self._closed = False
+        self._closing = False
         self._install(Version(number=0, files=dict(sources or default_sources()), status="passed"), previous=None)
         self.fallback = self.current
         self.records.save_program(0, self.current.files)
@@ -714,7 +715,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._apply(number, answer, message, requested_at=self.t, seconds=waited, waited=waited)
         else:
             self.inflight = {"number": number, "message": message, "facts": facts, "started": started,
-                             "requested_at": self.t, "result": None}
+                             "requested_at": self.t, "result": None, "reason": reason}
             self._start_background(self.inflight)
 
     def _expected_lag(self) -> float:
@@ -786,6 +787,15 @@ class AgentOptimizer(torch.optim.Optimizer):
     def _apply(self, number: int, answer: Answer, message: str, *, requested_at: int, seconds: float,
                waited: float) -> None:
         self.counters["cost_usd"] += answer.cost_usd or 0.0
+        if self._closing and not answer.failed:
+            # the answer came after the last update: there is no boundary left to apply it at
+            self.records.event("late", update=self.t, decision=number, seconds=seconds,
+                               message="the answer arrived after the last update and was not applied")
+            self.records.save_decision(number, {"message.md": message, "response.md": answer.rationale or ""},
+                                       {"decision": number, "requested_at": requested_at, "answered_at": self.t,
+                                        "seconds": seconds, "waited_seconds": waited, "outcome": "late",
+                                        "cost_usd": answer.cost_usd, "usage": answer.usage})
+            return
         meta = {"decision": number, "requested_at": requested_at, "answered_at": self.t, "seconds": seconds,
                 "waited_seconds": waited, "usage": answer.usage, "cost_usd": answer.cost_usd,
                 "backend": self.backend.describe()}
@@ -847,6 +857,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         """Finish: wait for (or abandon) a decision in flight, write the ``end`` event; returns the agent figures."""
         if self._closed:
             return self.figures()
+        self._closing = True
         if self.queued_reason is not None:
             self.records.event("skipped", update=self.t, reason=self.queued_reason,
                                message="the run ended before this decision could be asked")
@@ -890,9 +901,15 @@ class AgentOptimizer(torch.optim.Optimizer):
                     "tensors": sorted({f["tensor"] for f in self.integrity_findings if f["flagged"]})}}
 
     def state_dict(self) -> dict[str, Any]:
-        if self.inflight is not None:  # a checkpoint is a consistent state: finish the decision in flight first
-            self._poll(wait=True)
+        # A decision in flight is not waited for (a checkpoint must not make a non-blocking run block): the state
+        # says it was asked, and a run resumed from it asks that decision again at its first boundary.
+        inflight = self.inflight
         self._read_pending_as_floats()
+        counters = dict(self.counters)
+        queued = self.queued_reason
+        if inflight is not None:
+            counters["asked"] -= 1
+            queued = inflight["reason"] if queued is None else f"{inflight['reason']}; {queued}"
         return {
             "format": FORMAT,
             "t": self.t,
@@ -913,9 +930,9 @@ class AgentOptimizer(torch.optim.Optimizer):
             "errors": self.errors,
             "last_change": self.last_change,
             "wake_reason": self.wake_reason,
-            "queued_reason": self.queued_reason,
+            "queued_reason": queued,
             "last_decision_update": self.last_decision_update,
-            "counters": dict(self.counters),
+            "counters": counters,
             "integrity": self.integrity.state_dict() if self.integrity is not None else None,
             "integrity_findings": self.integrity_findings,
             "audits": {str(k): v for k, v in self.audits.items()},

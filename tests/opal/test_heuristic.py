@@ -174,10 +174,10 @@ def test_facts_are_read_from_the_workspace_when_not_given(workspace):
 # -- whole runs ---------------------------------------------------------------------------------------------------
 
 
-def _run(opal, run_dir, steps=300, **options):
+def _run(opal, run_dir, steps=300, sleep=0.0, **options):
     model = opal.make_model()
     optimizer = wrap(opal.adamw(model), model, backend="heuristic", total_steps=steps, run_dir=run_dir, **options)
-    opal.train(model, optimizer, steps)
+    opal.train(model, optimizer, steps, sleep=sleep)
     optimizer.close()
     return model, opal.events(run_dir)
 
@@ -196,7 +196,8 @@ def test_two_heuristic_runs_are_identical(opal, tmp_path):
 
 def test_non_blocking_heuristic_answers_from_a_child_process(opal, run_dir):
     """The heuristic computes, so a non-blocking decision runs in ``python -m opalctl.opal.agents.worker``."""
-    model, log = _run(opal, run_dir, steps=100, decisions=1, schedule=[0.6], blocking=False)
+    # 40 updates of 30 ms after the decision: time for the child process to answer before the run ends
+    model, log = _run(opal, run_dir, steps=100, sleep=0.03, decisions=1, schedule=[0.6], blocking=False)
     outcomes = opal.of_kind(log, "applied", "kept", "decision_failed")
     assert [e["kind"] for e in outcomes] == ["applied"], outcomes  # at 60 % the anneal rule fires
     assert outcomes[0]["update"] >= 60
