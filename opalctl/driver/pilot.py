@@ -7,7 +7,6 @@ the formal runs. The first updates warm up allocators and caches and are not cou
 
 from __future__ import annotations
 
-import io
 import resource
 import statistics
 import sys
@@ -99,10 +98,9 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
         if progress is not None:
             progress(index + 1, WARMUP + steps)
 
-    buffer = io.BytesIO()
-    buffer.write(checkpoints.encode(model.state_dict(), kind="resume",
-                                    extra={"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict()}))
-    checkpoint_bytes = len(buffer.getvalue())
+    checkpoint_bytes = len(checkpoints.encode(model.state_dict(), kind="resume",
+                                              extra={"optimizer": optimizer.state_dict(),
+                                                     "sampler": sampler.state_dict()}))
     cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
     budget = protocol.budget
     amount = budget.amount * arm.budget_multiplier

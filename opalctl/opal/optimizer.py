@@ -266,7 +266,6 @@ class AgentOptimizer(torch.optim.Optimizer):
 
             sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
                              + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
-        self.defaults_differ = changed
         self.records.event("start", update=0, backend=self.backend.describe(), decisions=decisions,
                            schedule=self.schedule.fractions, blocking=blocking, trial_steps=trial_steps,
                            prompt=prompt, every=self.current.every, defaults_sha256=current(),

@@ -17,8 +17,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import types
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 # modules a program may import (and their submodules); everything else is refused
 ALLOWED_MODULES = ("math", "torch", "collections", "dataclasses", "functools", "itertools", "typing",
@@ -63,7 +62,6 @@ class Program:
     source: str
     module: types.ModuleType
     sha256: str
-    problems: list[str] = field(default_factory=list)
 
 
 def check_source(source: str, filename: str) -> list[str]:
@@ -168,14 +166,3 @@ def load_program(name: str, source: str, *, label: str = "") -> Program:
     except Exception as error:  # the program's own top-level code failed
         raise ProgramRejected(f"{filename} failed while loading: {type(error).__name__}: {error}") from None
     return Program(name=name, source=source, module=module, sha256=hashlib.sha256(source.encode()).hexdigest())
-
-
-def require(program: Program, attribute: str, what: str) -> object:
-    value = getattr(program.module, attribute, None)
-    if value is None:
-        raise ProgramRejected(f"{program.module.__file__} must define {what}")
-    return value
-
-
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8")

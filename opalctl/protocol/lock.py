@@ -83,12 +83,6 @@ class Lock:
     def parent_path(self, seed: int) -> Path:
         return self.resolve(self.resolved["parents"][str(seed)])
 
-    def record_for(self, relative: str) -> tuple[str, dict] | None:
-        for role, record in self.records.items():
-            if record["path"] == relative:
-                return role, record
-        return None
-
 
 def read_lock(path: str | Path) -> Lock:
     path = Path(path)
@@ -110,7 +104,3 @@ def read_lock(path: str | Path) -> Lock:
         if key not in data:
             raise BadInput(f"lock {path} lacks the key {key!r}; freeze the protocol again")
     return Lock(path=path, data=data, sha256=sha256_bytes(raw))
-
-
-def looks_like_lock(path: Path) -> bool:
-    return path.name.endswith(".json")

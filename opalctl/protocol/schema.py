@@ -20,7 +20,6 @@ from opalctl.protocol.yamlfile import load_yaml_with_lines
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SEALED_PARTS = ("sealed", "final-test", "evaluation-final")
 DEFAULT_FRACTIONS = [0.25, 0.5, 0.75, 1.0]
-SCHEDULES = ("constant", "cosine", "linear", "anneal-end")
 BACKENDS = ("keep", "heuristic", "anthropic", "claude-code")
 
 
@@ -373,6 +372,16 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
                 path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
                 known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
                 problem(path, _message(item, known))
+        for arm_name, arm in protocol.arms.items():  # each arm's model settings, as the task defines them
+            try:
+                task_cls.ArmConfig.model_validate(arm.model)
+            except ValidationError as error:
+                for item in error.errors():
+                    path = ("arms", arm_name, "model") + _data_path(arm.model, tuple(item["loc"]))
+                    known = sorted(task_cls.ArmConfig.model_fields) if item["type"] == "extra_forbidden" else None
+                    text = (f"task {task_cls.name!r} takes no arm model settings; remove this key" if known == []
+                            else _message(item, known))
+                    problem(path, text)
         for split in task_cls.splits:
             if split not in protocol.data:
                 problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")

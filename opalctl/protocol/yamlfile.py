@@ -14,8 +14,6 @@ import yaml
 
 from opalctl.errors import BadInput
 
-Path_ = tuple  # a key path: ("arms", "adamw", "optimizer", "lr")
-
 
 def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], where: str) -> None:
     lines.setdefault(path, node.start_mark.line + 1)

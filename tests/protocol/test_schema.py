@@ -326,3 +326,13 @@ def test_a_refusal_is_one_line_even_for_a_key_with_a_newline(digits_project, cli
     assert result.stderr.count("\n") == 1, result.stderr
     line = line_of(text, '"a')
     assert f"{path} line {line}: 'a\\nb': unknown key; check its spelling" in result.stderr, result.stderr
+
+
+def test_arm_model_settings_are_validated_by_the_task(tmp_path):
+    # digits defines no ArmConfig fields: any arms.NAME.model key is refused at freeze, naming it
+    text = BASE.replace("adamw:        {optimizer: {name: AdamW, lr: 1.0e-3, weight_decay: 0.01}}",
+                        "adamw:        {optimizer: {name: AdamW, lr: 1.0e-3, weight_decay: 0.01}, model: {width: 3}}")
+    assert text != BASE
+    with pytest.raises(BadInput) as caught:
+        load_protocol(write(tmp_path, text))
+    assert "arms.adamw.model.width" in caught.value.message and "takes no arm model settings" in caught.value.message
