@@ -28,18 +28,23 @@ class CheckpointRefused(OpalctlError):
     """A checkpoint file that must not be used."""
 
 
-def tensor_bytes(tensor) -> bytes:
+def _buffer(tensor):
+    """The tensor's bytes in logical order, as a numpy view (hashing it copies nothing more)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     import torch
 
-    return flat.view(torch.uint8).numpy().tobytes()
+    return flat.view(torch.uint8).numpy()
+
+
+def tensor_bytes(tensor) -> bytes:
+    return _buffer(tensor).tobytes()
 
 
 def tensor_sha256(tensor) -> str:
     digest = hashlib.sha256()
     digest.update(str(tensor.dtype).encode())
     digest.update(repr(tuple(tensor.shape)).encode())
-    digest.update(tensor_bytes(tensor))
+    digest.update(_buffer(tensor))
     return digest.hexdigest()
 
 
@@ -52,7 +57,7 @@ def model_sha256(tensors: dict[str, Any]) -> str:
         digest.update(b"\0")
         digest.update(str(tensor.dtype).encode())
         digest.update(repr(tuple(tensor.shape)).encode())
-        digest.update(tensor_bytes(tensor))
+        digest.update(_buffer(tensor))
     return digest.hexdigest()
 
 
@@ -77,16 +82,20 @@ def _collect_tensors(value: Any, prefix: str, out: dict[str, Any]) -> None:
             _collect_tensors(item, f"{prefix}/{index}" if prefix else str(index), out)
 
 
-def skeleton_sha256(payload: dict[str, Any]) -> str:
+def skeleton_sha256(payload: dict[str, Any], known: dict[int, str] | None = None) -> str:
     """A digest of everything in a checkpoint but the tensors' bytes (keys, kinds, metadata, numbers), with each
-    tensor standing in as its own digest: one flipped byte in a key or a number is caught, not only in a tensor."""
+    tensor standing in as its own digest: one flipped byte in a key or a number is caught, not only in a tensor.
+    ``known`` maps ``id(tensor)`` to digests already computed (so that saving hashes each tensor once)."""
     import json
 
-    def plain(value: Any) -> Any:
-        import torch
+    import torch
 
+    known = known or {}
+
+    def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return f"tensor:{tensor_sha256(value)}"
+            digest = known.get(id(value))
+            return f"tensor:{digest if digest is not None else tensor_sha256(value)}"
         if isinstance(value, dict):
             return {f"{type(k).__name__}:{k}": plain(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -115,17 +124,21 @@ def _encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | N
     extra = extra or {}
     extra_tensors: dict[str, Any] = {}
     _collect_tensors(extra, "", extra_tensors)
+    digests = {name: tensor_sha256(tensor) for name, tensor in model_state.items()}
+    extra_digests = {name: tensor_sha256(tensor) for name, tensor in extra_tensors.items()}
+    known = {id(model_state[name]): digest for name, digest in digests.items()}
+    known.update({id(extra_tensors[name]): digest for name, digest in extra_digests.items()})
     payload = {
         "format": FORMAT,
         "kind": kind,
         "model": model_state,
         "model_sha256": model_sha256(model_state),
-        "digests": {name: tensor_sha256(tensor) for name, tensor in model_state.items()},
+        "digests": digests,
         "extra": extra,
-        "extra_digests": {name: tensor_sha256(tensor) for name, tensor in extra_tensors.items()},
+        "extra_digests": extra_digests,
         "meta": meta or {},
     }
-    payload["skeleton_sha256"] = skeleton_sha256(payload)
+    payload["skeleton_sha256"] = skeleton_sha256(payload, known)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue(), payload["model_sha256"]

@@ -121,12 +121,12 @@ def update(task, model, optimizer, batch, gradient_clip: float | None, pass_loss
     ``pass_loss`` hands the loss to ``optimizer.step(loss=...)``, as the agent optimizer wants it; an agent arm
     also gets the clipping handed over (``gradient_clip`` None here), so its starting program does exactly this.
     """
-    import torch
-
     loss, _details = task.loss(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if gradient_clip is not None:
+        import torch
+
         torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip)
     if pass_loss:
         optimizer.step(loss=loss)

@@ -33,12 +33,11 @@ from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.driver.records import StepsWriter, chain_digest, ids_digest
+from opalctl.driver.records import SEEN_START, StepsWriter
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_json, read_json
 
 RESUME_FILE = "resume.pt"
-INFINITY = float("inf")
 
 
 @dataclass
@@ -207,14 +206,15 @@ class FormalRun:
             self.optimizer = self.agent
             self.clip = None
         self.totals = Totals()
-        self.seen = "0" * 32
+        self.seen_at_start = SEEN_START  # the running digest of rows seen, where this session's steps begin
         self.incumbent: dict[str, Any] = {"stage": None}
         self.stages: list[dict[str, Any]] = []
         self.next_checkpoint = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
-        self.last_loss = float("nan")
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _loop_state(self) -> dict[str, Any]:
+        steps_offset = self.steps.flush()  # first: it settles the running digest and the sums taken here
+        self._take_step_sums()
         return {
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
@@ -222,12 +222,18 @@ class FormalRun:
             "meter": self.meter.state_dict(),
             "rng": rng_state(),
             "totals": dict(self.totals.values),
-            "seen": self.seen,
+            "seen": self.steps.seen,
             "incumbent": self.incumbent,
             "stages": self.stages,
             "next_checkpoint": self.next_checkpoint,
-            "steps_offset": self.steps.flush(),
+            "steps_offset": steps_offset,
         }
+
+    def _take_step_sums(self) -> None:
+        """Add the per-update figures kept in the steps writer since the last call (train seconds, examples,
+        non-finite losses) to the totals: the loop leaves the sums to the writer's flush (see records)."""
+        for key, value in self.steps.take_sums().items():
+            self.totals.values[key] += value
 
     def _fold_cpu(self) -> None:
         """Add the CPU time since the last mark to training (non-cpu clocks only) before non-training work."""
@@ -258,7 +264,7 @@ class FormalRun:
         set_rng_state(extra["rng"])
         self.totals.values.update(extra["totals"])
         self.totals.values["resumes"] += 1
-        self.seen = extra["seen"]
+        self.seen_at_start = extra["seen"]
         self.incumbent = extra["incumbent"]
         self.stages = list(extra["stages"])
         self.next_checkpoint = extra["next_checkpoint"]
@@ -269,6 +275,8 @@ class FormalRun:
         from opalctl.driver.promotion import decide
 
         fraction_list = self.protocol.budget.fractions
+        self._take_step_sums()
+        loss = self.steps.last_loss
         started = time.perf_counter()
         saved = []
         for index in indices:
@@ -308,7 +316,7 @@ class FormalRun:
                 "promoted": decision.promoted,
                 "incumbent_after": self.incumbent["stage"] if self.incumbent["stage"] is not None else "anchor",
                 "shared_state_with": [i + 1 for i in indices if i != index],
-                "loss": self.last_loss,
+                "loss": loss,
             }
             atomic_write_json(self.paths.run / f"{stage_name(index)}.json", stage)
             self.stages.append({k: stage[k] for k in ("stage", "fraction", "update", "budget_used",
@@ -341,12 +349,13 @@ class FormalRun:
             self.say(f"resuming {self.paths.run} at update {self.meter.updates}")
         else:
             self._start_records(model_digest, anchor)
-        self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset)
+        self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start)
         if not resume or not (self.paths.run / RESUME_FILE).exists():
             self._write_resume()
 
         clock = self.clock
         meter = self.meter
+        steps = self.steps
         task, model, optimizer, sampler = self.task, self.model, self.optimizer, self.sampler
         clip = self.clip
         agent = self.agent
@@ -361,6 +370,9 @@ class FormalRun:
         loop_started = perf_counter()
         self._cpu_mark = time.process_time()
         scheduled = self.arm.schedule != "constant"  # a constant schedule set the learning rate once, at the start
+        # k * every is compared with a tolerance: repeated float sums (0.05 * 3 = 0.15000000000000002) would
+        # otherwise push a checkpoint one update late
+        checkpoint_due = self.next_checkpoint * every - 1e-9
         while not meter.done:
             if scheduled:
                 self.schedule.apply(meter.fraction_used)
@@ -371,19 +383,10 @@ class FormalRun:
             charge = clock.stop(token)
             wall1 = perf_counter()
             reached = meter.charge(charge)
-            # everything below is outside the timed interval
-            if cpu_clock:
-                totals["train_cpu"] += charge
-            totals["train_wall"] += wall1 - wall0
-            totals["examples"] += len(batch)
-            value = float(loss.detach())
-            if value != value or value in (INFINITY, -INFINITY):
-                totals["nonfinite_losses"] += 1
-            self.last_loss = value
-            batch_digest = ids_digest(batch.ids)
-            self.seen = chain_digest(self.seen, batch_digest)
-            self.steps.write_update(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0,
-                                    value, batch_digest, self.seen)
+            # everything below is outside the timed interval; the loss is read, the rows digested and the update's
+            # figures added to the totals with the others at the next flush (see records.StepsWriter)
+            steps.add(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
+                      batch.ids)
             if agent is not None and not meter.done and agent.needs_boundary():
                 # the agent's work (and training's waiting for it) happens here, outside the timed interval
                 self._fold_cpu()
@@ -394,17 +397,17 @@ class FormalRun:
             if reached:
                 self._fold_cpu()
                 self._stage(reached, anchor)
-            # k * every is compared with a tolerance: repeated float sums (0.05 * 3 = 0.15000000000000002) would
-            # otherwise push a checkpoint one update late
-            if reached or (meter.fraction_used >= self.next_checkpoint * every - 1e-9 and not meter.done):
+            if reached or (meter.fraction_used >= checkpoint_due and not meter.done):
                 while self.next_checkpoint * every - 1e-9 <= meter.fraction_used:
                     self.next_checkpoint += 1
+                checkpoint_due = self.next_checkpoint * every - 1e-9
                 self._fold_cpu()
                 self._write_resume()
             if wall1 - last_progress > 0.25:
                 last_progress = wall1
-                self.progress(meter.used, meter.total, stage=len(self.stages), loss=value)
+                self.progress(meter.used, meter.total, stage=len(self.stages), loss=float(loss.detach()))
         self.steps.close()
+        self._take_step_sums()
         if agent is not None:
             self.agent_figures = agent.close()
         self.totals.values["loop_wall"] = perf_counter() - loop_started  # this session only
@@ -484,7 +487,7 @@ class FormalRun:
                        "threads": budget.threads, "multiplier": self.arm.budget_multiplier},
             "updates": self.meter.updates,
             "examples_seen": totals["examples"],
-            "rows_digest": self.seen,
+            "rows_digest": self.steps.seen,
             "seconds": {"train_cpu": totals["train_cpu"], "train_wall": totals["train_wall"],
                         "eval_wall": totals["eval_wall"], "checkpoint_wall": totals["checkpoint_wall"],
                         "agent_wait_wall": totals["agent_wait_wall"],
