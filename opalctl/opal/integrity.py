@@ -141,6 +141,8 @@ def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
 _INTEGER = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
 
 
@@ -265,6 +267,7 @@ class IntegrityRecorder:
                 column += count
             group.ring = torch.zeros((self.rows, column), dtype=group.dtype, device=group.device)
         self._keys: list[Any] = [None] * len(self.names)
+        self._pointers: list[int | None] = [None] * len(self.names)  # the data pointers in _keys
         self._flats: list[torch.Tensor | None] = [None] * len(self.names)
         self._offsets: list[torch.Tensor | None] = [None] * len(self.names)
         for k in range(len(self.names)):
@@ -287,18 +290,19 @@ class IntegrityRecorder:
         sample; False when it cannot be sampled as it is now (another shape, dtype or device)."""
         param = self._params[k]
         if tuple(param.shape) != self._shape[k] or param.dtype != self._dtype[k] or param.device != self._device[k]:
-            self._keys[k] = None
+            self._keys[k] = self._pointers[k] = None
             return False
         strides = tuple(param.stride())
         data = param.detach()
         try:
             flat = data.as_strided((_span(self._shape[k], strides),), (1,), data.storage_offset())
         except RuntimeError:  # its storage was shrunk under it (untyped_storage().resize_), say
-            self._keys[k] = None
+            self._keys[k] = self._pointers[k] = None
             return False
         self._flats[k] = flat
         self._offsets[k] = memory_offsets(self._index[k], self._shape[k], strides)
         self._keys[k] = (param.data_ptr(), strides, param.shape)
+        self._pointers[k] = self._keys[k][0]
         return True
 
     def _gather_plan(self, group: _Group) -> None:
@@ -358,9 +362,16 @@ class IntegrityRecorder:
         return self._host_index[name].copy()
 
     # -- recording ---------------------------------------------------------------------------------------------
-    def record(self, update: int) -> None:
+    def record(self, update: int, layouts: bool = True) -> None:
         """Copy the sampled entries of every tensor into the ring row of ``update``: one gather per ring (per
-        tensor where no alias could be made). Device operations only, no host synchronisation."""
+        tensor where no alias could be made). Device operations only, no host synchronisation.
+
+        Before the gather every tensor's data pointer is compared with the one its offsets were made for (memory
+        safety: a tensor given new memory, or whose storage was freed, is never read at the old addresses), and
+        with ``layouts`` (the default) its strides and shape too (a tensor re-strided in place, ``t_()`` say,
+        still samples the same logical entries). A caller that knows no code that could re-stride a tensor in
+        place ran since the last record (the agent optimizer while the released starting program runs: it only
+        calls the user's torch optimizer) may pass ``layouts=False``: the pointer comparison alone costs a third."""
         if not self.enabled:
             return
         slot = update % self.rows
@@ -369,7 +380,10 @@ class IntegrityRecorder:
             previous = self.slot_update[slot]
             if previous is not None:
                 self.gaps.pop(previous, None)
-        if [(p.data_ptr(), p.stride(), p.shape) for p in self._params] != self._keys:
+        if layouts:
+            if [(p.data_ptr(), p.stride(), p.shape) for p in self._params] != self._keys:
+                self._refresh()
+        elif list(map(_DATA_PTR, self._params)) != self._pointers:
             self._refresh()
         for group in self.groups:
             if group.alias is not None:

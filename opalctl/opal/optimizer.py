@@ -239,7 +239,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.memory: dict[str, Any] = {}
         self.pending_losses: list = []
         self.loss_bins: list[dict[str, Any]] = []
-        self.latest_report: dict[str, Any] | None = None
+        self._latest_report_text: str | None = None
         self.errors: list[dict[str, Any]] = []
         self.last_change: dict[str, Any] | None = None
         self.wake_reason: str | None = None
@@ -261,6 +261,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         from opalctl.opal.provenance import current, differences
 
         changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
+        self._released_start = not changed  # version 0 is the released starting program (see _run_step)
         if changed:
             import sys
 
@@ -373,6 +374,17 @@ class AgentOptimizer(torch.optim.Optimizer):
         return None
 
     def _run_step(self, version: Version, grads, ctx: StepContext) -> None:
+        if version.number == 0 and self._released_start:
+            # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
+            # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
+            # cost about as much as the rest of the wrapper put together on a small model.
+            started = time.perf_counter()
+            version.updater.step(grads, self.t, ctx)
+            seconds = version.step_seconds
+            seconds.append(time.perf_counter() - started)
+            if len(seconds) > 256:
+                del seconds[:128]
+            return
         use_alarm = self._alarm_installed
         started = time.perf_counter()
         if use_alarm:
@@ -409,9 +421,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.manual_boundaries:
-            self.between_updates()
         progress = self.progress()
+        if not self.manual_boundaries and self._boundary_due(progress):
+            self.between_updates()
+            progress = self.progress()
         ctx = StepContext(progress, loss, self.t)
         # records made during the step wait in memory: writing files is not part of an update
         self.records.defer = True
@@ -452,14 +465,15 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.t += 1
         version.steps += 1
         if self.integrity is not None:
-            self.integrity.record(self.t)
+            # layouts are compared too whenever a program other than the released starting one ran (see record)
+            self.integrity.record(self.t, layouts=version.number != 0 or not self._released_start)
             findings = self.integrity.maybe_check(self.t)
             if findings is not None:
                 self._integrity_events(findings)
         if probe:
             self._analyse(before, grads)
         self.records.defer = False
-        if not self.manual_boundaries:
+        if not self.manual_boundaries and self.records.pending:
             self.records.flush()
         return loss
 
@@ -541,31 +555,42 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     # -- analysis ------------------------------------------------------------------------------------------
     def _read_losses(self) -> list[float]:
-        tensors = [x for x in self.pending_losses if isinstance(x, torch.Tensor)]
-        if tensors and all(x.dim() == 0 and x.dtype == tensors[0].dtype for x in tensors):
-            values = torch.stack(tensors).tolist()  # one transfer for the whole interval
-        else:
-            values = torch.stack([x.float().reshape(()) for x in tensors]).tolist() if tensors else []
+        pending, self.pending_losses = self.pending_losses, []
+        if not pending:
+            return []
+        if isinstance(pending[0], torch.Tensor):
+            try:  # the usual case: scalar tensors of one device and dtype, read in one stack and one transfer
+                values = torch.stack(pending)
+                if values.dim() == 1:
+                    return values.double().tolist()
+            except (TypeError, RuntimeError):
+                pass
+        tensors = [x for x in pending if isinstance(x, torch.Tensor)]
+        values = torch.stack([x.double().reshape(()) for x in tensors]).tolist() if tensors else []
         out, position = [], 0
-        for x in self.pending_losses:
+        for x in pending:
             if isinstance(x, torch.Tensor):
                 out.append(values[position])
                 position += 1
             else:
                 out.append(float(x))
-        self.pending_losses = []
         return out
 
     def _analyse(self, before, grads) -> None:
         losses = self._read_losses()
-        finite = [x for x in losses if math.isfinite(x)]
-        loss_bin = {"start": self.t - len(losses) + 1, "end": self.t, "count": len(losses),
-                    "mean": statistics.fmean(finite) if finite else None, "min": min(finite) if finite else None,
-                    "max": max(finite) if finite else None, "nonfinite": len(losses) - len(finite)}
+        finite = [x for x in losses if x - x == 0.0]  # x - x is nan for nan and for infinities
+        mean = math.fsum(finite) / len(finite) if finite else None
+        low, high = (min(finite), max(finite)) if finite else (None, None)
+        loss_bin = {"start": self.t - len(losses) + 1, "end": self.t, "count": len(losses), "mean": mean,
+                    "min": low, "max": high, "nonfinite": len(losses) - len(finite)}
         self.loss_bins.append(loss_bin)
         if len(self.loss_bins) > 4096:
             self.loss_bins = rebin(self.loss_bins, 2048)
-        self.records.write("losses", {"update": self.t, **loss_bin})
+        # numbers only: formatted here rather than through json (this runs every few updates)
+        self.records.write_line("losses", f'{{"count":{len(losses)},"end":{self.t},"max":{_number(high)},'
+                                          f'"mean":{_number(mean)},"min":{_number(low)},'
+                                          f'"nonfinite":{loss_bin["nonfinite"]},"start":{loss_bin["start"]},'
+                                          f'"update":{self.t}}}\n')
         if loss_bin["nonfinite"]:
             self._wake("non-finite loss")
         if self.current is not self.versions[0]:
@@ -606,7 +631,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._analysis_seconds.append(time.perf_counter() - started)
             del self._analysis_seconds[:-64]
         if report_text is not None:
-            self.latest_report = json.loads(report_text)
+            self._latest_report_text = report_text  # parsed when a decision reads it (see latest_report)
             self.records.write_line("reports", f'{{"report":{report_text},"update":{self.t},'
                                                f'"version":{self.current.number}}}\n')
         if result.get("wake"):
@@ -617,12 +642,20 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.wake_reason = reason
             self.records.event("wake", update=self.t, reason=reason)
 
+    @property
+    def latest_report(self) -> dict[str, Any] | None:
+        """The last analysis report, as plain data (kept as its JSON text: most reports are never read)."""
+        return json.loads(self._latest_report_text) if self._latest_report_text is not None else None
+
     # -- decisions -----------------------------------------------------------------------------------------
     def needs_boundary(self) -> bool:
         """Whether ``between_updates`` has anything to do now (a decision due or in flight, a wake-up waiting).
         Cheap, so a caller that times its updates can skip the boundary bookkeeping on most updates."""
+        return self._boundary_due(self.progress())
+
+    def _boundary_due(self, progress: float) -> bool:
         return (self.inflight is not None or self.wake_reason is not None or self.queued_reason is not None
-                or bool(self.records.pending) or self.schedule.due(self.progress()))
+                or bool(self.records.pending) or self.schedule.due(progress))
 
     def between_updates(self) -> None:
         """Ask the agent when a decision is due, and apply an answer that has arrived. Call between updates."""
@@ -985,7 +1018,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.schedule.load_state_dict(state["schedule"])
         self.pending_losses = list(state["pending_losses"])
         self.loss_bins = list(state["loss_bins"])
-        self.latest_report = state["latest_report"]
+        report = state["latest_report"]
+        self._latest_report_text = json.dumps(report) if report is not None else None
         self.errors = list(state["errors"])
         self.last_change = state["last_change"]
         self.wake_reason = state["wake_reason"]
@@ -1000,6 +1034,10 @@ class AgentOptimizer(torch.optim.Optimizer):
             version.steps = int(state.get("version_steps", {}).get(str(version.number), 0))
         self._good = None
         self.records.event("resumed", update=self.t, version=self.current.number)
+
+
+def _number(value: float | None) -> str:
+    return "null" if value is None else repr(value)
 
 
 class _AlarmState:

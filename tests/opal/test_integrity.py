@@ -530,3 +530,20 @@ def test_a_disabled_recorder_does_nothing():
     recorder.enabled = True
     recorder.record(2)
     assert recorder.values_at(2) is not None
+
+
+def test_pointer_only_records_still_follow_new_memory_and_never_read_freed_memory():
+    # record(layouts=False) is what the agent optimizer uses while the released starting program runs: only the
+    # data pointers are compared, which is enough for memory safety and for a parameter given new memory
+    params = {"w": torch.nn.Parameter(torch.randn(64, 64)), "b": torch.nn.Parameter(torch.randn(64))}
+    recorder = IntegrityRecorder(params, start=0)
+    params["w"].data = torch.randn(64, 64)
+    recorder.record(1, layouts=False)
+    assert_sampled(recorder, params, 1)
+    with torch.no_grad():
+        params["b"].add_(1.0)  # in place, same memory: the same offsets see the new values
+    recorder.record(2, layouts=False)
+    assert_sampled(recorder, params, 2)
+    params["w"].untyped_storage().resize_(0)
+    recorder.record(3, layouts=False)
+    assert set(recorder.values_at(3)) == {"b"}

@@ -1,0 +1,73 @@
+"""``steps.jsonl.gz``: one line per update with the losses read at the flush, row digests of the ids as they were
+when the update was added, a running digest, sums handed to the run's totals, and non-finite losses kept."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from opalctl.driver.records import SEEN_START, StepsWriter, read_steps
+
+
+def expected_lines(batches, losses, seen=SEEN_START):
+    out = []
+    for ids, loss in zip(batches, losses):
+        rows = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        seen = hashlib.sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
+        out.append((rows, seen, loss))
+    return out
+
+
+def test_lines_digests_and_sums(tmp_path):
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
+    buffer = np.zeros(4, dtype=np.int64)  # a sampler that reuses its ids array for every batch
+    batches, losses = [], []
+    weight = torch.nn.Parameter(torch.tensor(2.0))
+    for update in range(1, 8):
+        buffer[:] = np.arange(4) + 10 * update
+        batches.append(buffer.copy())
+        loss = weight * update * 0.1
+        losses.append(float(loss.detach().double()))
+        writer.add(update, 1.0, float(update), None, 0.001 * update, loss, buffer)
+        assert writer.pending[-1][5].grad_fn is None  # only the detached loss is kept: the graph is not held
+    sums = writer.take_sums()
+    assert sums == {"train_wall": sum(0.001 * u for u in range(1, 8)), "train_cpu": 0.0, "examples": 28,
+                    "nonfinite_losses": 0}
+    assert writer.take_sums()["examples"] == 0  # handed over once
+    writer.close()
+    lines = list(read_steps(tmp_path / "steps.jsonl.gz"))
+    assert [line["update"] for line in lines] == list(range(1, 8))
+    for line, (rows, seen, loss) in zip(lines, expected_lines(batches, losses)):
+        assert (line["rows"], line["seen"], line["loss"], line["cpu"]) == (rows, seen, loss, None)
+    assert writer.seen == lines[-1]["seen"] and writer.last_loss == losses[-1]
+
+
+def test_a_non_finite_loss_is_written_counted_and_the_cpu_charge_summed(tmp_path):
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
+    writer.add(1, 0.5, 0.5, 0.5, 0.6, torch.tensor(float("nan")), np.arange(3))
+    writer.add(2, 0.25, 0.75, 0.25, 0.3, torch.tensor(float("inf")), np.arange(3))
+    writer.add(3, 0.25, 1.0, 0.25, 0.3, torch.tensor(1.5), np.arange(3))
+    sums = writer.take_sums()
+    assert sums["nonfinite_losses"] == 2 and sums["train_cpu"] == 1.0
+    writer.close()
+    lines = list(read_steps(tmp_path / "steps.jsonl.gz"))
+    assert math.isnan(lines[0]["loss"]) and lines[1]["loss"] == float("inf") and lines[2]["loss"] == 1.5
+
+
+def test_a_resumed_writer_cuts_the_file_back_and_continues_the_running_digest(tmp_path):
+    path = tmp_path / "steps.jsonl.gz"
+    whole = StepsWriter(path)
+    for update in range(1, 5):
+        whole.add(update, 1.0, float(update), None, 0.1, torch.tensor(0.5), np.arange(update))
+        if update == 2:
+            offset, seen = whole.flush(), whole.seen
+    whole.close()
+    reference = list(read_steps(path))
+    resumed = StepsWriter(path, offset=offset, seen=seen)  # as --resume opens it
+    for update in range(3, 5):
+        resumed.add(update, 1.0, float(update), None, 0.1, torch.tensor(0.5), np.arange(update))
+    resumed.close()
+    assert list(read_steps(path)) == reference
