@@ -2,8 +2,10 @@
 ``maybe_check`` that follows it) against the same update without it.
 
 One process, one thread, the built-in ``digits`` model (``build_mlp(128)``: MLP 64-128-10, the task's parent
-checkpoint, AdamW, batch 64 from the task's own sampler). Two variants, each with its own model, optimizer and
-sampler: ``off`` (batch, forward, backward, step) and ``on`` (the same, then ``record(t)`` and ``maybe_check(t)``).
+checkpoint, AdamW, batch 64 from the task's own sampler). Three variants, each with its own model, optimizer and
+sampler: ``off`` (batch, forward, backward, step), ``on`` (the same, then ``record(t)`` and ``maybe_check(t)``) and
+``pointers`` (``record(t, layouts=False)``: only data pointers compared, what the agent optimizer does while the
+released starting program runs).
 They train in blocks of updates, interleaved in a rotating order so that noise from the machine falls on both
 alike. Figures: the median over blocks of the time per whole update of each variant, their ratio, and the time
 spent inside ``record`` + ``maybe_check`` itself (timed around the calls in the ``on`` blocks, less the cost of
@@ -47,7 +49,8 @@ class Variant:
         self.model = task.build(parent, {}, 1).model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
         self.sampler = task.sampler(train, 1, 64)
-        self.recorder = IntegrityRecorder(dict(self.model.named_parameters())) if name == "on" else None
+        self.recorder = IntegrityRecorder(dict(self.model.named_parameters())) if name in ("on", "pointers") else None
+        self.layouts = name == "on"
         self.scratch = None
         if name == "one_op":
             samples = sum(IntegrityRecorder(dict(self.model.named_parameters()), start=None).sample_counts.values())
@@ -71,7 +74,7 @@ class Variant:
             if recorder is not None:
                 first = clock()
                 before = clock()  # first..before: the timer's own cost, measured here and taken off
-                recorder.record(self.t)
+                recorder.record(self.t, layouts=self.layouts)
                 recorder.maybe_check(self.t)
                 inside += (clock() - before) - (before - first)
             elif scratch is not None:
@@ -111,14 +114,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    names = ["off", "on", "one_op"]
+    names = ["off", "on", "pointers", "one_op"]
     with tempfile.TemporaryDirectory(prefix="opalctl-integrity-") as folder:
         task, train, parent = setup(Path(folder))
         variants = {name: Variant(name, task, train, parent) for name in names}
         for name in names:  # warm-up block, not counted
             variants[name].block(args.updates)
-        variants["on"].recording.clear()
-        variants["one_op"].recording.clear()
+        for name in ("on", "pointers", "one_op"):
+            variants[name].recording.clear()
         times: dict[str, list[float]] = {name: [] for name in names}
         for index in range(args.blocks):
             order = names[index % len(names):] + names[:index % len(names)]
@@ -129,10 +132,12 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     recording = statistics.median(variants["on"].recording)
     share = recording / median["off"]
+    pointers = statistics.median(variants["pointers"].recording)
     one_op = statistics.median(variants["one_op"].recording)
     result = {"bench": "integrity_overhead", "updates_per_block": args.updates, "blocks": args.blocks,
               "samples": samples, "seconds_per_update": median, "ratio_on_off": median["on"] / median["off"],
               "record_seconds_per_update": recording, "record_share_of_update": share,
+              "pointers_only_seconds_per_update": pointers, "pointers_only_share_of_update": pointers / median["off"],
               "one_op_seconds_per_update": one_op, "one_op_share_of_update": one_op / median["off"],
               "check_seconds": check_seconds, "target_share": TARGET, "within_target": share < TARGET}
     if args.json:
@@ -143,6 +148,8 @@ def main() -> None:
     print(f"on/off {result['ratio_on_off']:.4f}")
     print(f"record+maybe_check {1e6 * recording:6.2f} us per update = {100 * share:.2f} % of an update "
           f"(target under {100 * TARGET:.0f} %), {samples} sampled entries")
+    print(f"record(layouts=False)+maybe_check {1e6 * pointers:6.2f} us per update = "
+          f"{100 * pointers / median['off']:.2f} % (what the agent optimizer does while the released program runs)")
     print(f"one trivial torch op in the same place {1e6 * one_op:6.2f} us = {100 * one_op / median['off']:.2f} % "
           "(the floor of touching a tensor once per update)")
     print(f"one check (window read and judged) {1e3 * check_seconds:.2f} ms per evaluation")

@@ -28,6 +28,7 @@ from typing import Any
 
 from opalctl.errors import OpalctlError
 
+_INFINITY = float("inf")
 CLOCKS = ("cpu", "gpu", "wall", "updates")
 
 
@@ -190,16 +191,18 @@ class BudgetMeter:
             raise BudgetSpent(f"the budget of {self.total!r} was spent after update {self._updates}; stop the "
                               f"loop when `done` is true instead of charging another update")
         amount = float(amount)
-        if not (math.isfinite(amount) and amount >= 0):
+        if not 0.0 <= amount < _INFINITY:  # also false for NaN
             raise ValueError(f"an update's charge must be a finite number >= 0, not {amount!r}")
-        self._used += amount
+        used = self._used = self._used + amount
         self._updates += 1
         reached = []
-        fraction_used = self.fraction_used
-        while self._reported < len(self.fractions) and fraction_used >= self.fractions[self._reported]:
-            reached.append(self._reported)
-            self._reported += 1
-        if self._used >= self.total:
+        fractions = self.fractions
+        if self._reported < len(fractions):  # (this runs once per update: kept to a few operations)
+            fraction_used = used / self.total
+            while self._reported < len(fractions) and fraction_used >= fractions[self._reported]:
+                reached.append(self._reported)
+                self._reported += 1
+        if used >= self.total:
             self._done = True
         return reached
 

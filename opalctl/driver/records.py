@@ -67,7 +67,9 @@ class StepsWriter:
         row ids (copied now). Only the detached loss is kept: holding the tensor itself would keep its autograd
         graph alive until the flush, moving the graph's teardown, a part of the update's cost, out of the timed
         interval (where the hand-written loop, and an unrecorded update, pay it)."""
-        self.pending.append((update, charge, used, cpu, wall, loss.detach(), ids_bytes(ids)))
+        if getattr(ids, "dtype", None) is not _INT64:  # (ids_bytes, inlined: this runs once per update)
+            ids = np.asarray(ids, dtype=np.int64)
+        self.pending.append((update, charge, used, cpu, wall, loss.detach(), ids.tobytes()))
         if len(self.pending) >= FLUSH_LINES:
             self.flush(durable=False)
 
@@ -147,7 +149,7 @@ def _floats(values: list) -> list[float]:
             with torch.no_grad():
                 read = torch.stack(values)
             if read.dim() == 1:
-                return read.double().tolist()
+                return read.tolist()  # Python floats hold every float32/bfloat16/float16 value exactly
         except (TypeError, RuntimeError):
             pass
     out: list[float | None] = [None] * len(values)

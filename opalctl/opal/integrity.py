@@ -142,6 +142,7 @@ def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_INDEX_SELECT = torch.index_select
 
 _INTEGER = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
 
@@ -284,6 +285,7 @@ class IntegrityRecorder:
                 if not torch.equal(via_alias, group.rows[0]):  # bit for bit (as integers: NaN equals itself)
                     group.trusted, group.alias = False, None
                 group.ring[0].zero_()
+        self._plan_single()
 
     def _relayout(self, k: int) -> bool:
         """(Re)build tensor ``k``'s flat view (which also keeps its memory alive) and the memory offsets of its
@@ -304,6 +306,10 @@ class IntegrityRecorder:
         self._keys[k] = (param.data_ptr(), strides, param.shape)
         self._pointers[k] = self._keys[k][0]
         return True
+
+    def _plan_single(self) -> None:
+        only = self.groups[0] if len(self.groups) == 1 else None
+        self._single = only if only is not None and only.alias is not None else None
 
     def _gather_plan(self, group: _Group) -> None:
         """One gather per row for the whole group: an alias over the address range that holds every member's
@@ -352,6 +358,7 @@ class IntegrityRecorder:
         for group in self.groups:
             if id(group) in changed:
                 self._gather_plan(group)
+        self._plan_single()
 
     @property
     def sample_counts(self) -> dict[str, int]:
@@ -385,11 +392,15 @@ class IntegrityRecorder:
                 self._refresh()
         elif list(map(_DATA_PTR, self._params)) != self._pointers:
             self._refresh()
-        for group in self.groups:
-            if group.alias is not None:
-                torch.index_select(group.alias, 0, group.offsets, out=group.rows[slot])
-            else:
-                self._copy_each(group, slot, update)
+        single = self._single
+        if single is not None:  # one ring with its alias (one device and dtype): the usual case
+            _INDEX_SELECT(single.alias, 0, single.offsets, out=single.rows[slot])
+        else:
+            for group in self.groups:
+                if group.alias is not None:
+                    _INDEX_SELECT(group.alias, 0, group.offsets, out=group.rows[slot])
+                else:
+                    self._copy_each(group, slot, update)
         self.slot_update[slot] = update
         self.last = update
 

@@ -467,9 +467,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         if self.integrity is not None:
             # layouts are compared too whenever a program other than the released starting one ran (see record)
             self.integrity.record(self.t, layouts=version.number != 0 or not self._released_start)
-            findings = self.integrity.maybe_check(self.t)
-            if findings is not None:
-                self._integrity_events(findings)
+            if self.integrity.pending:  # an evaluation's check is waiting (maybe_check says whether it is due)
+                findings = self.integrity.maybe_check(self.t)
+                if findings is not None:
+                    self._integrity_events(findings)
         if probe:
             self._analyse(before, grads)
         self.records.defer = False
@@ -562,7 +563,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             try:  # the usual case: scalar tensors of one device and dtype, read in one stack and one transfer
                 values = torch.stack(pending)
                 if values.dim() == 1:
-                    return values.double().tolist()
+                    return values.tolist()  # Python floats hold every float32/bfloat16/float16 value exactly
             except (TypeError, RuntimeError):
                 pass
         tensors = [x for x in pending if isinstance(x, torch.Tensor)]
