@@ -26,16 +26,18 @@ How it works, and what each part costs:
   each tensor is gathered on its own into its slice of the row. Device operations only: no ``.item()``,
   ``.cpu()`` or ``.tolist()``, so no host synchronisation. Memory safety: only the sampled offsets are read, all
   inside the tensors' own memory, which the recorder keeps alive through a flat view of each; before every gather
-  each tensor's data pointer, strides and shape (host metadata, no sync) are compared with those the offsets were
+  each tensor's data pointer, strides and shape (host metadata, no sync; the pointer alone when the caller knows
+  no code that could re-stride a tensor in place has run, see ``record``) are compared with those the offsets were
   made for, and on a change (a program that assigns ``p.data``, transposes in place, frees a storage) the view,
   offsets and alias are rebuilt on the device first. A tensor whose shape, dtype or device changed, or whose
   storage no longer holds it, is not sampled for that update (the update is left out of its window). The alias is
   checked once against the per-tensor gathers at construction (a host read then, never later).
-- **Cost.** On the ``digits`` model (4 tensors, 2,186 sampled entries, one thread) ``bench/integrity_overhead.py``
-  measured ``record`` + ``maybe_check`` at about 13-15 us per update, 2-2.5 % of a 560-770 us update, where one
-  trivial torch operation in the same place costs about 4-5 us (0.7 %): the metadata comparison (12 calls into
-  torch for 4 tensors) and the gather cost about the same. Host-side work grows with the number of tensors, the
-  device work does not.
+- **Cost.** On the ``digits`` model (4 tensors, 2,186 sampled entries, one thread, a 420-430 us update)
+  ``bench/integrity_overhead.py`` measured ``record`` + ``maybe_check`` at about 11.7 us per update (2.8 %) with
+  layouts compared, and 9.5 us (2.2 %) with pointers only (``layouts=False``, what the agent optimizer does while
+  the released starting program runs). In a training loop everything here runs with cold caches: the same gather
+  takes 1.8 us in a tight loop, 5-7 us between two updates, where zeroing one ring row, the floor of touching a
+  tensor once per update, costs 3-4 us. Host-side work grows with the number of tensors, the device work does not.
 - **The check.** ``open_check(t)`` is called when an evaluation happens after update ``t`` (``report_dev``).
   ``maybe_check(u)``, called after each ``record``, runs the check once the ring holds update
   ``t + window_after``: the whole ring (which is exactly the window) is read in one transfer per ring, and the rest

@@ -75,3 +75,15 @@ def test_a_spike_or_a_non_finite_loss_wakes_the_agent_and_a_small_rise_does_not(
             assert "wake" not in analysis.analyze(ordinary, memory)
         out = analysis.analyze({**ordinary, "losses": [1.0] * 24 + [last]}, memory)
     assert ("wake" in out) is wakes
+
+
+def test_role_figures_are_measured_every_fourth_call_and_the_report_says_when(analysis):
+    memory: dict = {}
+    obs = observation([1.0] * 25)
+    updates = []
+    with torch.no_grad():
+        for call in range(6):
+            report = analysis.analyze({**obs, "update": 25 * (call + 1)}, memory)["report"]
+            updates.append(report["roles_update"])
+            assert set(report["roles"]) == set(obs["roles"].values())
+    assert updates == [25, 25, 25, 25, 125, 125]

@@ -2,7 +2,9 @@
 
 Runs every EVERY updates, right after that update's step, and returns {"report": {...}} for the next decision,
 or adds "wake": reason to ask for a decision now. Everything is measured on the device and read back with one
-transfer per call, never one per update.
+transfer per call, never one per update. The per-role figures (norms, update-to-weight ratios, cosines) are the
+dearest part, a few device operations per tensor, and change slowly: they are measured on every ROLES_EVERY-th
+call, and the report says at which update (roles_update).
 
     obs["update"]    updates done so far          obs["progress"]  fraction of the budget used
     obs["losses"]    losses since the last call   obs["lrs"]       effective learning rate of each group
@@ -18,6 +20,7 @@ import math
 import torch
 
 EVERY = 25
+ROLES_EVERY = 4     # the per-role figures are measured on every 4th call (every 100 updates); the losses on each
 WINDOW = 200        # losses kept for the slope and the spike test
 SPIKE_FACTOR = 3.0  # a loss this many times the window's median is a spike
 
@@ -33,7 +36,11 @@ def analyze(obs, memory):
                              "max": max(finite) if finite else None, "count": len(losses),
                              "nonfinite": len(losses) - len(finite)}
     report["loss_slope_per_100"] = _slope(history) * 100 if len(history) >= 20 else None
-    report["roles"] = _roles(obs)
+    calls = memory.get("calls", 0)
+    memory["calls"] = calls + 1
+    if calls % ROLES_EVERY == 0 or "roles" not in memory:
+        memory["roles"], memory["roles_update"] = _roles(obs), obs["update"]
+    report["roles"], report["roles_update"] = memory["roles"], memory["roles_update"]
     wake = None
     if len(finite) < len(losses):
         wake = "non-finite loss"
