@@ -49,6 +49,7 @@ from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, decision_fractions
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
+GOOD_EVERY = 4  # checks of an agent's program between two renewals of the state it rolls back to
 FORMAT = "opal-state/1"
 
 
@@ -387,15 +388,15 @@ class AgentOptimizer(torch.optim.Optimizer):
             return
         use_alarm = self._alarm_installed
         started = time.perf_counter()
-        if use_alarm:
+        if use_alarm:  # arming is three attribute writes: the watchdog thread does the timing (see _watch)
+            _ALARM.seq += 1
+            _ALARM.started, _ALARM.limit = started, self.step_time_limit
             _ALARM.armed = True
-            signal.setitimer(signal.ITIMER_REAL, self.step_time_limit)
         try:
             with torch.no_grad():
                 version.updater.step(grads, self.t, ctx)
         finally:
             if use_alarm:
-                signal.setitimer(signal.ITIMER_REAL, 0)
                 _ALARM.armed = False
         elapsed = time.perf_counter() - started
         seconds = version.step_seconds
@@ -406,14 +407,16 @@ class AgentOptimizer(torch.optim.Optimizer):
             raise StepFailure(f"the step took {elapsed:.2f} s, over its limit of {self.step_time_limit:.2f} s")
 
     def _install_alarm(self) -> bool:
-        """The time limit of a step is a real-time alarm whose handler raises inside the step. It can only be set
-        from the main thread; elsewhere a step over its limit is still caught, after it returns."""
+        """The time limit of a step is a SIGALRM whose handler raises inside the step, sent by a watchdog thread.
+        The handler can only be set from the main thread; elsewhere a step over its limit is still caught, after
+        it returns."""
         if not self.step_time_limit or threading.current_thread() is not threading.main_thread():
             return False
         previous = signal.getsignal(signal.SIGALRM)
         if previous not in (signal.SIG_DFL, signal.SIG_IGN, None, _alarm):
             return False  # the program has its own alarm handler: leave it alone
         signal.signal(signal.SIGALRM, _alarm)
+        _start_watchdog()
         return True
 
     # -- the step ------------------------------------------------------------------------------------------
@@ -601,7 +604,9 @@ class AgentOptimizer(torch.optim.Optimizer):
             if problem:
                 self._step_failed(self.current, StepFailure(problem), None,
                                   StepContext(self.progress(), None, self.t), redo=False)
-            else:
+            elif self._good is None or self.t - self._good["update"] >= GOOD_EVERY * self.current.every:
+                # the state to roll back to is renewed on every GOOD_EVERY-th check: a copy of the parameters,
+                # gradients and optimizer state is the dearest thing an agent's program adds to training
                 self._good = self._snapshot()
                 self._good["update"] = self.t
         obs = {"update": self.t, "progress": self.progress(), "losses": losses, "params": dict(self.named),
@@ -1042,16 +1047,44 @@ def _number(value: float | None) -> str:
 
 
 class _AlarmState:
+    """What the steps, the watchdog thread and the SIGALRM handler share (one step runs at a time, in the main
+    thread). ``seq`` numbers the armed steps; ``fire`` is the step the watchdog signalled, so that a signal that
+    arrives after that step ended (or in the next one) is ignored."""
+
     armed = False
+    seq = 0
+    fire = -1
+    started = 0.0
+    limit = 0.0
+    watchdog: threading.Thread | None = None
 
 
 _ALARM = _AlarmState()
 
 
 def _alarm(signum, frame):
-    if _ALARM.armed:
+    if _ALARM.armed and _ALARM.fire == _ALARM.seq:
         _ALARM.armed = False
         raise StepTimeout("the step ran past its time limit")
+
+
+def _watch(main_thread: int) -> None:
+    """The watchdog: looks at the armed step every quarter of its limit (so a step over its limit is stopped within
+    1.25 times it) and signals the main thread when it is over. Why a thread rather than ``setitimer``: two
+    system calls per step cost several microseconds on a step of a few hundred; sleeping costs nothing."""
+    while True:
+        time.sleep(max((_ALARM.limit or 1.0) / 4, 0.005))
+        seq = _ALARM.seq
+        if _ALARM.armed and time.perf_counter() - _ALARM.started > _ALARM.limit and _ALARM.seq == seq:
+            _ALARM.fire = seq
+            signal.pthread_kill(main_thread, signal.SIGALRM)
+
+
+def _start_watchdog() -> None:
+    if _ALARM.watchdog is None or not _ALARM.watchdog.is_alive():
+        _ALARM.watchdog = threading.Thread(target=_watch, args=(threading.main_thread().ident,),
+                                           name="opal-step-watchdog", daemon=True)
+        _ALARM.watchdog.start()
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,

@@ -214,3 +214,31 @@ def test_a_failing_first_step_that_stepped_the_scheduler_is_undone(opal, run_dir
     opal.train(plain, plain_optimizer, STEPS, plain=True, scheduler=scheduler)
     assert optimizer.spec.scheduler.last_epoch == STEPS
     assert opal.mismatches(plain, model) == []
+
+
+def test_a_program_that_goes_bad_after_its_trial_rolls_back_to_the_last_kept_state(opal, run_dir):
+    # Applied at update 20 (AT of 160), it writes NaN at its 60th step (update 80), after its trial passed. The
+    # periodic check (every 25 updates, with the analysis) finds it at 100; the state to roll back to is renewed on
+    # every GOOD_EVERY-th check only, so it is the one kept at 25 (the program's first check), not 50 or 75.
+    # Version 0 goes on from there.
+    from opalctl.opal.optimizer import GOOD_EVERY
+
+    assert GOOD_EVERY == 4
+    body = ("        if self.count == 60:\n"
+            "            next(iter(self.params.values())).fill_(float('nan'))")
+    steps = 160
+    model, optimizer, figures, log = run_with(opal, run_dir, opal.sgd_updater(body=body), steps=steps,
+                                              trial_steps=5, max_wakes=0)  # (the NaN losses would wake the agent)
+    at = applied_at(opal, log)
+    assert at == 20
+    reverted = only(opal, log, "reverted")
+    assert reverted["update"] == 100 and reverted["reason"] == "check" and reverted["to"] == 0
+    assert reverted["restored"] == "rolled back to update 25"
+    assert optimizer.current.number == 0
+    expected = opal.make_model()
+    base = opal.adamw(expected)
+    opal.train(expected, base, at, plain=True)
+    opal.manual_sgd(expected, 25 - at, start=at)
+    opal.train(expected, base, steps - 100, start=100, plain=True)
+    assert opal.mismatches(expected, model) == []
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
