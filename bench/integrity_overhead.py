@@ -2,7 +2,8 @@
 ``maybe_check`` that follows it) against the same update without it.
 
 One process, one thread, the built-in ``digits`` model (``build_mlp(128)``: MLP 64-128-10, the task's parent
-checkpoint, AdamW, batch 64 from the task's own sampler). Three variants, each with its own model, optimizer and
+checkpoint, AdamW, batch 64 from the task's own sampler; ``--task pylm`` takes the byte-level language model
+instead, for scale). Three variants, each with its own model, optimizer and
 sampler: ``off`` (batch, forward, backward, step), ``on`` (the same, then ``record(t)`` and ``maybe_check(t)``) and
 ``pointers`` (``record(t, layouts=False)``: only data pointers compared, what the agent optimizer does while the
 released starting program runs).
@@ -25,21 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import TASKS, setup
+
 TARGET = 0.01
 
 
-def setup(work: Path):
-    from opalctl.tasks.builtin import init
-    from opalctl.tasks.digits import Digits
-
-    init("digits", work, seeds=[1])
-    task = Digits({"hidden": 128, "replay_share": 0.25})
-    train = task.load({"train": work / "data/digits/train.npz"})["train"]
-    return task, train, work / "parents/digits/seed-1.pt"
-
-
 class Variant:
-    def __init__(self, name: str, task, train, parent: Path):
+    def __init__(self, name: str, task, train, parent: Path, batch_size: int = 64):
         import torch
 
         from opalctl.opal.integrity import IntegrityRecorder
@@ -48,7 +41,7 @@ class Variant:
         self.task = task
         self.model = task.build(parent, {}, 1).model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
-        self.sampler = task.sampler(train, 1, 64)
+        self.sampler = task.sampler(train, 1, batch_size)
         self.recorder = IntegrityRecorder(dict(self.model.named_parameters())) if name in ("on", "pointers") else None
         self.layouts = name == "on"
         self.scratch = None
@@ -108,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=500, help="updates per block")
     parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--task", choices=TASKS, default="digits",
+                        help="digits (the target's task) or pylm (a 16 ms update, for scale)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -116,8 +111,8 @@ def main() -> None:
     torch.set_num_threads(1)
     names = ["off", "on", "pointers", "one_op"]
     with tempfile.TemporaryDirectory(prefix="opalctl-integrity-") as folder:
-        task, train, parent = setup(Path(folder))
-        variants = {name: Variant(name, task, train, parent) for name in names}
+        task, train, parent, batch_size = setup(Path(folder), args.task)
+        variants = {name: Variant(name, task, train, parent, batch_size) for name in names}
         for name in names:  # warm-up block, not counted
             variants[name].block(args.updates)
         for name in ("on", "pointers", "one_op"):
@@ -134,7 +129,7 @@ def main() -> None:
     share = recording / median["off"]
     pointers = statistics.median(variants["pointers"].recording)
     one_op = statistics.median(variants["one_op"].recording)
-    result = {"bench": "integrity_overhead", "updates_per_block": args.updates, "blocks": args.blocks,
+    result = {"bench": "integrity_overhead", "task": args.task, "updates_per_block": args.updates, "blocks": args.blocks,
               "samples": samples, "seconds_per_update": median, "ratio_on_off": median["on"] / median["off"],
               "record_seconds_per_update": recording, "record_share_of_update": share,
               "pointers_only_seconds_per_update": pointers, "pointers_only_share_of_update": pointers / median["off"],

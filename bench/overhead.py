@@ -1,7 +1,7 @@
 """What does wrapping cost per update? ``wrap(..., backend="keep")`` against the bare torch optimizer.
 
 One process, one thread, the built-in ``digits`` model (MLP 64-128-10, AdamW, batch 64 from the task's own
-sampler). Each variant keeps its own model and optimizer and trains in blocks of updates; the blocks of the
+sampler; ``--task pylm`` takes the byte-level language model instead, for scale). Each variant keeps its own model and optimizer and trains in blocks of updates; the blocks of the
 variants are interleaved, in a rotating order, so that noise from the machine falls on all of them alike. Each
 figure is the median over blocks of the time per whole update (batch, forward, backward, step).
 
@@ -24,23 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def setup(work: Path):
-    from opalctl.tasks.builtin import init
-    from opalctl.tasks.digits import Digits
-
-    init("digits", work, seeds=[1])
-    task = Digits({"hidden": 128, "replay_share": 0.25})
-    train = task.load({"train": work / "data/digits/train.npz"})["train"]
-    return task, train, work / "parents/digits/seed-1.pt"
+from common import TASKS, setup
 
 
-def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path):
+def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path, batch_size: int = 64):
     import torch
 
     model = task.build(parent, {}, 1).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    sampler = task.sampler(train, 1, 64)
+    sampler = task.sampler(train, 1, batch_size)
     if name in ("ours", "ours-no-integrity"):
         from opalctl.opal import wrap
 
@@ -72,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=500, help="updates per block")
     parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--task", choices=TASKS, default="digits",
+                        help="digits (the target's task) or pylm (a 16 ms update, for scale)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -82,9 +76,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="opalctl-overhead-") as folder:
         work = Path(folder)
         os.chdir(work)  # the peer writes its run folder under the current directory
-        task, train, parent = setup(work)
+        task, train, parent, batch_size = setup(work, args.task)
         total = args.updates * (args.blocks + 1)
-        variants = {name: make_variant(name, task, train, parent, total, work) for name in names}
+        variants = {name: make_variant(name, task, train, parent, total, work, batch_size) for name in names}
         for name in names:  # warm-up block, not counted
             block(task, variants[name], args.updates, name != "bare")
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -101,7 +95,7 @@ def main() -> None:
     ratios["integrity on/off"] = median["ours"] / median["ours-no-integrity"]
     if "peer" in median:
         ratios["ours/peer"] = median["ours"] / median["peer"]
-    result = {"bench": "overhead", "updates_per_block": args.updates, "blocks": args.blocks,
+    result = {"bench": "overhead", "task": args.task, "updates_per_block": args.updates, "blocks": args.blocks,
               "seconds_per_update": median, "ratios": ratios, "targets": {"ours/bare": 1.02, "ours/peer": 1.0, "integrity on/off": 1.01},
               "peer_installed": "peer" in median}
     if args.json:

@@ -1,0 +1,26 @@
+"""What the per-update benches share: a built-in task set up from its shipped protocol in a scratch folder.
+
+``setup(work, "digits")`` writes the task's data and the seed-1 parent under ``work`` (as ``opalctl init`` does) and
+returns the task built with the protocol's own config, its training split, the parent's path and the protocol's
+batch size, so a bench trains exactly what a formal run of that protocol would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TASKS = ("digits", "pylm")
+
+
+def setup(work: Path, name: str = "digits"):
+    import yaml
+
+    from opalctl.tasks import make_task
+    from opalctl.tasks.builtin import init
+
+    init(name, work, seeds=[1])
+    protocol = yaml.safe_load((work / f"{name}.yaml").read_text())
+    task = make_task(protocol["task"]["entry"], protocol["task"].get("config") or {})
+    train = task.load({"train": work / protocol["data"]["train"]})["train"]
+    parent = work / protocol["parents"].format(seed=1)
+    return task, train, parent, int(protocol["training"]["batch_size"])
