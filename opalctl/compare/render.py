@@ -31,9 +31,9 @@ def render_compare(result: dict[str, Any]) -> None:
             f"{arm['selected_anchor']}/{len(arm['seeds'])}",
             *[_mean_spread(arm["metrics"].get(m)) for m in result["metrics"]],
             reached,
-            "-" if not agent else (f"{agent['decisions_asked']['mean']:.0f}/{agent['decisions_applied']['mean']:.0f}/"
-                                   f"{agent['decisions_reverted']['mean']:.0f}, "
-                                   f"{agent['waiting_seconds']['mean']:.1f} s, ${agent['cost_usd']['mean']:.2f}"),
+            "-" if not agent else ("/".join(_count(agent[key]["mean"]) for key in
+                                            ("decisions_asked", "decisions_applied", "decisions_reverted"))
+                                   + f", {agent['waiting_seconds']['mean']:.1f} s, ${agent['cost_usd']['mean']:.2f}"),
         ])
     seconds = "wall s" if result["clock"] in ("wall", "gpu") else "cpu s"
     console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']})",
@@ -54,3 +54,8 @@ def render_compare(result: dict[str, Any]) -> None:
     if paired_rows:
         console.table(f"paired by seed against {result['baseline']} (selected models, 95 % bootstrap interval)",
                       ["arm", "metric", "mean diff", "interval", "wins/ties/losses", "per seed"], paired_rows)
+
+
+def _count(mean: float) -> str:
+    """A mean count over seeds: whole when it is (8), else with one decimal (1.3 applied of 8 asked, not 1)."""
+    return f"{mean:.0f}" if abs(mean - round(mean)) < 1e-9 else f"{mean:.1f}"

@@ -95,3 +95,10 @@ def test_time_to_reach():
     assert time_to_reach(losses, 1.0, higher_is_better=False) is None
     with pytest.raises(ValueError, match="goes back"):
         time_to_reach([(2, 0.0), (1, 1.0)], 0.5)
+
+
+def test_mean_counts_of_agent_decisions_keep_their_fraction():
+    from opalctl.compare.render import _count
+
+    # 2, 1 and 1 decisions applied over three seeds: 1.3, not the 1 that rounding to a whole number printed
+    assert [_count(x) for x in (8.0, 4 / 3, 0.0, 10 / 3)] == ["8", "1.3", "0", "3.3"]
