@@ -695,7 +695,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         return {"decision": number, "reason": reason, "update": self.t, "progress": self.progress(),
                 "total_steps": self.total_steps, "goal": self.goal, "remaining": self.schedule.remaining,
                 "lrs": [float(g["lr"]) for g in self.param_groups], "version": self.current.number,
-                "losses": {"bins": rebin(since)}, "report": self.latest_report, "errors": self.errors[-8:],
+                "losses": {"bins": rebin(since)},
+                "loss_start": self.loss_bins[0]["mean"] if self.loss_bins else None,  # the first interval's mean
+                "report": self.latest_report, "errors": self.errors[-8:],
                 "last_change": self.last_change, "timing": timing,
                 "audit": {f"v{number:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
                           for number, counts in sorted(self.audits.items())},

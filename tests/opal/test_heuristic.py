@@ -94,6 +94,18 @@ def test_a_low_update_to_weight_ratio_doubles_the_scale(workspace):
     assert settings["LR_SCALE"] == 4.0
 
 
+@pytest.mark.parametrize("start, doubles", [(2.3, False), (5e-4, True), (None, True)])
+def test_a_low_ratio_does_not_double_once_the_data_is_fitted(workspace, start, doubles):
+    # the window's mean loss is 1e-6: under a thousandth of a first interval at 2.3, so tiny updates mean there is
+    # little left to learn; not against 5e-4 (a loss that started small), nor without a first interval
+    given = facts(ratio=5e-5, progress=0.2, window={"mean": 1e-6, "min": 5e-7, "max": 2e-6, "count": 25,
+                                                      "nonfinite": 0})
+    given["loss_start"] = start
+    answer, settings, changed = decide(workspace, given)
+    assert (settings["LR_SCALE"] == 2.0) is doubles
+    assert changed is doubles  # nothing else fires at 20 % of the budget with a steady loss
+
+
 def test_a_low_ratio_never_takes_the_scale_above_8(workspace):
     answer, settings, changed = decide(workspace, facts(ratio=5e-5), settings={"LR_SCALE": 6.0})
     assert settings["LR_SCALE"] == 8.0

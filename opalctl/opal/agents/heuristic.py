@@ -9,7 +9,9 @@ four-part rationale an LLM must leave. Its rules, checked in this order; the fir
    the reason it was woken says so): halve ``LR_SCALE`` and clip gradients at 1.0 (or keep a tighter clip).
    A reaction to a signal.
 2. **Update size** - the median update-to-weight ratio over the weight matrices: above 3e-2 (far above the
-   usual 1e-3 to 1e-2) halves ``LR_SCALE``; below 1e-4 doubles it (never above 8). A reaction to a signal.
+   usual 1e-3 to 1e-2) halves ``LR_SCALE``; below 1e-4 doubles it (never above 8, and not once the loss is under
+   a thousandth of the first interval's: a model that has fit its data takes tiny steps because there is little
+   left to learn, and doubling then only brings spikes). A reaction to a signal.
 3. **Plateau** - after 30 % of the budget, when the loss slope over the window is flatter than 0.5 % of the
    mean loss per 100 updates: multiply ``LR_SCALE`` by 0.7. A reaction to a signal.
 4. **Anneal** - from half the budget on, when no anneal is set: ``ANNEAL_START`` = 0.8 (or now, if later),
@@ -37,6 +39,7 @@ HIGH_RATIO, LOW_RATIO = 3e-2, 1e-4
 PLATEAU_START, PLATEAU_SLOPE = 0.3, 0.005
 ANNEAL_FROM_PROGRESS, ANNEAL_START = 0.5, 0.8
 MAX_SCALE = 8.0
+FITTED_SHARE = 1e-3  # a loss below this share of the first interval's mean: the data is fitted (see rule 2)
 
 
 def read_settings(source: str) -> dict[str, Any] | None:
@@ -135,7 +138,9 @@ class HeuristicBackend(Backend):
             return (f"update/weight {ratio:.3g} is far above the usual 1e-3..1e-2",
                     "smaller steps lower the loss more steadily; wrong if the loss stops falling.",
                     "LR_SCALE halving reacts to a signal (update-to-weight ratio).")
-        if ratio is not None and ratio < LOW_RATIO and scale < MAX_SCALE:
+        start, mean = facts.get("loss_start"), window.get("mean")
+        fitted = start is not None and mean is not None and start > 0 and mean < FITTED_SHARE * start
+        if ratio is not None and ratio < LOW_RATIO and scale < MAX_SCALE and not fitted:
             new["LR_SCALE"] = min(MAX_SCALE, scale * 2.0)
             return (f"update/weight {ratio:.3g} is far below the usual 1e-3..1e-2",
                     "larger steps make the loss fall faster; wrong if the loss rises or spikes.",
