@@ -7,9 +7,21 @@ batch size, so a bench trains exactly what a formal run of that protocol would.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 TASKS = ("digits", "pylm")
+
+
+def block_arguments(description: str) -> argparse.Namespace:
+    """The options of the interleaved-block benches: updates per block, blocks, the task, --json."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--updates", type=int, default=500, help="updates per block")
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--task", choices=TASKS, default="digits",
+                        help="digits (the target's task) or pylm (a 16 ms update, for scale)")
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
 
 
 def setup(work: Path, name: str = "digits"):

@@ -19,14 +19,13 @@ runs once per evaluation, not per update. Target: the recording under 1 % of a d
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from common import TASKS, setup
+from common import block_arguments, setup
 
 TARGET = 0.01
 
@@ -98,13 +97,7 @@ class Variant:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=500, help="updates per block")
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--task", choices=TASKS, default="digits",
-                        help="digits (the target's task) or pylm (a 16 ms update, for scale)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = block_arguments(__doc__.splitlines()[0])
 
     import torch
 

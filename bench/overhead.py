@@ -14,7 +14,6 @@ Targets: ours/bare at most 1.02; ours below the peer; integrity recording (ours 
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import TASKS, setup
+from common import block_arguments, setup
 
 
 def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path, batch_size: int = 64):
@@ -61,13 +60,7 @@ def block(task, variant, updates: int, pass_loss: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=500, help="updates per block")
-    parser.add_argument("--blocks", type=int, default=12)
-    parser.add_argument("--task", choices=TASKS, default="digits",
-                        help="digits (the target's task) or pylm (a 16 ms update, for scale)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = block_arguments(__doc__.splitlines()[0])
 
     import torch
 

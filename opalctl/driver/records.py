@@ -30,17 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from opalctl.scalars import read_floats
+
 FLUSH_LINES = 512
 SEEN_START = "0" * 32
 _INT64 = np.dtype(np.int64)
-
-
-def ids_bytes(ids) -> bytes:
-    """The batch's row ids as the int64 bytes the digests are made of (always a copy: a sampler may reuse its
-    arrays after the batch is handed over)."""
-    if getattr(ids, "dtype", None) is not _INT64:
-        ids = np.asarray(ids, dtype=np.int64)
-    return ids.tobytes()
 
 
 class StepsWriter:
@@ -67,8 +61,8 @@ class StepsWriter:
         row ids (copied now). Only the detached loss is kept: holding the tensor itself would keep its autograd
         graph alive until the flush, moving the graph's teardown, a part of the update's cost, out of the timed
         interval (where the hand-written loop, and an unrecorded update, pay it)."""
-        if getattr(ids, "dtype", None) is not _INT64:  # (ids_bytes, inlined: this runs once per update)
-            ids = np.asarray(ids, dtype=np.int64)
+        if getattr(ids, "dtype", None) is not _INT64:  # the digests are of int64 bytes, always a copy: a
+            ids = np.asarray(ids, dtype=np.int64)  # sampler may reuse its arrays after handing a batch over
         self.pending.append((update, charge, used, cpu, wall, loss.detach(), ids.tobytes()))
         if len(self.pending) >= FLUSH_LINES:
             self.flush(durable=False)
@@ -88,7 +82,7 @@ class StepsWriter:
         since the last call."""
         if not self.pending:
             return
-        losses = _floats([line[5] for line in self.pending])
+        losses = read_floats([line[5] for line in self.pending])
         seen = self.seen
         sha256 = hashlib.sha256
         lines = self.lines
@@ -138,34 +132,6 @@ class StepsWriter:
     def close(self) -> None:
         self.flush()
         self.handle.close()
-
-
-def _floats(values: list) -> list[float]:
-    """Numbers and scalar tensors as Python floats, reading the tensors of each device and dtype in one transfer."""
-    import torch
-
-    if values and isinstance(values[0], torch.Tensor):
-        try:  # the usual case: scalar tensors of one device and dtype, read in one stack and one transfer
-            with torch.no_grad():
-                read = torch.stack(values)
-            if read.dim() == 1:
-                return read.tolist()  # Python floats hold every float32/bfloat16/float16 value exactly
-        except (TypeError, RuntimeError):
-            pass
-    out: list[float | None] = [None] * len(values)
-    groups: dict[tuple, list[int]] = {}
-    for position, value in enumerate(values):
-        if isinstance(value, (int, float)):
-            out[position] = float(value)
-        else:
-            groups.setdefault((str(value.device), value.dtype), []).append(position)
-    if groups:
-        for positions in groups.values():
-            with torch.no_grad():
-                read = torch.stack([values[p].detach().reshape(()) for p in positions]).double().tolist()
-            for position, value in zip(positions, read):
-                out[position] = value
-    return out  # type: ignore[return-value]
 
 
 def read_steps(path: Path) -> Iterator[dict[str, Any]]:

@@ -47,6 +47,7 @@ from opalctl.opal.programs import ProgramRejected, load_program
 from opalctl.opal.records import OpalRecords
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, decision_fractions
+from opalctl.scalars import read_floats
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
 GOOD_EVERY = 4  # checks of an agent's program between two renewals of the state it rolls back to
@@ -142,6 +143,12 @@ class Version:
     every: int = 25
     step_seconds: list[float] = field(default_factory=list)
     steps: int = 0  # updates this version has stepped (the audit measures its second)
+
+    def timed(self, seconds: float) -> None:
+        """Keep one step's duration (the recent ones only: the agent is shown their mean)."""
+        self.step_seconds.append(seconds)
+        if len(self.step_seconds) > 256:
+            del self.step_seconds[:128]
 
 
 def _diff_lines(old: str, new: str) -> dict[str, int]:
@@ -381,10 +388,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             # cost about as much as the rest of the wrapper put together on a small model.
             started = time.perf_counter()
             version.updater.step(grads, self.t, ctx)
-            seconds = version.step_seconds
-            seconds.append(time.perf_counter() - started)
-            if len(seconds) > 256:
-                del seconds[:128]
+            version.timed(time.perf_counter() - started)
             return
         use_alarm = self._alarm_installed
         started = time.perf_counter()
@@ -399,10 +403,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             if use_alarm:
                 _ALARM.armed = False
         elapsed = time.perf_counter() - started
-        seconds = version.step_seconds
-        seconds.append(elapsed)
-        if len(seconds) > 256:
-            del seconds[:128]
+        version.timed(elapsed)
         if self.step_time_limit and elapsed > self.step_time_limit:
             raise StepFailure(f"the step took {elapsed:.2f} s, over its limit of {self.step_time_limit:.2f} s")
 
@@ -560,25 +561,7 @@ class AgentOptimizer(torch.optim.Optimizer):
     # -- analysis ------------------------------------------------------------------------------------------
     def _read_losses(self) -> list[float]:
         pending, self.pending_losses = self.pending_losses, []
-        if not pending:
-            return []
-        if isinstance(pending[0], torch.Tensor):
-            try:  # the usual case: scalar tensors of one device and dtype, read in one stack and one transfer
-                values = torch.stack(pending)
-                if values.dim() == 1:
-                    return values.tolist()  # Python floats hold every float32/bfloat16/float16 value exactly
-            except (TypeError, RuntimeError):
-                pass
-        tensors = [x for x in pending if isinstance(x, torch.Tensor)]
-        values = torch.stack([x.double().reshape(()) for x in tensors]).tolist() if tensors else []
-        out, position = [], 0
-        for x in pending:
-            if isinstance(x, torch.Tensor):
-                out.append(values[position])
-                position += 1
-            else:
-                out.append(float(x))
-        return out
+        return read_floats(pending)
 
     def _analyse(self, before, grads) -> None:
         losses = self._read_losses()
