@@ -1,6 +1,6 @@
 """Building an arm: the torch optimizer the protocol names, its learning-rate schedule, and one update.
 
-``update`` is the unit the budget is charged for: batch, forward, loss, backward, clipping and the optimizer
+``make_update`` builds the unit the budget is charged for: batch, forward, loss, backward, clipping and the optimizer
 step. The pilot and the formal run both call this same function, so what the pilot measures is what the run
 will spend.
 """
@@ -115,21 +115,31 @@ class BudgetSchedule:
         self.initial = list(state["initial"])
 
 
-def update(task, model, optimizer, batch, gradient_clip: float | None, pass_loss: bool = False):
-    """One whole update; returns the loss tensor (not synchronised: the caller decides when to read it).
+def make_update(task, model, optimizer, gradient_clip: float | None, pass_loss: bool = False):
+    """One whole update as a function of the batch: ``update(batch)`` returns the loss tensor (not synchronised:
+    the caller decides when to read it).
 
     ``pass_loss`` hands the loss to ``optimizer.step(loss=...)``, as the agent optimizer wants it; an agent arm
     also gets the clipping handed over (``gradient_clip`` None here), so its starting program does exactly this.
+    What does not change from one update to the next (the loss function, the parameter list for clipping) is
+    looked up once, here: this function is timed and charged on every update.
     """
-    loss, _details = task.loss(model, batch)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if gradient_clip is not None:
-        import torch
+    import torch
 
-        torch.nn.utils.clip_grad_norm_(model.parameters(), gradient_clip)
-    if pass_loss:
-        optimizer.step(loss=loss)
-    else:
-        optimizer.step()
-    return loss
+    loss_of = task.loss
+    clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+    parameters = list(model.parameters()) if gradient_clip is not None else None
+
+    def update(batch):
+        loss, _details = loss_of(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if parameters is not None:
+            clip_grad_norm_(parameters, gradient_clip)
+        if pass_loss:
+            optimizer.step(loss=loss)
+        else:
+            optimizer.step()
+        return loss
+
+    return update

@@ -154,31 +154,21 @@ class BudgetMeter:
             raise ValueError(f"budget fractions must increase strictly, got {fractions}")
         self.total = total
         self.fractions = fractions
-        self._used = 0.0
-        self._updates = 0
+        # read by the loop after every update, so plain attributes rather than properties; only charge() and
+        # load_state_dict() change them
+        self.used = 0.0  # the sum of the charges so far
+        self.updates = 0  # updates charged so far
+        self.done = False  # the budget is spent (the last update reached the total)
         self._reported = 0  # boundaries 0 .. _reported-1 have been reported
-        self._done = False
-
-    @property
-    def used(self) -> float:
-        return self._used
-
-    @property
-    def updates(self) -> int:
-        return self._updates
 
     @property
     def fraction_used(self) -> float:
-        return self._used / self.total
-
-    @property
-    def done(self) -> bool:
-        return self._done
+        return self.used / self.total
 
     @property
     def overshoot(self) -> float:
         """How far the last update carried the run past the total (0.0 until the budget is spent)."""
-        return self._used - self.total if self._done else 0.0
+        return self.used - self.total if self.done else 0.0
 
     @property
     def reported(self) -> int:
@@ -186,30 +176,30 @@ class BudgetMeter:
         return self._reported
 
     def charge(self, amount: float) -> list[int]:
-        """Add one whole update's charge; return the indices of the boundaries it reached, in order."""
-        if self._done:
-            raise BudgetSpent(f"the budget of {self.total!r} was spent after update {self._updates}; stop the "
+        """Add one whole update's charge; return the indices of the boundaries it reached, in order (empty on
+        most updates). This runs once per update, so it is kept to a few operations."""
+        if self.done:
+            raise BudgetSpent(f"the budget of {self.total!r} was spent after update {self.updates}; stop the "
                               f"loop when `done` is true instead of charging another update")
-        amount = float(amount)
-        if not 0.0 <= amount < _INFINITY:  # also false for NaN
+        if not 0.0 <= amount < _INFINITY:  # also false for NaN (and a TypeError for what is not a number)
             raise ValueError(f"an update's charge must be a finite number >= 0, not {amount!r}")
-        used = self._used = self._used + amount
-        self._updates += 1
-        reached = []
-        fractions = self.fractions
-        if self._reported < len(fractions):  # (this runs once per update: kept to a few operations)
-            fraction_used = used / self.total
-            while self._reported < len(fractions) and fraction_used >= fractions[self._reported]:
-                reached.append(self._reported)
-                self._reported += 1
+        used = self.used = self.used + amount
+        self.updates += 1
         if used >= self.total:
-            self._done = True
+            self.done = True
+        if self._reported == len(self.fractions) or used / self.total < self.fractions[self._reported]:
+            return []
+        reached = []
+        fraction_used = used / self.total
+        while self._reported < len(self.fractions) and fraction_used >= self.fractions[self._reported]:
+            reached.append(self._reported)
+            self._reported += 1
         return reached
 
     def state_dict(self) -> dict:
         """Plain JSON-able values; a float survives ``json`` bit for bit, so a resumed run continues exactly."""
-        return {"total": self.total, "fractions": list(self.fractions), "used": self._used,
-                "updates": self._updates, "reported": self._reported, "done": self._done}
+        return {"total": self.total, "fractions": list(self.fractions), "used": self.used,
+                "updates": self.updates, "reported": self._reported, "done": self.done}
 
     def load_state_dict(self, state: dict) -> None:
         if float(state["total"]) != self.total or [float(f) for f in state["fractions"]] != self.fractions:
@@ -220,5 +210,5 @@ class BudgetMeter:
         if not (math.isfinite(used) and used >= 0 and updates >= 0 and 0 <= reported <= len(self.fractions)):
             raise ValueError(f"the saved budget state is damaged (used {used!r}, updates {updates}, reported "
                              f"{reported}); resume from an earlier checkpoint")
-        self._used, self._updates, self._reported = used, updates, reported
-        self._done = bool(state["done"])
+        self.used, self.updates, self._reported = used, updates, reported
+        self.done = bool(state["done"])

@@ -47,7 +47,7 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
     import torch
 
     from opalctl import checkpoints
-    from opalctl.driver.arm import BudgetSchedule, build_optimizer, update
+    from opalctl.driver.arm import BudgetSchedule, build_optimizer, make_update
     from opalctl.tasks import make_task
 
     path = Path(path)
@@ -83,11 +83,12 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
     schedule.apply(0.0)
     sampler = task.sampler(train, seed, protocol.training.batch_size, device)
 
+    update = make_update(task, model, optimizer, protocol.training.gradient_clip)
     cpu_times, wall_times, losses = [], [], []
     for index in range(WARMUP + steps):
         wall0, cpu0 = time.perf_counter(), time.process_time()
         batch = sampler.next_batch()
-        loss = update(task, model, optimizer, batch, protocol.training.gradient_clip)
+        loss = update(batch)
         if device == "cuda":
             torch.cuda.synchronize()
         cpu1, wall1 = time.process_time(), time.perf_counter()

@@ -330,7 +330,7 @@ class FormalRun:
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
 
-        from opalctl.driver.arm import update
+        from opalctl.driver.arm import make_update
         from opalctl.protocol.verify import require_unchanged
 
         require_unchanged(self.lock)
@@ -356,12 +356,17 @@ class FormalRun:
 
         clock = self.clock
         meter = self.meter
-        steps = self.steps
-        task, model, optimizer, sampler = self.task, self.model, self.optimizer, self.sampler
-        clip = self.clip
         agent = self.agent
         every = self.protocol.training.checkpoint_every
         totals = self.totals.values
+        # The loop body runs once per update and everything it does between two updates costs several times what
+        # it would in a tight loop (the caches hold the model's work): what does not change is looked up once here.
+        update = make_update(self.task, self.model, self.optimizer, self.clip, pass_loss=agent is not None)
+        next_batch = self.sampler.next_batch
+        clock_start, clock_stop = clock.start, clock.stop
+        charge_meter = meter.charge
+        add_step = self.steps.add
+        needs_boundary = agent.needs_boundary if agent is not None else None
         # Reading the process CPU clock is a system call, far dearer than the wall clock: per update it is read
         # only when it is the budget's clock (its charge is then the update's CPU time). Otherwise the CPU spent
         # training is the loop's CPU time less the stages and checkpoints, folded in around each of them.
@@ -384,17 +389,17 @@ class FormalRun:
                 if scheduled:
                     self.schedule.apply(meter.fraction_used)
                 wall0 = perf_counter()
-                token = clock.start()
-                batch = sampler.next_batch()
-                loss = update(task, model, optimizer, batch, clip, pass_loss=agent is not None)
-                charge = clock.stop(token)
+                token = clock_start()
+                batch = next_batch()
+                loss = update(batch)
+                charge = clock_stop(token)
                 wall1 = perf_counter()
-                reached = meter.charge(charge)
+                reached = charge_meter(charge)
                 # everything below is outside the timed interval; the loss is read, the rows digested and the
                 # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
-                steps.add(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
-                          batch.ids)
-                if agent is not None and not meter.done and agent.needs_boundary():
+                add_step(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
+                         batch.ids)
+                if needs_boundary is not None and not meter.done and needs_boundary():
                     # the agent's work (and training's waiting for it) happens here, outside the timed interval
                     self._fold_cpu()
                     started = perf_counter()
@@ -404,7 +409,7 @@ class FormalRun:
                 if reached:
                     self._fold_cpu()
                     self._stage(reached, anchor)
-                if reached or (meter.fraction_used >= checkpoint_due and not meter.done):
+                if reached or (meter.used / meter.total >= checkpoint_due and not meter.done):
                     while self.next_checkpoint * every - 1e-9 <= meter.fraction_used:
                         self.next_checkpoint += 1
                     checkpoint_due = self.next_checkpoint * every - 1e-9
