@@ -22,7 +22,6 @@ the weights of an uninterrupted run. A run folder that exists is never reused ex
 from __future__ import annotations
 
 import fcntl
-import gc
 import os
 import platform
 import shutil
@@ -379,48 +378,39 @@ class FormalRun:
         # k * every is compared with a tolerance: repeated float sums (0.05 * 3 = 0.15000000000000002) would
         # otherwise push a checkpoint one update late
         checkpoint_due = self.next_checkpoint * every - 1e-9
-        # Everything built before the loop lives as long as it does: frozen, the garbage collector's full passes
-        # skip it (about half a percent of a small task's loop). Left alone when someone else froze first.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
-        try:
-            while not meter.done:
-                if scheduled:
-                    self.schedule.apply(meter.fraction_used)
-                wall0 = perf_counter()
-                token = clock_start()
-                batch = next_batch()
-                loss = update(batch)
-                charge = clock_stop(token)
-                wall1 = perf_counter()
-                reached = charge_meter(charge)
-                # everything below is outside the timed interval; the loss is read, the rows digested and the
-                # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
-                add_step(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
-                         batch.ids)
-                if needs_boundary is not None and not meter.done and needs_boundary():
-                    # the agent's work (and training's waiting for it) happens here, outside the timed interval
-                    self._fold_cpu()
-                    started = perf_counter()
-                    agent.between_updates()
-                    totals["agent_wait_wall"] += perf_counter() - started
-                    self._cpu_mark = time.process_time()
-                if reached:
-                    self._fold_cpu()
-                    self._stage(reached, anchor)
-                if reached or (meter.used / meter.total >= checkpoint_due and not meter.done):
-                    while self.next_checkpoint * every - 1e-9 <= meter.fraction_used:
-                        self.next_checkpoint += 1
-                    checkpoint_due = self.next_checkpoint * every - 1e-9
-                    self._fold_cpu()
-                    self._write_resume()
-                if wall1 - last_progress > 0.25:
-                    last_progress = wall1
-                    self.progress(meter.used, meter.total, stage=len(self.stages), loss=float(loss.detach()))
-        finally:
-            if freeze:
-                gc.unfreeze()
+        while not meter.done:
+            if scheduled:
+                self.schedule.apply(meter.fraction_used)
+            wall0 = perf_counter()
+            token = clock_start()
+            batch = next_batch()
+            loss = update(batch)
+            charge = clock_stop(token)
+            wall1 = perf_counter()
+            reached = charge_meter(charge)
+            # everything below is outside the timed interval; the loss is read, the rows digested and the
+            # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
+            add_step(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
+                     batch.ids)
+            if needs_boundary is not None and not meter.done and needs_boundary():
+                # the agent's work (and training's waiting for it) happens here, outside the timed interval
+                self._fold_cpu()
+                started = perf_counter()
+                agent.between_updates()
+                totals["agent_wait_wall"] += perf_counter() - started
+                self._cpu_mark = time.process_time()
+            if reached:
+                self._fold_cpu()
+                self._stage(reached, anchor)
+            if reached or (meter.used / meter.total >= checkpoint_due and not meter.done):
+                while self.next_checkpoint * every - 1e-9 <= meter.fraction_used:
+                    self.next_checkpoint += 1
+                checkpoint_due = self.next_checkpoint * every - 1e-9
+                self._fold_cpu()
+                self._write_resume()
+            if wall1 - last_progress > 0.25:
+                last_progress = wall1
+                self.progress(meter.used, meter.total, stage=len(self.stages), loss=float(loss.detach()))
         self.steps.close()
         self._take_step_sums()
         if agent is not None:

@@ -12,6 +12,12 @@ The pieces, in the order an update meets them:
   update is redone by the last version that passed its trial. After the trial a failure hands over to that
   version too, and a non-finite parameter found by the periodic check rolls back to the last checked state.
   Training never dies because of agent code (KeyboardInterrupt aside).
+- **The plain path.** While the released starting program runs and nothing else is due (no analysis, decision,
+  trial, audit, wake-up, pending record or integrity check before a known update), ``step`` only runs that
+  program, keeps the loss and records the integrity sample: the bookkeeping of the full path, a few microseconds
+  of Python that cost several times as much between two updates of a small model as in a tight loop, is skipped
+  on most updates. ``_plain_horizon`` says up to which update that holds; it is worked out again after every
+  full step, and anything that could change it (a boundary, a record, a restored state) resets it.
 - **Observation.** Losses are kept as device tensors and read once per analysis interval, never once per update;
   ``analysis.py`` runs on that interval after the step and may wake the agent.
 - **Records.** Every outcome is an event in ``events.jsonl`` (see ``records``) and is shown to the agent at its
@@ -261,6 +267,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._good: dict[str, Any] | None = None
         self._swap: dict[str, Any] | None = None
         self._analysis_seconds: list[float] = []
+        self._plain_until = 0  # steps of updates before this one may take the plain path (see _plain_horizon)
         self._closed = False
         self._closing = False
         self._install(Version(number=0, files=dict(sources or default_sources()), status="passed"), previous=None)
@@ -422,6 +429,28 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------------------------------
     def step(self, closure=None, loss=None):
+        t = self.t
+        if t < self._plain_until and closure is None:
+            # the plain path (see the module docstring): the released starting program, nothing else due
+            version = self.current
+            try:
+                version.updater.step(self._grads, t, StepContext(self.progress(), loss, t))
+            except BaseException as error:  # noqa: B036 - handled as on the full path (the user's optimizer raised)
+                if isinstance(error, KeyboardInterrupt):
+                    raise
+                self._plain_until = 0
+                self.records.defer = True
+                self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
+                self.records.defer = False
+                if not self.manual_boundaries and self.records.pending:
+                    self.records.flush()
+            if loss is not None:
+                self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+            self.t = t + 1
+            version.steps += 1
+            if self.integrity is not None:
+                self.integrity.record(t + 1, layouts=False)
+            return loss
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -480,7 +509,33 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.records.defer = False
         if not self.manual_boundaries and self.records.pending:
             self.records.flush()
+        self._plain_until = self._plain_horizon()
         return loss
+
+    def _plain_horizon(self) -> int:
+        """The first update whose step must take the full path: the next analysis, the next scheduled decision
+        (when ``step`` checks for boundaries itself and progress is counted in updates), or now, when anything
+        other than the released starting program's step may happen (another version, a trial, the audit still to
+        run, a decision in flight or waiting, a record or an integrity check pending)."""
+        version = self.current
+        t = self.t
+        if (version.number != 0 or not self._released_start or version.status != "passed"
+                or 0 not in self.audits or self.inflight is not None or self.wake_reason is not None
+                or self.queued_reason is not None or self.records.pending or self._closed
+                or (self.integrity is not None and self.integrity.pending)):
+            return t
+        every = version.every
+        horizon = t + (every - 1 - t) % every  # the next update whose step runs the analysis
+        if not self.manual_boundaries and self.schedule.remaining:
+            if self._progress_fn is not None:
+                return t  # progress is not counted in updates: every step checks for a boundary
+            if self.total_steps:
+                fraction = self.schedule.fractions[self.schedule.next_index]
+                due = max(t, math.floor(fraction * self.total_steps) - 1)
+                while due < horizon and min(1.0, due / self.total_steps) < fraction:
+                    due += 1
+                horizon = min(horizon, due)
+        return horizon
 
     def _audited_step(self, version: Version, grads, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once (SPEC 6.8): outermost operator calls and,
@@ -495,12 +550,14 @@ class AgentOptimizer(torch.optim.Optimizer):
     def report_dev(self, **metrics: Any) -> None:
         """A development evaluation happens now (at the current update). Opens an evaluation-integrity check; the
         metrics are recorded, never shown to the agent."""
+        self._plain_until = 0
         if self.integrity is not None:
             self.integrity.open_check(self.t)
         self.records.event("dev_report", update=self.t, metrics=metrics)
 
     def log(self, **values: Any) -> None:
         """Record values with the current update (kept in ``events.jsonl``; not shown to the agent)."""
+        self._plain_until = 0
         self.records.event("log", update=self.t, values=values)
 
     def _integrity_events(self, findings: list[dict[str, Any]]) -> None:
@@ -627,6 +684,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._wake(str(result["wake"]))
 
     def _wake(self, reason: str) -> None:
+        self._plain_until = 0
         if self.wake_reason is None:
             self.wake_reason = reason
             self.records.event("wake", update=self.t, reason=reason)
@@ -648,6 +706,7 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     def between_updates(self) -> None:
         """Ask the agent when a decision is due, and apply an answer that has arrived. Call between updates."""
+        self._plain_until = 0
         if self._closed:
             return
         self.records.flush()
@@ -880,6 +939,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         """Finish: wait for (or abandon) a decision in flight, write the ``end`` event; returns the agent figures."""
         if self._closed:
             return self.figures()
+        self._plain_until = 0
         self._closing = True
         if self.queued_reason is not None:
             self.records.event("skipped", update=self.t, reason=self.queued_reason,
@@ -982,6 +1042,7 @@ class AgentOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != FORMAT:
             raise ValueError("this is not an agent optimizer state (opal-state/1)")
+        self._plain_until = 0
         self.records.truncate(state["records"])
         self.versions = []
         by_number = {}
