@@ -34,10 +34,12 @@ How it works, and what each part costs:
   checked once against the per-tensor gathers at construction (a host read then, never later).
 - **Cost.** On the ``digits`` model (4 tensors, 2,186 sampled entries, one thread, a 420-430 us update)
   ``bench/integrity_overhead.py`` measured ``record`` + ``maybe_check`` at about 11.7 us per update (2.8 %) with
-  layouts compared, and 9.5 us (2.2 %) with pointers only (``layouts=False``, what the agent optimizer does while
-  the released starting program runs). In a training loop everything here runs with cold caches: the same gather
-  takes 1.8 us in a tight loop, 5-7 us between two updates, where zeroing one ring row, the floor of touching a
-  tensor once per update, costs 3-4 us. Host-side work grows with the number of tensors, the device work does not.
+  layouts compared, and 9.0-9.5 us (2.1-2.2 %) with pointers only (``layouts=False``, what the agent optimizer does
+  while the released starting program runs). In a training loop everything here runs with cold caches: the same
+  gather takes 1.8 us in a tight loop, 6.0 us between two updates even as a bare closure with no check at all
+  (1.4 % of the update; 4.2 us, 1.0 %, with only 32 entries per tensor), where zeroing one ring row, the floor of
+  touching a tensor once per update, costs 3-4 us (0.8 %). On ``pylm`` (a 10-12 ms update) the recording is about
+  0.5 % of an update. Host-side work grows with the number of tensors, the device work does not.
 - **The check.** ``open_check(t)`` is called when an evaluation happens after update ``t`` (``report_dev``).
   ``maybe_check(u)``, called after each ``record``, runs the check once the ring holds update
   ``t + window_after``: the whole ring (which is exactly the window) is read in one transfer per ring, and the rest
