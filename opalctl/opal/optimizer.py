@@ -439,13 +439,11 @@ class AgentOptimizer(torch.optim.Optimizer):
                 if isinstance(error, KeyboardInterrupt):
                     raise
                 self._plain_until = 0
-                self.records.defer = True
+                self.records.defer = True  # its records wait for the next boundary (the next step is a full one)
                 self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
                 self.records.defer = False
-                if not self.manual_boundaries and self.records.pending:
-                    self.records.flush()
             if loss is not None:
-                self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+                self.observe(loss)
             self.t = t + 1
             version.steps += 1
             if self.integrity is not None:
@@ -494,7 +492,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                     self.fallback = version
                     self.records.event("trial_passed", update=self.t + 1, version=version.number)
         if loss is not None:
-            self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+            self.observe(loss)
         self.t += 1
         version.steps += 1
         if self.integrity is not None:

@@ -311,29 +311,27 @@ def test_a_round_trip_by_swapping_the_storage_is_flagged():
     assert [(f["tensor"], f["away"], f["back"]) for f in kinds(findings, "round_trip")] == [("0.bias", t, t + 1)]
 
 
-def test_a_round_trip_on_a_frozen_tensor_is_flagged():
-    t = 60
+def excursion(name, away, back, amount):
+    """A hook that moves tensor ``name`` by ``amount`` after update ``away`` and back after update ``back``."""
 
     def hook(u, params):
-        if u == t:
-            params["0.bias"].add_(0.5)
-        elif u == t + 2:
-            params["0.bias"].sub_(0.5)
+        if u == away:
+            params[name].add_(amount)
+        elif u == back:
+            params[name].sub_(amount)
 
-    findings, _, _ = train(80, evals=(t,), hook=hook, frozen=("0.bias",))
+    return hook
+
+
+def test_a_round_trip_on_a_frozen_tensor_is_flagged():
+    t = 60
+    findings, _, _ = train(80, evals=(t,), hook=excursion("0.bias", t, t + 2, 0.5), frozen=("0.bias",))
     assert [(f["tensor"], f["away"], f["back"]) for f in kinds(findings, "round_trip")] == [("0.bias", t, t + 2)]
 
 
 def test_a_round_trip_in_a_tensor_of_few_entries_is_information_only():
     t = 60
-
-    def hook(u, params):
-        if u == t:
-            params["2.bias"].add_(1.0)
-        elif u == t + 1:
-            params["2.bias"].sub_(1.0)
-
-    findings, _, _ = train(80, evals=(t,), hook=hook)
+    findings, _, _ = train(80, evals=(t,), hook=excursion("2.bias", t, t + 1, 1.0))
     assert kinds(findings, "round_trip") == []
     small = kinds(findings, "round_trip_small")
     assert [(f["tensor"], f["away"], f["back"], f["samples"]) for f in small] == [("2.bias", t, t + 1, 1)]
