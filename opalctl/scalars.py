@@ -14,6 +14,8 @@ def read_floats(values: list[Any]) -> list[float]:
     """Numbers and scalar tensors as Python floats, the tensors of each device and dtype read in one transfer."""
     import torch
 
+    if values and type(values[0]) is float:  # read already (a loss on the CPU is read when it is kept)
+        return [float(value) for value in values]
     if values and isinstance(values[0], torch.Tensor):
         try:  # the usual case: scalar tensors of one device and dtype, one stack and one transfer
             with torch.no_grad():

@@ -9,12 +9,15 @@ checkpoint it resumes from, so the file ends up holding exactly one line per upd
 Each line carries the update's clock figures, its loss, a digest of the batch's row ids and a running digest of
 every row seen so far (so two runs that saw the same rows in the same order end with the same digest).
 
-Why the work waits for the flush: inside the training loop, between two updates, the cache is full of the
-model's work, and a hash or a device read there costs ten times what it costs in a tight loop (measured in
-``bench/driver_overhead.py``: the two row digests took about 11 us per update in the loop, 1.1 us on their
-own). So ``add`` only keeps the update's figures, its loss tensor (not read: on a GPU that would be a
-synchronisation per update) and a copy of its row ids; ``settle`` computes the losses (one transfer), the
-digests and the running digest for every kept update at once, and every flush settles first.
+Why the work waits for the flush: inside the training loop, between two updates, the caches are full of the
+model's work, and Python or torch work done there costs several times what it costs in a tight loop (measured on
+``digits``, in ``bench/driver_overhead.py`` and in same-process A/B runs: the two row digests took about 11 us per
+update in the loop, 1.1 us on their own; a per-update ``add`` call that detached the loss and converted the ids
+took about 10 us more than appending a tuple). So per update the loop only appends one tuple to ``pending``
+(``add`` says what it holds): the loss as a number when it lives on the CPU (reading it there is no
+synchronisation) and as a detached tensor elsewhere (read with the others in one transfer at the flush), and a
+copy of the row ids. ``settle`` computes the digests, the running digest and the lines of every kept update at
+once, and every flush settles first.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ class StepsWriter:
     resume), the last loss, and the sums of the updates' wall seconds, CPU seconds (lines that carry them),
     examples and non-finite losses since they were last taken (``take_sums``)."""
 
-    def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START):
+    def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START, cpu_charges: bool = False):
         self.path = Path(path)
+        self.cpu_charges = cpu_charges  # the charges are CPU seconds (the cpu clock): each line's "cpu" is its charge
         self.lines: list[str] = []  # the settled updates' lines, written at the next flush
-        self.pending: list[tuple] = []  # updates added since the last settle
+        # updates added since the last settle; the same list for the writer's whole life (emptied, never replaced),
+        # so the loop may hold its bound ``append``
+        self.pending: list[tuple] = []
         self.seen = seen
         self.sums = self._zero()
         self.last_loss = float("nan")
@@ -56,14 +62,16 @@ class StepsWriter:
             self.handle.truncate(offset)
         self.handle.seek(0, os.SEEK_END)
 
-    def add(self, update: int, charge: float, used: float, cpu: float | None, wall: float, loss, ids) -> None:
-        """One update's line: ``loss`` the update's loss tensor (read later, with the others), ``ids`` the batch's
-        row ids (copied now). Only the detached loss is kept: holding the tensor itself would keep its autograd
-        graph alive until the flush, moving the graph's teardown, a part of the update's cost, out of the timed
-        interval (where the hand-written loop, and an unrecorded update, pay it)."""
-        if getattr(ids, "dtype", None) is not _INT64:  # the digests are of int64 bytes, always a copy: a
-            ids = np.asarray(ids, dtype=np.int64)  # sampler may reuse its arrays after handing a batch over
-        self.pending.append((update, charge, used, cpu, wall, loss.detach(), ids.tobytes()))
+    def add(self, update: int, charge: float, used: float, wall: float, loss, ids) -> None:
+        """One update's line, kept as the tuple ``(update, charge, used, wall, loss, ids)``, flushed every
+        ``FLUSH_LINES``. ``loss`` is a number, or a scalar tensor read later with the others: only a detached one
+        may be kept, since holding the loss itself would keep its autograd graph alive until the flush, moving the
+        graph's teardown, a part of the update's cost, out of the timed interval. ``ids`` must be the writer's own:
+        a copy of the batch's row ids, since a sampler may reuse its arrays after handing a batch over.
+
+        The run's loop appends the same tuple to ``pending`` itself and checks the length, without this call:
+        there, a call costs more than its work (see the module docstring)."""
+        self.pending.append((update, charge, used, wall, loss, ids))
         if len(self.pending) >= FLUSH_LINES:
             self.flush(durable=False)
 
@@ -82,36 +90,39 @@ class StepsWriter:
         since the last call."""
         if not self.pending:
             return
-        losses = read_floats([line[5] for line in self.pending])
+        pending = self.pending
+        losses = read_floats([line[4] for line in pending])
         seen = self.seen
         sha256 = hashlib.sha256
+        asarray = np.asarray
         lines = self.lines
-        wall_sum = cpu_sum = 0.0
+        wall_sum = 0.0
         id_bytes = nonfinite = 0
-        for (update, charge, used, cpu, wall, _, ids), loss in zip(self.pending, losses):
+        for (update, charge, used, wall, _, ids), loss in zip(pending, losses):
+            ids = asarray(ids, dtype=_INT64).tobytes()  # the digests are of int64 bytes, whatever the sampler gave
             rows = sha256(ids).hexdigest()[:16]
             seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
             wall_sum += wall
             id_bytes += len(ids)
-            if cpu is not None:
-                cpu_sum += cpu
             # the clock figures are finite by construction (the meter refuses others); only the loss may not be
             if loss - loss == 0.0:
-                lines.append(f'{{"charge":{charge!r},"cpu":{"null" if cpu is None else repr(cpu)},"loss":{loss!r},'
-                             f'"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},"wall":{wall!r}}}')
+                lines.append(f'{{"charge":{charge!r},"cpu":{repr(charge) if self.cpu_charges else "null"},'
+                             f'"loss":{loss!r},"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},'
+                             f'"wall":{wall!r}}}')
             else:
                 nonfinite += 1
-                lines.append(json.dumps({"charge": charge, "cpu": cpu, "loss": loss, "rows": rows, "seen": seen,
-                                         "update": update, "used": used, "wall": wall}, separators=(",", ":"),
-                                        allow_nan=True, sort_keys=True))
+                lines.append(json.dumps({"charge": charge, "cpu": charge if self.cpu_charges else None, "loss": loss,
+                                         "rows": rows, "seen": seen, "update": update, "used": used, "wall": wall},
+                                        separators=(",", ":"), allow_nan=True, sort_keys=True))
         self.seen = seen
         sums = self.sums
         sums["train_wall"] += wall_sum
-        sums["train_cpu"] += cpu_sum
+        if self.cpu_charges:
+            sums["train_cpu"] += sum(line[1] for line in pending)
         sums["examples"] += id_bytes // 8
         sums["nonfinite_losses"] += nonfinite
         self.last_loss = losses[-1]
-        self.pending = []
+        pending.clear()
 
     def flush(self, durable: bool = True) -> int:
         """Settle, then write the buffered lines as one gzip member; returns the file's complete length.

@@ -33,7 +33,7 @@ from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.driver.records import SEEN_START, StepsWriter
+from opalctl.driver.records import FLUSH_LINES, SEEN_START, StepsWriter
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_json, read_json
 
@@ -328,6 +328,7 @@ class FormalRun:
         self._cpu_mark = time.process_time()
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
+        import torch
 
         from opalctl.driver.arm import make_update
         from opalctl.protocol.verify import require_unchanged
@@ -349,7 +350,12 @@ class FormalRun:
             self.say(f"resuming {self.paths.run} at update {self.meter.updates}")
         else:
             self._start_records(model_digest, anchor)
-        self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start)
+        # Reading the process CPU clock is a system call, far dearer than the wall clock: per update it is read
+        # only when it is the budget's clock, and then the charge is the update's CPU time (the steps lines say
+        # so). Otherwise the CPU spent training is the loop's CPU time less the stages and checkpoints, folded in
+        # around each of them.
+        self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start,
+                                 cpu_charges=self.protocol.budget.clock == "cpu")
         if not resume or not (self.paths.run / RESUME_FILE).exists():
             self._write_resume()
 
@@ -358,18 +364,21 @@ class FormalRun:
         agent = self.agent
         every = self.protocol.training.checkpoint_every
         totals = self.totals.values
-        # The loop body runs once per update and everything it does between two updates costs several times what
-        # it would in a tight loop (the caches hold the model's work): what does not change is looked up once here.
+        # The loop body runs once per update, and everything it does between two updates costs several times what
+        # it would in a tight loop (the caches hold the model's work; see records.py): what does not change is
+        # looked up once here, and a call is avoided wherever an inline operation does the same.
         update = make_update(self.task, self.model, self.optimizer, self.clip, pass_loss=agent is not None)
         next_batch = self.sampler.next_batch
         clock_start, clock_stop = clock.start, clock.stop
         charge_meter = meter.charge
-        add_step = self.steps.add
+        # the steps writer's tuple per update, appended here rather than through StepsWriter.add (same layout):
+        # the loss as a number on the CPU, where reading it costs no synchronisation, and detached elsewhere
+        keep_step = self.steps.pending.append
+        kept = self.steps.pending
+        flush_lines = FLUSH_LINES
+        flush_steps = self.steps.flush
+        loss_value = torch.Tensor.item if self.device == "cpu" else torch.Tensor.detach
         needs_boundary = agent.needs_boundary if agent is not None else None
-        # Reading the process CPU clock is a system call, far dearer than the wall clock: per update it is read
-        # only when it is the budget's clock (its charge is then the update's CPU time). Otherwise the CPU spent
-        # training is the loop's CPU time less the stages and checkpoints, folded in around each of them.
-        cpu_clock = self.protocol.budget.clock == "cpu"
         perf_counter = time.perf_counter
         last_progress = 0.0
         loop_started = perf_counter()
@@ -388,10 +397,11 @@ class FormalRun:
             charge = clock_stop(token)
             wall1 = perf_counter()
             reached = charge_meter(charge)
-            # everything below is outside the timed interval; the loss is read, the rows digested and the
+            # everything below is outside the timed interval; the rows are digested, the line written and the
             # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
-            add_step(meter.updates, charge, meter.used, charge if cpu_clock else None, wall1 - wall0, loss,
-                     batch.ids)
+            keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss), batch.ids.copy()))
+            if len(kept) >= flush_lines:
+                flush_steps(durable=False)
             if needs_boundary is not None and not meter.done and needs_boundary():
                 # the agent's work (and training's waiting for it) happens here, outside the timed interval
                 self._fold_cpu()

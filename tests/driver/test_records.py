@@ -1,5 +1,5 @@
-"""``steps.jsonl.gz``: one line per update with the losses read at the flush, row digests of the ids as they were
-when the update was added, a running digest, sums handed to the run's totals, and non-finite losses kept."""
+"""``steps.jsonl.gz``: one line per update with the losses read at the flush (kept as detached tensors, or as
+numbers), row digests, a running digest, sums handed to the run's totals, and non-finite losses kept."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def test_lines_digests_and_sums(tmp_path):
         batches.append(buffer.copy())
         loss = weight * update * 0.1
         losses.append(float(loss.detach().double()))
-        writer.add(update, 1.0, float(update), None, 0.001 * update, loss, buffer)
-        assert writer.pending[-1][5].grad_fn is None  # only the detached loss is kept: the graph is not held
+        writer.add(update, 1.0, float(update), 0.001 * update, loss.detach(), buffer.copy())
     sums = writer.take_sums()
     assert sums == {"train_wall": sum(0.001 * u for u in range(1, 8)), "train_cpu": 0.0, "examples": 28,
                     "nonfinite_losses": 0}
@@ -46,10 +45,10 @@ def test_lines_digests_and_sums(tmp_path):
 
 
 def test_a_non_finite_loss_is_written_counted_and_the_cpu_charge_summed(tmp_path):
-    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
-    writer.add(1, 0.5, 0.5, 0.5, 0.6, torch.tensor(float("nan")), np.arange(3))
-    writer.add(2, 0.25, 0.75, 0.25, 0.3, torch.tensor(float("inf")), np.arange(3))
-    writer.add(3, 0.25, 1.0, 0.25, 0.3, torch.tensor(1.5), np.arange(3))
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz", cpu_charges=True)
+    writer.add(1, 0.5, 0.5, 0.6, float("nan"), np.arange(3))
+    writer.add(2, 0.25, 0.75, 0.3, float("inf"), np.arange(3))
+    writer.add(3, 0.25, 1.0, 0.3, 1.5, np.arange(3))
     sums = writer.take_sums()
     assert sums["nonfinite_losses"] == 2 and sums["train_cpu"] == 1.0
     writer.close()
@@ -61,13 +60,13 @@ def test_a_resumed_writer_cuts_the_file_back_and_continues_the_running_digest(tm
     path = tmp_path / "steps.jsonl.gz"
     whole = StepsWriter(path)
     for update in range(1, 5):
-        whole.add(update, 1.0, float(update), None, 0.1, torch.tensor(0.5), np.arange(update))
+        whole.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
         if update == 2:
             offset, seen = whole.flush(), whole.seen
     whole.close()
     reference = list(read_steps(path))
     resumed = StepsWriter(path, offset=offset, seen=seen)  # as --resume opens it
     for update in range(3, 5):
-        resumed.add(update, 1.0, float(update), None, 0.1, torch.tensor(0.5), np.arange(update))
+        resumed.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
     resumed.close()
     assert list(read_steps(path)) == reference

@@ -172,6 +172,53 @@ def test_updates_clock_counts_whole_updates(project, tools):
     assert report["anchor_metrics"] == anchor["metrics"]
 
 
+REUSING_TASK = """
+import numpy as np
+
+from opalctl.tasks.digits import Digits, DigitsSampler
+
+
+class ReusingSampler(DigitsSampler):
+    # hands every batch over with the same ids array, rewritten in place: the run must copy the ids it keeps
+    def next_batch(self):
+        batch = super().next_batch()
+        if not hasattr(self, "buffer"):
+            self.buffer = np.empty_like(batch.ids)
+        self.buffer[:] = batch.ids
+        batch.ids = self.buffer
+        return batch
+
+
+class ReusingDigits(Digits):
+    def sampler(self, train, seed, batch_size, device="cpu"):
+        return ReusingSampler(train, seed, batch_size, self.config.replay_share, device)
+"""
+
+
+def test_each_line_digests_the_rows_its_update_trained_on_even_when_the_sampler_reuses_its_ids(project, tools):
+    import hashlib
+
+    import numpy as np
+
+    from opalctl.tasks.digits import Digits
+
+    project.freeze(entry=project.task_module(REUSING_TASK, "ReusingDigits"),
+                   budget={"clock": "updates", "amount": 30}, arms={"adamw": tools.ADAMW})
+    project.run("adamw", 1)
+    steps = list(read_steps(project.run_dir("adamw", 1) / "steps.jsonl.gz"))
+    # the same batches, drawn again from a fresh built-in sampler with the run's seed and batch size
+    protocol = project.protocol()
+    task = Digits(protocol["task"]["config"])
+    train = task.load({"train": project.folder / protocol["data"]["train"]})["train"]
+    sampler = task.sampler(train, 1, protocol["training"]["batch_size"])
+    seen = "0" * 32
+    for line in steps:
+        rows = hashlib.sha256(np.asarray(sampler.next_batch().ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        seen = hashlib.sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
+        assert (line["rows"], line["seen"]) == (rows, seen), f"update {line['update']}"
+    assert len(steps) == 30 and all(isinstance(line["loss"], float) for line in steps)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 2. promotion through real runs
 
