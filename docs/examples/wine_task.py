@@ -31,6 +31,8 @@ def make_model(hidden: int):
 class WineSampler(Sampler):
     """Seeded random batches; the state is the number of batches drawn so far."""
 
+    fresh_ids = True  # each batch's ids are a new array, so the run keeps them without a copy
+
     def __init__(self, rows: dict[str, np.ndarray], seed: int, batch_size: int):
         self.rows, self.seed, self.batch_size, self.drawn = rows, seed, batch_size, 0
 

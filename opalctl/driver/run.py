@@ -372,7 +372,9 @@ class FormalRun:
         clock_start, clock_stop = clock.start, clock.stop
         charge_meter = meter.charge
         # the steps writer's tuple per update, appended here rather than through StepsWriter.add (same layout):
-        # the loss as a number on the CPU, where reading it costs no synchronisation, and detached elsewhere
+        # the loss as a number on the CPU, where reading it costs no synchronisation, and detached elsewhere; the
+        # batch's ids themselves when the sampler promises they stay as they are (Sampler.fresh_ids), else a copy
+        fresh_ids = bool(getattr(self.sampler, "fresh_ids", False))
         keep_step = self.steps.pending.append
         kept = self.steps.pending
         flush_lines = FLUSH_LINES
@@ -399,7 +401,8 @@ class FormalRun:
             reached = charge_meter(charge)
             # everything below is outside the timed interval; the rows are digested, the line written and the
             # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
-            keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss), batch.ids.copy()))
+            keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss),
+                       batch.ids if fresh_ids else batch.ids.copy()))
             if len(kept) >= flush_lines:
                 flush_steps(durable=False)
             if needs_boundary is not None and not meter.done and needs_boundary():

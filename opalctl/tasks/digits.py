@@ -83,6 +83,8 @@ class DigitsSampler(Sampler):
     resuming costs nothing and never depends on what happened before.
     """
 
+    fresh_ids = True  # each batch's ids are a new array (an index into the rows' ids)
+
     def __init__(self, train: dict[str, Any], seed: int, batch_size: int, replay_share: float, device: str):
         import torch
 

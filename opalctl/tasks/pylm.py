@@ -298,6 +298,8 @@ def parent_lr(peak: float, update: int, updates: int) -> float:
 class PyLMSampler(Sampler):
     """Batches of ``batch_size`` random windows; batch ``n`` is drawn from ``(seed, n)``, so the state is ``n``."""
 
+    fresh_ids = True  # each batch's ids are the new array of its windows' starts
+
     def __init__(self, train: dict[str, Any], seed: int, batch_size: int, context: int, device: str):
         self.seed = int(seed)
         self.batch_size = int(batch_size)

@@ -180,6 +180,8 @@ from opalctl.tasks.digits import Digits, DigitsSampler
 
 class ReusingSampler(DigitsSampler):
     # hands every batch over with the same ids array, rewritten in place: the run must copy the ids it keeps
+    fresh_ids = False
+
     def next_batch(self):
         batch = super().next_batch()
         if not hasattr(self, "buffer"):
@@ -195,15 +197,16 @@ class ReusingDigits(Digits):
 """
 
 
-def test_each_line_digests_the_rows_its_update_trained_on_even_when_the_sampler_reuses_its_ids(project, tools):
+@pytest.mark.parametrize("reusing", [False, True], ids=["fresh ids kept", "reused ids copied"])
+def test_each_line_digests_the_rows_its_update_trained_on(project, tools, reusing):
     import hashlib
 
     import numpy as np
 
     from opalctl.tasks.digits import Digits
 
-    project.freeze(entry=project.task_module(REUSING_TASK, "ReusingDigits"),
-                   budget={"clock": "updates", "amount": 30}, arms={"adamw": tools.ADAMW})
+    entry = project.task_module(REUSING_TASK, "ReusingDigits") if reusing else None
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": tools.ADAMW})
     project.run("adamw", 1)
     steps = list(read_steps(project.run_dir("adamw", 1) / "steps.jsonl.gz"))
     # the same batches, drawn again from a fresh built-in sampler with the run's seed and batch size
