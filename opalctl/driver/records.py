@@ -1,24 +1,34 @@
 """The run's per-update record, ``steps.jsonl.gz``, written so that a crash never leaves it unreadable.
 
 The file is a sequence of complete gzip members (the gzip format allows concatenation; ``gzip.open`` reads
-them as one stream). Lines are buffered in memory and written as one member, flushed and fsynced, every
-``FLUSH_LINES`` updates and at every checkpoint. A crash can therefore only cut the last member short; the
-reader stops at the last complete member, and ``--resume`` truncates the file to the offset recorded in the
-checkpoint it resumes from, so the file ends up holding exactly one line per update, as if nothing had happened.
+them as one stream). Lines are buffered and written as one member every ``FLUSH_LINES`` updates and at every
+checkpoint, where the file is also fsynced. A crash can therefore only cut the last member short; the reader
+stops at the last complete member, and ``--resume`` truncates the file to the offset recorded in the checkpoint
+it resumes from, so the file ends up holding exactly one line per update, as if nothing had happened.
 
 Each line carries the update's clock figures, its loss, a digest of the batch's row ids and a running digest of
 every row seen so far (so two runs that saw the same rows in the same order end with the same digest).
 
-Why the work waits for the flush: inside the training loop, between two updates, the caches are full of the
-model's work, and Python or torch work done there costs several times what it costs in a tight loop (measured on
-``digits``, in ``bench/driver_overhead.py`` and in same-process A/B runs: the two row digests took about 11 us per
-update in the loop, 1.1 us on their own; a per-update ``add`` call that detached the loss and converted the ids
-took about 10 us more than appending a tuple). So per update the loop only appends one tuple to ``pending``
-(``add`` says what it holds): the loss as a number when it lives on the CPU (reading it there is no
-synchronisation) and as a detached tensor elsewhere (read with the others in one transfer at the flush), and the
-row ids: the batch's own array when the sampler promises never to change it (``Sampler.fresh_ids``), else a copy
-(in the loop a copy costs about 3.7 us on ``digits``, 0.6 % of an update). ``settle`` computes the digests, the running digest and the lines of every kept update at
-once, and every flush settles first.
+Why so little happens in the training process. Inside the training loop, between two updates, the caches are
+full of the model's work, and Python or torch work done there costs several times what it costs in a tight loop
+(measured on ``digits``: the two row digests took about 11 us per update in the loop, 1.1 us on their own; a
+per-update call that detached the loss and converted the ids took about 10 us more than appending a tuple).
+So:
+
+- per update, the loop only appends one tuple to ``pending`` (``StepsWriter.add`` says what it holds): the
+  loss as a number when it lives on the CPU (reading it there is no synchronisation) and as a detached tensor
+  elsewhere, and the row ids: the batch's own array when the sampler promises never to change it
+  (``Sampler.fresh_ids``), else a copy (about 3.7 us in the loop on ``digits``, 0.6 % of an update);
+- every ``FLUSH_LINES`` updates, the training process reads the kept losses (one transfer), adds the figures the
+  run totals up (``take_sums``) and hands the raw numbers and ids to a helper process in one write to a pipe;
+- the helper (this module, run as ``python -m opalctl.driver.records``) computes the digests, formats the lines,
+  compresses and writes them: about 3.6 us per line that the training process no longer spends, on another
+  core where there is one, and never charged to a CPU budget (the process CPU clock does not count children).
+
+The helper answers only when asked to make the file durable (``flush(durable=True)``, at every checkpoint, and
+``close``): it fsyncs and replies with the file's length and the running digest, which the checkpoint records.
+When the training process dies, the helper reads the end of its input and exits without writing more; it holds
+the run folder's lock while it lives, so no resumed run can cut the file back while it still writes.
 """
 
 from __future__ import annotations
@@ -27,44 +37,58 @@ import gzip
 import hashlib
 import json
 import os
+import signal
+import struct
+import subprocess
+import sys
 import zlib
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from opalctl.errors import OpalctlError
 from opalctl.scalars import read_floats
 
 FLUSH_LINES = 512
 SEEN_START = "0" * 32
-_INT64 = np.dtype(np.int64)
+# a frame to the helper: kind (L: lines, S: make durable and reply, C: the same, then close), line count, id bytes;
+# an L frame then holds six arrays of 8-byte numbers (update, charge, used, wall, loss, id bytes per line) and
+# the ids of every line, as int64
+_HEADER = struct.Struct("<cII")
+_COLUMNS = 6
 
 
 class StepsWriter:
-    """Buffers the per-update lines and writes them as gzip members. It also keeps what the run totals from
-    those lines: the running digest of rows seen (``seen``, starting from the value given: a checkpoint's, on
-    resume), the last loss, and the sums of the updates' wall seconds, CPU seconds (lines that carry them),
-    examples and non-finite losses since they were last taken (``take_sums``)."""
+    """Keeps the per-update records of a run and has a helper process write them (see the module docstring).
 
-    def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START, cpu_charges: bool = False):
+    It also keeps what the run totals from those records: the sums of the updates' wall seconds, CPU seconds
+    (when the charges are CPU seconds), examples and non-finite losses since they were last taken
+    (``take_sums``), and the last loss. ``seen``, the running digest of rows seen (starting from the value given:
+    a checkpoint's, on resume), is as of the last durable flush or ``close``.
+    """
+
+    def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START, cpu_charges: bool = False,
+                 inherit_fds: tuple[int, ...] = ()):
         self.path = Path(path)
         self.cpu_charges = cpu_charges  # the charges are CPU seconds (the cpu clock): each line's "cpu" is its charge
-        self.lines: list[str] = []  # the settled updates' lines, written at the next flush
-        # updates added since the last settle; the same list for the writer's whole life (emptied, never replaced),
+        # updates added since the last flush; the same list for the writer's whole life (emptied, never replaced),
         # so the loop may hold its bound ``append``
         self.pending: list[tuple] = []
         self.seen = seen
         self.sums = self._zero()
         self.last_loss = float("nan")
-        mode = "r+b" if self.path.exists() else "w+b"
-        self.handle = open(self.path, mode)
-        if offset is not None:
-            self.handle.truncate(offset)
-        self.handle.seek(0, os.SEEK_END)
+        package_root = str(Path(__file__).resolve().parents[2])  # the helper runs this very copy of opalctl
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        command = [sys.executable, "-m", "opalctl.driver.records", str(self.path),
+                   "-1" if offset is None else str(int(offset)), seen, "cpu" if cpu_charges else "-"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
+        self._reply()  # the helper has opened (and, on resume, cut back) the file, or says why it could not
 
     def add(self, update: int, charge: float, used: float, wall: float, loss, ids) -> None:
-        """One update's line, kept as the tuple ``(update, charge, used, wall, loss, ids)``, flushed every
+        """One update's line, kept as the tuple ``(update, charge, used, wall, loss, ids)``, sent every
         ``FLUSH_LINES``. ``loss`` is a number, or a scalar tensor read later with the others: only a detached one
         may be kept, since holding the loss itself would keep its autograd graph alive until the flush, moving the
         graph's teardown, a part of the update's cost, out of the timed interval. ``ids`` must not change until the
@@ -81,69 +105,178 @@ class StepsWriter:
         return {"train_wall": 0.0, "train_cpu": 0.0, "examples": 0, "nonfinite_losses": 0}
 
     def take_sums(self) -> dict[str, float]:
-        """Settle, and hand over the sums of the updates settled since the last call."""
-        self.settle()
+        """Send what is pending, and hand over the sums of the updates sent since the last call."""
+        self._send_pending()
         sums, self.sums = self.sums, self._zero()
         return sums
 
-    def settle(self) -> None:
-        """Read the kept losses (one transfer), compute the digests and format the line of every update added
-        since the last call."""
-        if not self.pending:
-            return
+    def _send_pending(self) -> None:
+        """Read the kept losses (one transfer), add up the sums and send the pending lines to the helper."""
+        import numpy as np
+
         pending = self.pending
-        losses = read_floats([line[4] for line in pending])
-        seen = self.seen
-        sha256 = hashlib.sha256
-        asarray = np.asarray
-        lines = self.lines
-        wall_sum = 0.0
-        id_bytes = nonfinite = 0
-        for (update, charge, used, wall, _, ids), loss in zip(pending, losses):
-            ids = asarray(ids, dtype=_INT64).tobytes()  # the digests are of int64 bytes, whatever the sampler gave
-            rows = sha256(ids).hexdigest()[:16]
-            seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
-            wall_sum += wall
-            id_bytes += len(ids)
-            # the clock figures are finite by construction (the meter refuses others); only the loss may not be
-            if loss - loss == 0.0:
-                lines.append(f'{{"charge":{charge!r},"cpu":{repr(charge) if self.cpu_charges else "null"},'
-                             f'"loss":{loss!r},"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},'
-                             f'"wall":{wall!r}}}')
-            else:
-                nonfinite += 1
-                lines.append(json.dumps({"charge": charge, "cpu": charge if self.cpu_charges else None, "loss": loss,
-                                         "rows": rows, "seen": seen, "update": update, "used": used, "wall": wall},
-                                        separators=(",", ":"), allow_nan=True, sort_keys=True))
-        self.seen = seen
+        if not pending:
+            return
+        updates, charges, used, walls, losses, ids = zip(*pending)
+        losses = read_floats(list(losses))
+        blobs = [np.asarray(rows, dtype=np.int64).tobytes() for rows in ids]  # the digests are of int64 bytes
+        lengths = array("q", map(len, blobs))
+        id_bytes = sum(lengths)
         sums = self.sums
-        sums["train_wall"] += wall_sum
+        sums["train_wall"] += sum(walls)
         if self.cpu_charges:
-            sums["train_cpu"] += sum(line[1] for line in pending)
+            sums["train_cpu"] += sum(charges)
         sums["examples"] += id_bytes // 8
-        sums["nonfinite_losses"] += nonfinite
+        sums["nonfinite_losses"] += sum(1 for loss in losses if loss - loss != 0.0)
         self.last_loss = losses[-1]
+        self._write(b"".join([_HEADER.pack(b"L", len(pending), id_bytes), array("q", updates).tobytes(),
+                              array("d", charges).tobytes(), array("d", used).tobytes(), array("d", walls).tobytes(),
+                              array("d", losses).tobytes(), lengths.tobytes(), *blobs]))
         pending.clear()
 
-    def flush(self, durable: bool = True) -> int:
-        """Settle, then write the buffered lines as one gzip member; returns the file's complete length.
+    def flush(self, durable: bool = True) -> int | None:
+        """Send the pending lines; when ``durable``, also wait until they are on the disk and return the file's
+        complete length (the offset a checkpoint records), and bring ``seen`` up to date.
 
-        Only a flush whose offset a checkpoint records needs to reach the disk (``durable``): after a crash the
-        file is cut back to that offset anyway, so the periodic flushes in between skip the fsync.
+        Only a flush whose offset a checkpoint records needs to reach the disk: after a crash the file is cut back
+        to that offset anyway, so the periodic flushes in between neither wait nor fsync.
         """
-        self.settle()
-        if self.lines:
-            data = ("\n".join(self.lines) + "\n").encode()
-            self.handle.write(gzip.compress(data, compresslevel=1, mtime=0))
-            self.lines = []
-            self.handle.flush()
-        if durable:
-            os.fsync(self.handle.fileno())
-        return self.handle.tell()
+        self._send_pending()
+        if not durable:
+            return None
+        self._write(_HEADER.pack(b"S", 0, 0))
+        return self._reply()
 
     def close(self) -> None:
-        self.flush()
-        self.handle.close()
+        """Send the pending lines, wait until the file is complete on the disk, and end the helper."""
+        if self.process.poll() is not None and self.process.stdin.closed:
+            return
+        self._send_pending()
+        self._write(_HEADER.pack(b"C", 0, 0))
+        self._reply()
+        self._end()
+
+    def abandon(self) -> None:
+        """End the helper without waiting for the lines still pending (the run failed; a resume cuts them)."""
+        self._end()
+
+    def _end(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            stream.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.process.stdin.write(data)
+        except (BrokenPipeError, ValueError):
+            self._failed()
+
+    def _reply(self) -> int:
+        line = self.process.stdout.readline()
+        if not line:
+            self._failed()
+        answer = json.loads(line)
+        if "error" in answer:
+            self._end()
+            raise OpalctlError(f"the run's steps records {self.path} cannot be written: {answer['error']}")
+        self.seen = answer["seen"]
+        return int(answer["offset"])
+
+    def _failed(self) -> None:
+        """The helper is gone: say why, in its own words when it left any."""
+        answer = self.process.stdout.read() or b""
+        stderr = self.process.stderr.read() or b""
+        self._end()
+        for line in answer.decode(errors="replace").splitlines():
+            if line.startswith('{"error"'):
+                raise OpalctlError(f"the run's steps records {self.path} cannot be written: {json.loads(line)['error']}")
+        last = (stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise OpalctlError(f"the process writing the run's steps records {self.path} stopped "
+                           f"(exit status {self.process.returncode}: {last[:300]}); resume the run with --resume")
+
+
+def format_lines(seen: str, cpu_charges: bool, updates, charges, used, walls, losses,
+                 ids: list[bytes]) -> tuple[list[str], str]:
+    """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
+    sha256 = hashlib.sha256
+    lines = []
+    for update, charge, spent, wall, loss, rows_bytes in zip(updates, charges, used, walls, losses, ids):
+        rows = sha256(rows_bytes).hexdigest()[:16]
+        seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
+        # the clock figures are finite by construction (the meter refuses others); only the loss may not be
+        if loss - loss == 0.0:
+            lines.append(f'{{"charge":{charge!r},"cpu":{repr(charge) if cpu_charges else "null"},'
+                         f'"loss":{loss!r},"rows":"{rows}","seen":"{seen}","update":{update},"used":{spent!r},'
+                         f'"wall":{wall!r}}}')
+        else:
+            lines.append(json.dumps({"charge": charge, "cpu": charge if cpu_charges else None, "loss": loss,
+                                     "rows": rows, "seen": seen, "update": update, "used": spent, "wall": wall},
+                                    separators=(",", ":"), allow_nan=True, sort_keys=True))
+    return lines, seen
+
+
+def _read_exactly(stream, size: int) -> bytes | None:
+    """``size`` bytes, or None when the input ends first (the training process is gone)."""
+    parts, left = [], size
+    while left:
+        part = stream.read(left)
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
+    """The helper process: write the lines it is sent, make the file durable and reply when asked."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; the helper then sees its input end
+    source, answers = sys.stdin.buffer, sys.stdout.buffer
+
+    def reply(answer: dict) -> None:
+        answers.write((json.dumps(answer) + "\n").encode())
+        answers.flush()
+
+    try:
+        handle = open(path, "r+b" if os.path.exists(path) else "w+b")
+        if offset >= 0:
+            handle.truncate(offset)
+        handle.seek(0, os.SEEK_END)
+        reply({"offset": handle.tell(), "seen": seen})
+        while True:
+            header = _read_exactly(source, _HEADER.size)
+            if header is None:
+                return 0  # the run is gone: what is pending is cut by the resume anyway
+            kind, count, id_bytes = _HEADER.unpack(header)
+            if kind == b"L":
+                body = _read_exactly(source, _COLUMNS * 8 * count + id_bytes)
+                if body is None:
+                    return 0
+                view = memoryview(body)
+                columns = [view[8 * count * k:8 * count * (k + 1)].cast("q" if k in (0, 5) else "d")
+                           for k in range(_COLUMNS)]
+                ids, start = [], _COLUMNS * 8 * count
+                for length in columns[5]:
+                    ids.append(body[start:start + length])
+                    start += length
+                lines, seen = format_lines(seen, cpu_charges, *columns[:5], ids)
+                handle.write(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0))
+                handle.flush()
+            elif kind in (b"S", b"C"):
+                os.fsync(handle.fileno())
+                reply({"offset": handle.tell(), "seen": seen})
+                if kind == b"C":
+                    handle.close()
+                    return 0
+            else:
+                reply({"error": f"the helper received an unknown request {kind!r}"})
+                return 2
+    except OSError as error:
+        reply({"error": f"{error.strerror or error} ({path})"})
+        return 1
 
 
 def read_steps(path: Path) -> Iterator[dict[str, Any]]:
@@ -162,3 +295,7 @@ def read_steps(path: Path) -> Iterator[dict[str, Any]]:
             if line:
                 yield json.loads(line)
         position = len(data) - len(decompressor.unused_data)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "cpu"))

@@ -38,6 +38,7 @@ from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_json, read_json
 
 RESUME_FILE = "resume.pt"
+LOCK_WAIT_SECONDS = 5.0  # how long a run waits for its folder's lock before calling it busy
 
 
 @dataclass
@@ -163,10 +164,19 @@ class FormalRun:
                            f"an interrupted run, or --runs-dir for a separate copy)")
         run.mkdir(parents=True, exist_ok=True)
         self._lock_handle = open(run / ".running", "a+")
-        try:
-            fcntl.flock(self._lock_handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise BadInput(f"another opalctl process is running {run} now; wait for it to finish") from None
+        # The steps helper of a run that was just killed holds the lock for the few milliseconds it takes to see
+        # its input end (records.py), so a prompt resume waits a little before calling the folder busy.
+        waited = 0.0
+        while True:
+            try:
+                fcntl.flock(self._lock_handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if waited >= LOCK_WAIT_SECONDS:
+                    self._lock_handle.close()
+                    raise BadInput(f"another opalctl process is running {run} now; wait for it to finish") from None
+                time.sleep(0.05)
+                waited += 0.05
         if not (run / RESUME_FILE).exists() and (run / "opal").exists():
             # an agent's records from a start that never reached its first resume checkpoint: nothing to keep
             shutil.rmtree(run / "opal")
@@ -328,9 +338,6 @@ class FormalRun:
         self._cpu_mark = time.process_time()
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
-        import torch
-
-        from opalctl.driver.arm import make_update
         from opalctl.protocol.verify import require_unchanged
 
         require_unchanged(self.lock)
@@ -355,7 +362,21 @@ class FormalRun:
         # so). Otherwise the CPU spent training is the loop's CPU time less the stages and checkpoints, folded in
         # around each of them.
         self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start,
-                                 cpu_charges=self.protocol.budget.clock == "cpu")
+                                 cpu_charges=self.protocol.budget.clock == "cpu",
+                                 inherit_fds=(self._lock_handle.fileno(),))
+        try:
+            return self._train(resume, anchor, run_started_wall, run_started_cpu)
+        except BaseException:
+            self.steps.abandon()  # its helper process ends; the lines not yet durable are cut by a resume
+            raise
+
+    def _train(self, resume: bool, anchor: dict[str, Any], run_started_wall: float,
+               run_started_cpu: float) -> dict[str, Any]:
+        """Steps 4 to 6 of the module docstring: the budget loop, its stages, and the records that close the run."""
+        import torch
+
+        from opalctl.driver.arm import make_update
+
         if not resume or not (self.paths.run / RESUME_FILE).exists():
             self._write_resume()
 

@@ -1,5 +1,6 @@
 """``steps.jsonl.gz``: one line per update with the losses read at the flush (kept as detached tensors, or as
-numbers), row digests, a running digest, sums handed to the run's totals, and non-finite losses kept."""
+numbers), row digests, a running digest, sums handed to the run's totals, and non-finite losses kept; the helper
+process that writes them: its errors reach the run as sentences, and it ends with the training process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from opalctl.driver.records import SEEN_START, StepsWriter, read_steps
@@ -70,3 +72,61 @@ def test_a_resumed_writer_cuts_the_file_back_and_continues_the_running_digest(tm
         resumed.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
     resumed.close()
     assert list(read_steps(path)) == reference
+
+
+def test_a_steps_file_that_cannot_be_opened_is_refused_in_one_sentence(tmp_path):
+    from opalctl.errors import OpalctlError
+
+    with pytest.raises(OpalctlError, match=r"steps records .*missing.* cannot be written: No such file"):
+        StepsWriter(tmp_path / "missing" / "steps.jsonl.gz")
+
+
+def test_a_helper_that_dies_is_reported_at_the_next_flush_with_what_to_do(tmp_path):
+    from opalctl.errors import OpalctlError
+
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
+    writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(4))
+    assert writer.flush() > 0
+    writer.process.kill()
+    writer.process.wait()
+    writer.add(2, 1.0, 2.0, 0.1, 0.5, np.arange(4))
+    with pytest.raises(OpalctlError, match=r"stopped \(exit status -9.*--resume"):
+        writer.flush()
+    assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1]
+
+
+def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_path):
+    """A training process killed with lines sent but never made durable: its helper exits at once (no orphan)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, signal, sys, numpy as np\n"
+        "from opalctl.driver.records import StepsWriter\n"
+        f"writer = StepsWriter({str(tmp_path / 'steps.jsonl.gz')!r})\n"
+        "for update in range(1, 4):\n"
+        "    writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(3))\n"
+        "offset = writer.flush()\n"
+        "writer.add(4, 1.0, 4.0, 0.1, 0.5, np.arange(3))\n"
+        "writer.flush(durable=False)\n"
+        "print(writer.process.pid, offset, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    helper, offset = map(int, result.stdout.split())
+    for _ in range(200):  # it is not our child: poll for it to be gone
+        try:
+            os.kill(helper, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the steps helper {helper} outlived the training process")
+    lines = [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")]
+    assert lines[:3] == [1, 2, 3] and lines in ([1, 2, 3], [1, 2, 3, 4])  # 4 was sent, never made durable
+    resumed = StepsWriter(tmp_path / "steps.jsonl.gz", offset=offset)  # as --resume opens it
+    resumed.close()
+    assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1, 2, 3]

@@ -414,3 +414,25 @@ def test_an_unknown_arm_or_seed_is_refused(project, tools, main_cli, arm, seed, 
     code, out, err = main_cli(project.run_args(arm, seed))
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1
     assert not project.runs.exists()
+
+
+def test_a_folder_locked_by_another_process_is_refused_after_a_short_wait(project, tools, monkeypatch):
+    import fcntl
+    import threading
+
+    from opalctl.driver import run as run_module
+    from opalctl.errors import BadInput
+
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    run_dir = project.run_dir("adamw", 1)
+    run_dir.mkdir(parents=True)
+    monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 0.2)
+    holder = open(run_dir / ".running", "a+")  # another process's lock (flock locks are per open file)
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+    with pytest.raises(BadInput, match="another opalctl process is running .* now; wait for it to finish"):
+        project.run("adamw", 1)
+    assert not (run_dir / "start.json").exists()
+    # a lock let go within the wait (the steps helper of a run killed a moment ago) is taken
+    monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 30.0)
+    threading.Timer(0.3, holder.close).start()
+    assert project.run("adamw", 1)["updates"] == 8
