@@ -20,10 +20,13 @@ So:
   elsewhere, and the row ids: the batch's own array when the sampler promises never to change it
   (``Sampler.fresh_ids``), else a copy (about 3.7 us in the loop on ``digits``, 0.6 % of an update);
 - every ``FLUSH_LINES`` updates, the training process reads the kept losses (one transfer), adds the figures the
-  run totals up (``take_sums``) and hands the raw numbers and ids to a helper process in one write to a pipe;
+  run totals up (``take_sums``) and hands the raw numbers and ids to a helper process in one write to a pipe
+  (about 0.9 us per line on ``digits``);
 - the helper (this module, run as ``python -m opalctl.driver.records``) computes the digests, formats the lines,
-  compresses and writes them: about 3.6 us per line that the training process no longer spends, on another
+  compresses and writes them (about 3.6 us per line, which the training process no longer spends), on another
   core where there is one, and never charged to a CPU budget (the process CPU clock does not count children).
+  Measured in 24,000-update ``digits`` runs: the loop's time outside the timed updates fell from 12.3 to 10.7 us
+  per update (checkpoints included: they now wait for the helper's reply).
 
 The helper answers only when asked to make the file durable (``flush(durable=True)``, at every checkpoint, and
 ``close``): it fsyncs and replies with the file's length and the running digest, which the checkpoint records.
@@ -57,6 +60,7 @@ SEEN_START = "0" * 32
 # the ids of every line, as int64
 _HEADER = struct.Struct("<cII")
 _COLUMNS = 6
+PIPE_BYTES = 1 << 20  # the pipe's buffer, where the system allows it (Linux: /proc/sys/fs/pipe-max-size)
 
 
 class StepsWriter:
@@ -85,6 +89,12 @@ class StepsWriter:
                    "-1" if offset is None else str(int(offset)), seen, "cpu" if cpu_charges else "-"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
+        try:  # room for a whole flush (about 290 KB on digits), so that sending it never waits for the helper
+            import fcntl
+
+            fcntl.fcntl(self.process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (ImportError, AttributeError, OSError):
+            pass  # not Linux, or a lower system limit: sending then waits for the helper to read, nothing more
         self._reply()  # the helper has opened (and, on resume, cut back) the file, or says why it could not
 
     def add(self, update: int, charge: float, used: float, wall: float, loss, ids) -> None:
@@ -119,9 +129,9 @@ class StepsWriter:
             return
         updates, charges, used, walls, losses, ids = zip(*pending)
         losses = read_floats(list(losses))
-        blobs = [np.asarray(rows, dtype=np.int64).tobytes() for rows in ids]  # the digests are of int64 bytes
-        lengths = array("q", map(len, blobs))
-        id_bytes = sum(lengths)
+        blob = np.concatenate(ids).astype(np.int64, copy=False).tobytes()  # the digests are of int64 bytes
+        lengths = array("q", [8 * len(rows) for rows in ids])
+        id_bytes = len(blob)
         sums = self.sums
         sums["train_wall"] += sum(walls)
         if self.cpu_charges:
@@ -131,7 +141,7 @@ class StepsWriter:
         self.last_loss = losses[-1]
         self._write(b"".join([_HEADER.pack(b"L", len(pending), id_bytes), array("q", updates).tobytes(),
                               array("d", charges).tobytes(), array("d", used).tobytes(), array("d", walls).tobytes(),
-                              array("d", losses).tobytes(), lengths.tobytes(), *blobs]))
+                              array("d", losses).tobytes(), lengths.tobytes(), blob]))
         pending.clear()
 
     def flush(self, durable: bool = True) -> int | None:
