@@ -357,10 +357,10 @@ class FormalRun:
             self.say(f"resuming {self.paths.run} at update {self.meter.updates}")
         else:
             self._start_records(model_digest, anchor)
-        # Reading the process CPU clock is a system call, far dearer than the wall clock: per update it is read
-        # only when it is the budget's clock, and then the charge is the update's CPU time (the steps lines say
-        # so). Otherwise the CPU spent training is the loop's CPU time less the stages and checkpoints, folded in
-        # around each of them.
+        # A steps line carries a CPU figure only under the cpu clock, whose charge is the update's CPU time: reading
+        # the process CPU clock is a system call, too dear to make per update for nothing. Under other clocks the
+        # CPU spent training is the loop's CPU time less the stages and checkpoints, folded in around each of them.
+        # The steps helper holds the folder's lock too, so no resume cuts the file back while it still writes.
         self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start,
                                  cpu_charges=self.protocol.budget.clock == "cpu",
                                  inherit_fds=(self._lock_handle.fileno(),))
@@ -420,8 +420,8 @@ class FormalRun:
             charge = clock_stop(token)
             wall1 = perf_counter()
             reached = charge_meter(charge)
-            # everything below is outside the timed interval; the rows are digested, the line written and the
-            # update's figures added to the totals with the others at the next flush (see records.StepsWriter)
+            # everything below is outside the timed interval; the update's figures are added to the totals at the
+            # next flush, and its line is digested and written by the steps helper (see records.py)
             keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss),
                        batch.ids if fresh_ids else batch.ids.copy()))
             if len(kept) >= flush_lines:
