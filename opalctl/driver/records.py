@@ -198,8 +198,11 @@ class StepsWriter:
 
     def _failed(self) -> None:
         """The helper is gone: say why, in its own words when it left any."""
-        answer = self.process.stdout.read() or b""
-        stderr = self.process.stderr.read() or b""
+        try:
+            answer = self.process.stdout.read() or b""
+            stderr = self.process.stderr.read() or b""
+        except ValueError:  # the writer was closed already: there is nothing more to read
+            answer = stderr = b""
         self._end()
         for line in answer.decode(errors="replace").splitlines():
             if line.startswith('{"error"'):

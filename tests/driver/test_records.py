@@ -130,3 +130,16 @@ def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_p
     resumed = StepsWriter(tmp_path / "steps.jsonl.gz", offset=offset)  # as --resume opens it
     resumed.close()
     assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1, 2, 3]
+
+
+def test_a_closed_writer_refuses_more_lines_in_one_sentence_and_closes_twice_quietly(tmp_path):
+    from opalctl.errors import OpalctlError
+
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
+    writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(2))
+    writer.close()
+    writer.close()
+    writer.add(2, 1.0, 2.0, 0.1, 0.5, np.arange(2))
+    with pytest.raises(OpalctlError, match="stopped"):
+        writer.flush()
+    assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1]
