@@ -36,8 +36,16 @@ def rng_state() -> dict[str, Any]:
 
 
 def _python_state() -> list:
+    import torch
+
     version, internal, gauss = random.getstate()
-    return [int(version), [int(x) for x in internal], gauss]
+    # the 625 numbers as one tensor: as a list they were 625 objects to pickle and to walk for the digests at every
+    # resume checkpoint, about half of a digits checkpoint's encoding time
+    return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
+
+
+def _python_internal(internal: Any) -> tuple[int, ...]:
+    return tuple(internal.tolist()) if hasattr(internal, "tolist") else tuple(int(x) for x in internal)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -48,7 +56,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32),
                          numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached"]))
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, _python_internal(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -61,7 +69,8 @@ def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         changed.append("torch")
     if not torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) or a["numpy"]["position"] != b["numpy"]["position"]:
         changed.append("numpy")
-    if a["python"] != b["python"]:
+    if (a["python"][0], _python_internal(a["python"][1]), a["python"][2]) != \
+            (b["python"][0], _python_internal(b["python"][1]), b["python"][2]):
         changed.append("python random")
     if "cuda" in a and "cuda" in b and any(not torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"])):
         changed.append("cuda")

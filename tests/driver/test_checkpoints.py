@@ -190,3 +190,27 @@ def test_stored_members_really_are_the_tensor_bytes(saved):
     path, _ = saved
     with zipfile.ZipFile(io.BytesIO(path.read_bytes())) as archive:
         assert all(info.compress_type == zipfile.ZIP_STORED for info in archive.infolist())
+
+
+def test_every_rng_state_goes_through_a_resume_checkpoint_and_comes_back_exactly(tmp_path):
+    """torch, numpy and Python's random, saved with a checkpoint, loaded with weights_only and set again: the
+    draws that follow are those that followed the save (Python's state is kept as one int64 tensor)."""
+    import random
+
+    import numpy as np
+
+    from opalctl.driver.evaluation import _same_rng, rng_state, set_rng_state
+
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    random.gauss(0, 1)  # leaves a cached gauss value in Python's state
+    state = rng_state()
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(1).item())
+    checkpoints.save(tmp_path / "resume.pt", {"w": torch.zeros(1)}, kind="resume", extra={"rng": state})
+    loaded = checkpoints.load(tmp_path / "resume.pt")["extra"]["rng"]
+    assert isinstance(loaded["python"][1], torch.Tensor) and loaded["python"][1].dtype == torch.int64
+    assert _same_rng(loaded, state) == []
+    set_rng_state(loaded)
+    assert (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(1).item()) == expected
+    assert _same_rng(rng_state(), loaded) == ["torch", "numpy", "python random"]
