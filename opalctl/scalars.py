@@ -1,8 +1,9 @@
 """Reading many scalar losses back from torch at once.
 
-Both the formal run's per-update records and the agent optimizer's analysis keep each update's loss as a tensor
-and read a whole batch of them later: one stack and one transfer, where a read per update would cost a device
-synchronisation (on a GPU) or several microseconds (on the CPU, between two updates).
+The agent optimizer's analysis, and the formal run's per-update records on a GPU, keep each update's loss as a
+detached tensor and read a whole batch of them later: one stack and one transfer, where a read per update would
+cost a device synchronisation. On the CPU the formal run reads each loss when it keeps it (``item()`` costs no
+synchronisation there, and measured cheaper between two updates than ``detach()``), so its batches are numbers.
 """
 
 from __future__ import annotations

@@ -44,9 +44,6 @@ def _python_state() -> list:
     return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
 
 
-def _python_internal(internal: Any) -> tuple[int, ...]:
-    return tuple(internal.tolist()) if hasattr(internal, "tolist") else tuple(int(x) for x in internal)
-
 
 def set_rng_state(state: dict[str, Any]) -> None:
     import torch
@@ -56,7 +53,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32),
                          numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached"]))
     version, internal, gauss = state["python"]
-    random.setstate((version, _python_internal(internal), gauss))
+    random.setstate((version, tuple(internal.tolist()), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -69,8 +66,8 @@ def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         changed.append("torch")
     if not torch.equal(a["numpy"]["keys"], b["numpy"]["keys"]) or a["numpy"]["position"] != b["numpy"]["position"]:
         changed.append("numpy")
-    if (a["python"][0], _python_internal(a["python"][1]), a["python"][2]) != \
-            (b["python"][0], _python_internal(b["python"][1]), b["python"][2]):
+    (version_a, internal_a, gauss_a), (version_b, internal_b, gauss_b) = a["python"], b["python"]
+    if version_a != version_b or not torch.equal(internal_a, internal_b) or gauss_a != gauss_b:
         changed.append("python random")
     if "cuda" in a and "cuda" in b and any(not torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"])):
         changed.append("cuda")

@@ -166,17 +166,16 @@ class FormalRun:
         self._lock_handle = open(run / ".running", "a+")
         # The steps helper of a run that was just killed holds the lock for the few milliseconds it takes to see
         # its input end (records.py), so a prompt resume waits a little before calling the folder busy.
-        waited = 0.0
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
             try:
                 fcntl.flock(self._lock_handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError:
-                if waited >= LOCK_WAIT_SECONDS:
+                if time.monotonic() >= deadline:
                     self._lock_handle.close()
                     raise BadInput(f"another opalctl process is running {run} now; wait for it to finish") from None
                 time.sleep(0.05)
-                waited += 0.05
         if not (run / RESUME_FILE).exists() and (run / "opal").exists():
             # an agent's records from a start that never reached its first resume checkpoint: nothing to keep
             shutil.rmtree(run / "opal")
