@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +146,11 @@ def _encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | N
 
 
 def save(path: str | os.PathLike, model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None = None,
-         meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write a checkpoint atomically; returns ``{path, bytes, sha256, model_sha256}``."""
+         meta: dict[str, Any] | None = None, before_replace: Callable[[], object] | None = None) -> dict[str, Any]:
+    """Write a checkpoint atomically; returns ``{path, bytes, sha256, model_sha256}``. ``before_replace``: as in
+    ``atomic_write_bytes``."""
     data, model_digest = _encode(model_state, kind=kind, extra=extra, meta=meta)
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, data, before_replace=before_replace)
     return {"path": str(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "model_sha256": model_digest}
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,12 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True,
+                       before_replace: Callable[[], object] | None = None) -> None:
     """Write via a temporary file and a rename; ``durable`` also fsyncs file and folder (skip it only for records
-    whose loss in a power cut is harmless, such as an agent's decision transcripts)."""
+    whose loss in a power cut is harmless, such as an agent's decision transcripts). ``before_replace`` runs once
+    the temporary file is written, just before the rename: it waits for whatever must be on the disk before this
+    file may replace the old one (the records a checkpoint counts); when it raises, the old file stays."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -71,6 +75,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = Tru
             handle.flush()
             if durable:
                 os.fsync(handle.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(temporary, target)
     except BaseException:
         try:

@@ -3,8 +3,9 @@
 The file is a sequence of complete gzip members (the gzip format allows concatenation; ``gzip.open`` reads
 them as one stream). Lines are buffered and written as one member every ``FLUSH_LINES`` updates and at every
 checkpoint, where the file is also fsynced. A crash can therefore only cut the last member short; the reader
-stops at the last complete member, and ``--resume`` truncates the file to the offset recorded in the checkpoint
-it resumes from, so the file ends up holding exactly one line per update, as if nothing had happened.
+stops at the last complete member. A checkpoint records how many lines the file held when it was written (always
+the end of a member), and ``--resume`` cuts the file back to the end of that line (``locate``), so the file ends
+up holding exactly one line per update, as if nothing had happened.
 
 Each line carries the update's clock figures, its loss, a digest of the batch's row ids and a running digest of
 every row seen so far (so two runs that saw the same rows in the same order end with the same digest).
@@ -28,8 +29,13 @@ So:
   Measured in 24,000-update ``digits`` runs: the loop's time outside the timed updates fell from 12.3 to 10.7 us
   per update (checkpoints included: they now wait for the helper's reply).
 
-The helper answers only when asked to make the file durable (``flush(durable=True)``, at every checkpoint, and
-``close``): it fsyncs and replies with the file's length and the running digest, which the checkpoint records.
+The helper answers only when asked to make the file durable (``begin_sync``, at every checkpoint, and ``close``):
+it fsyncs and replies with the file's length and the running digest. A checkpoint does not wait for that reply
+before it encodes the run's state, since it records a line count, which the training process knows: the helper
+writes and fsyncs the last lines while the state is encoded, and only the checkpoint's rename, which makes it
+the one a resume reads, waits for the reply (``finish_sync``), so that no checkpoint ever counts lines the disk
+may not hold. Measured in paired 12,000-update ``digits`` runs: the time the run spent on checkpoints fell from
+109 to 79 ms (13 resume checkpoints and 4 stage ones).
 When the training process dies, the helper reads the end of its input and exits without writing more; it holds
 the run folder's lock while it lives, so no resumed run can cut the file back while it still writes.
 """
@@ -60,6 +66,7 @@ SEEN_START = "0" * 32
 # the ids of every line, as int64
 _HEADER = struct.Struct("<cII")
 _COLUMNS = 6
+_READ_BYTES = 1 << 16  # how much of a steps file a reader decompresses at a time
 PIPE_BYTES = 1 << 20  # the pipe's buffer, where the system allows it (Linux: /proc/sys/fs/pipe-max-size)
 
 
@@ -68,13 +75,15 @@ class StepsWriter:
 
     It also keeps what the run totals from those records: the sums of the updates' wall seconds, CPU seconds
     (when the charges are CPU seconds), examples and non-finite losses since they were last taken
-    (``take_sums``), and the last loss. ``seen``, the running digest of rows seen (starting from the value given:
-    a checkpoint's, on resume), is as of the last durable flush or ``close``.
+    (``take_sums``), and the last loss. ``lines`` counts the lines sent to the file, those it held at the start
+    included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``). ``seen``, the running digest of
+    rows seen, is as of the last ``finish_sync`` or ``close``.
     """
 
     def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START, cpu_charges: bool = False,
-                 inherit_fds: tuple[int, ...] = ()):
+                 inherit_fds: tuple[int, ...] = (), lines: int = 0):
         self.path = Path(path)
+        self.lines = lines
         self.cpu_charges = cpu_charges  # the charges are CPU seconds (the cpu clock): each line's "cpu" is its charge
         # updates added since the last flush; the same list for the writer's whole life (emptied, never replaced),
         # so the loop may hold its bound ``append``
@@ -108,7 +117,7 @@ class StepsWriter:
         there, a call costs more than its work (see the module docstring)."""
         self.pending.append((update, charge, used, wall, loss, ids))
         if len(self.pending) >= FLUSH_LINES:
-            self.flush(durable=False)
+            self.flush()
 
     @staticmethod
     def _zero() -> dict[str, float]:
@@ -139,23 +148,34 @@ class StepsWriter:
         sums["examples"] += id_bytes // 8
         sums["nonfinite_losses"] += sum(1 for loss in losses if loss - loss != 0.0)
         self.last_loss = losses[-1]
+        self.lines += len(pending)
         self._write(b"".join([_HEADER.pack(b"L", len(pending), id_bytes), array("q", updates).tobytes(),
                               array("d", charges).tobytes(), array("d", used).tobytes(), array("d", walls).tobytes(),
                               array("d", losses).tobytes(), lengths.tobytes(), blob]))
         pending.clear()
 
-    def flush(self, durable: bool = True) -> int | None:
-        """Send the pending lines; when ``durable``, also wait until they are on the disk and return the file's
-        complete length (the offset a checkpoint records), and bring ``seen`` up to date.
+    def flush(self) -> None:
+        """Send the pending lines to the helper, without waiting for it.
 
-        Only a flush whose offset a checkpoint records needs to reach the disk: after a crash the file is cut back
-        to that offset anyway, so the periodic flushes in between neither wait nor fsync.
+        Only the lines a checkpoint counts need to reach the disk: after a crash the file is cut back to those
+        anyway, so the periodic flushes in between neither wait nor fsync.
         """
         self._send_pending()
-        if not durable:
-            return None
+
+    def begin_sync(self) -> None:
+        """Send the pending lines and ask the helper to make the file durable; ``finish_sync`` waits for it."""
+        self._send_pending()
         self._write(_HEADER.pack(b"S", 0, 0))
+
+    def finish_sync(self) -> int:
+        """Wait until every line sent before ``begin_sync`` is on the disk; bring ``seen`` up to date and return
+        the file's length then."""
         return self._reply()
+
+    def sync(self) -> int:
+        """``begin_sync`` and ``finish_sync`` at once."""
+        self.begin_sync()
+        return self.finish_sync()
 
     def close(self) -> None:
         """Send the pending lines, wait until the file is complete on the disk, and end the helper."""
@@ -292,22 +312,56 @@ def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
         return 1
 
 
+def _members(data: bytes) -> Iterator[tuple[bytes, int]]:
+    """Each complete gzip member's text and the offset where it ends; a member cut short by a crash ends it.
+    The data is fed in slices of a memoryview, so a long file is read once, never copied member by member."""
+    view, position = memoryview(data), 0
+    while position < len(data):
+        decompressor, parts = zlib.decompressobj(wbits=31), []
+        while not decompressor.eof:
+            if position >= len(data):
+                return
+            piece = view[position:position + _READ_BYTES]
+            try:
+                parts.append(decompressor.decompress(piece))
+            except zlib.error:
+                return
+            position += len(piece)
+        position -= len(decompressor.unused_data)
+        yield b"".join(parts), position
+
+
 def read_steps(path: Path) -> Iterator[dict[str, Any]]:
     """Every complete line of a steps file; a member cut short by a crash is ignored."""
-    data = Path(path).read_bytes()
-    position = 0
-    while position < len(data):
-        decompressor = zlib.decompressobj(wbits=31)
-        try:
-            text = decompressor.decompress(data[position:])
-        except zlib.error:
-            return
-        if not decompressor.eof:
-            return
+    for text, _end in _members(Path(path).read_bytes()):
         for line in text.decode().splitlines():
             if line:
                 yield json.loads(line)
-        position = len(data) - len(decompressor.unused_data)
+
+
+def locate(path: Path, lines: int) -> tuple[int, str]:
+    """Where a steps file's first ``lines`` lines end, as a resume needs it: the byte offset to cut the file back
+    to, and the running digest after the last of them. It reads the file from its start (0.05 s per 100,000 lines of
+    ``digits``); a file that does not hold those lines whole, each numbered in turn, is refused in one sentence."""
+    path = Path(path)
+    if lines == 0:
+        return 0, SEEN_START
+    if not path.is_file():
+        raise OpalctlError(f"the run's steps records {path} are missing, and its resume checkpoint counts {lines} "
+                           f"lines in them; move the run folder aside and start the run again")
+    count = 0
+    for text, end in _members(path.read_bytes()):
+        count += text.count(b"\n")
+        if count == lines:
+            last = json.loads(text[text.rstrip(b"\n").rfind(b"\n") + 1:])
+            if last.get("update") != lines:
+                break
+            return end, last["seen"]
+        if count > lines:
+            break
+    raise OpalctlError(f"the run's steps records {path} do not end a complete record at line {lines}, which its "
+                       f"resume checkpoint counts (they were changed or cut short); move the run folder aside and "
+                       f"start the run again")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.driver.records import FLUSH_LINES, SEEN_START, StepsWriter
+from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_json, read_json
 
@@ -215,14 +215,13 @@ class FormalRun:
             self.optimizer = self.agent
             self.clip = None
         self.totals = Totals()
-        self.seen_at_start = SEEN_START  # the running digest of rows seen, where this session's steps begin
         self.incumbent: dict[str, Any] = {"stage": None}
         self.stages: list[dict[str, Any]] = []
         self.next_checkpoint = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def _loop_state(self) -> dict[str, Any]:
-        steps_offset = self.steps.flush()  # first: it settles the running digest and the sums taken here
+        """The state a resume continues from; call it after ``steps.begin_sync`` (every line sent, sums settled)."""
         self._take_step_sums()
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -231,11 +230,10 @@ class FormalRun:
             "meter": self.meter.state_dict(),
             "rng": rng_state(),
             "totals": dict(self.totals.values),
-            "seen": self.steps.seen,
             "incumbent": self.incumbent,
             "stages": self.stages,
             "next_checkpoint": self.next_checkpoint,
-            "steps_offset": steps_offset,
+            "steps_lines": self.steps.lines,
         }
 
     def _take_step_sums(self) -> None:
@@ -251,8 +249,12 @@ class FormalRun:
 
     def _write_resume(self) -> None:
         started = time.perf_counter()
+        # the steps helper makes every line so far durable while the state is encoded; the checkpoint, which counts
+        # those lines, replaces the last one only once they are on the disk (records.py)
+        self.steps.begin_sync()
         checkpoints.save(self.paths.run / RESUME_FILE, self.model.state_dict(), kind="resume",
-                         extra=self._loop_state(), meta={"update": self.meter.updates})
+                         extra=self._loop_state(), meta={"update": self.meter.updates},
+                         before_replace=self.steps.finish_sync)
         self.totals.add("checkpoint_wall", time.perf_counter() - started)
         self._cpu_mark = time.process_time()
 
@@ -273,11 +275,10 @@ class FormalRun:
         set_rng_state(extra["rng"])
         self.totals.values.update(extra["totals"])
         self.totals.values["resumes"] += 1
-        self.seen_at_start = extra["seen"]
         self.incumbent = extra["incumbent"]
         self.stages = list(extra["stages"])
         self.next_checkpoint = extra["next_checkpoint"]
-        self.steps_offset = int(extra["steps_offset"])
+        self.steps_lines = int(extra["steps_lines"])
 
     # -- the loop ------------------------------------------------------------------------------------------
     def _stage(self, indices: list[int], anchor: dict[str, Any]) -> None:
@@ -350,17 +351,19 @@ class FormalRun:
         anchor = prepare_anchor(self.lock, self.task, self.splits, self.seed, self.paths.anchor, self.device,
                                 model_digest if not self.arm.model else self._parent_digest())
         set_rng_state(saved_rng)
-        self.steps_offset = 0
+        self.steps_lines = 0  # the lines steps.jsonl.gz holds for the updates done before this session
         if resume and (self.paths.run / RESUME_FILE).exists():
             self._restore()
             self.say(f"resuming {self.paths.run} at update {self.meter.updates}")
         else:
             self._start_records(model_digest, anchor)
+        steps_path = self.paths.run / "steps.jsonl.gz"
+        steps_offset, seen = locate(steps_path, self.steps_lines)  # a fresh run: offset 0, the file starts over
         # A steps line carries a CPU figure only under the cpu clock, whose charge is the update's CPU time: reading
         # the process CPU clock is a system call, too dear to make per update for nothing. Under other clocks the
         # CPU spent training is the loop's CPU time less the stages and checkpoints, folded in around each of them.
         # The steps helper holds the folder's lock too, so no resume cuts the file back while it still writes.
-        self.steps = StepsWriter(self.paths.run / "steps.jsonl.gz", offset=self.steps_offset, seen=self.seen_at_start,
+        self.steps = StepsWriter(steps_path, offset=steps_offset, seen=seen, lines=self.steps_lines,
                                  cpu_charges=self.protocol.budget.clock == "cpu",
                                  inherit_fds=(self._lock_handle.fileno(),))
         try:
@@ -424,7 +427,7 @@ class FormalRun:
             keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss),
                        batch.ids if fresh_ids else batch.ids.copy()))
             if len(kept) >= flush_lines:
-                flush_steps(durable=False)
+                flush_steps()
             if needs_boundary is not None and not meter.done and needs_boundary():
                 # the agent's work (and training's waiting for it) happens here, outside the timed interval
                 self._fold_cpu()

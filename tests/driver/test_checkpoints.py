@@ -214,3 +214,27 @@ def test_every_rng_state_goes_through_a_resume_checkpoint_and_comes_back_exactly
     set_rng_state(loaded)
     assert (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(1).item()) == expected
     assert _same_rng(rng_state(), loaded) == ["torch", "numpy", "python random"]
+
+
+def test_a_checkpoint_replaces_the_old_one_only_once_what_it_counts_on_is_on_the_disk(saved):
+    """``before_replace`` (the steps helper's reply, for a resume checkpoint) runs after the new file is written
+    and before the rename; when it fails, the old checkpoint stays whole and no temporary file is left."""
+    path, record = saved
+    order = []
+
+    def wait_for_records():
+        order.append(("waited", path.read_bytes() == old))
+
+    old = path.read_bytes()
+    checkpoints.save(path, model_state(), kind="stage", meta={"update": 6}, before_replace=wait_for_records)
+    assert order == [("waited", True)], "the old file was still in place while the records were awaited"
+    assert checkpoints.load(path)["meta"] == {"update": 6}
+
+    old = path.read_bytes()
+
+    def records_failed():
+        raise OpalctlError("the steps helper stopped")
+
+    with pytest.raises(OpalctlError, match="stopped"):
+        checkpoints.save(path, model_state(), kind="stage", meta={"update": 7}, before_replace=records_failed)
+    assert path.read_bytes() == old and sorted(p.name for p in path.parent.iterdir()) == [path.name]

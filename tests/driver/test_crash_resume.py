@@ -263,10 +263,10 @@ def test_resume_checkpoints_are_written_at_every_checkpoint_every_fraction(crash
     written = []
     save = checkpoints.save
 
-    def spy(path, model_state, *, kind, extra=None, meta=None):
+    def spy(path, model_state, *, kind, meta=None, **kwargs):
         if kind == "resume":
             written.append(meta["update"])
-        return save(path, model_state, kind=kind, extra=extra, meta=meta)
+        return save(path, model_state, kind=kind, meta=meta, **kwargs)
 
     monkeypatch.setattr(checkpoints, "save", spy)
     crash.run("adamw", 1)

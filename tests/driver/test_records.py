@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from opalctl.driver.records import SEEN_START, StepsWriter, read_steps
+from opalctl.driver.records import SEEN_START, StepsWriter, locate, read_steps
+from opalctl.errors import OpalctlError
 
 
 def expected_lines(batches, losses, seen=SEEN_START):
@@ -61,32 +62,55 @@ def test_a_non_finite_loss_is_written_counted_and_the_cpu_charge_summed(tmp_path
 def test_a_resumed_writer_cuts_the_file_back_and_continues_the_running_digest(tmp_path):
     path = tmp_path / "steps.jsonl.gz"
     whole = StepsWriter(path)
-    for update in range(1, 5):
+    for update in range(1, 6):
         whole.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
-        if update == 2:
-            offset, seen = whole.flush(), whole.seen
+        if update in (2, 3):  # what a checkpoint does: every line so far made durable, the count kept
+            whole.begin_sync()
+            assert whole.lines == update
+            synced = whole.finish_sync(), whole.seen
     whole.close()
     reference = list(read_steps(path))
-    resumed = StepsWriter(path, offset=offset, seen=seen)  # as --resume opens it
-    for update in range(3, 5):
+    assert whole.lines == 5 and synced[1] == reference[2]["seen"]
+    offset, seen = locate(path, 3)  # as --resume finds where the checkpoint's lines end
+    assert (offset, seen) == synced
+    assert locate(path, 0) == (0, SEEN_START)
+    resumed = StepsWriter(path, offset=offset, seen=seen, lines=3)
+    for update in range(4, 6):
         resumed.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
     resumed.close()
-    assert list(read_steps(path)) == reference
+    assert list(read_steps(path)) == reference and resumed.lines == 5 and resumed.seen == whole.seen
+
+
+def test_lines_a_resume_cannot_find_whole_are_refused_in_one_sentence(tmp_path):
+    path = tmp_path / "steps.jsonl.gz"
+    writer = StepsWriter(path)
+    for update in range(1, 5):
+        writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(3))
+        if update == 2:
+            writer.sync()  # members end after lines 2 and 4
+    writer.close()
+    whole = path.read_bytes()
+    for lines in (3, 5):  # inside a member; past the end of the file
+        with pytest.raises(OpalctlError, match=rf"do not end a complete record at line {lines}.*start the run again"):
+            locate(path, lines)
+    path.write_bytes(whole[:-5])  # the second member cut short: only its first two lines are whole
+    assert locate(path, 2)[0] < len(whole) - 5
+    with pytest.raises(OpalctlError, match="at line 4"):
+        locate(path, 4)
+    path.unlink()
+    with pytest.raises(OpalctlError, match=r"are missing, and its resume checkpoint counts 4 lines"):
+        locate(path, 4)
 
 
 def test_a_steps_file_that_cannot_be_opened_is_refused_in_one_sentence(tmp_path):
-    from opalctl.errors import OpalctlError
-
     with pytest.raises(OpalctlError, match=r"steps records .*missing.* cannot be written: No such file"):
         StepsWriter(tmp_path / "missing" / "steps.jsonl.gz")
 
 
 def test_a_helper_that_dies_is_reported_at_the_next_flush_with_what_to_do(tmp_path):
-    from opalctl.errors import OpalctlError
-
     writer = StepsWriter(tmp_path / "steps.jsonl.gz")
     writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(4))
-    assert writer.flush() > 0
+    assert writer.sync() > 0
     writer.process.kill()
     writer.process.wait()
     writer.add(2, 1.0, 2.0, 0.1, 0.5, np.arange(4))
@@ -109,9 +133,9 @@ def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_p
         f"writer = StepsWriter({str(tmp_path / 'steps.jsonl.gz')!r})\n"
         "for update in range(1, 4):\n"
         "    writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(3))\n"
-        "offset = writer.flush()\n"
+        "offset = writer.sync()\n"
         "writer.add(4, 1.0, 4.0, 0.1, 0.5, np.arange(3))\n"
-        "writer.flush(durable=False)\n"
+        "writer.flush()\n"
         "print(writer.process.pid, offset, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -127,14 +151,13 @@ def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_p
         raise AssertionError(f"the steps helper {helper} outlived the training process")
     lines = [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")]
     assert lines[:3] == [1, 2, 3] and lines in ([1, 2, 3], [1, 2, 3, 4])  # 4 was sent, never made durable
-    resumed = StepsWriter(tmp_path / "steps.jsonl.gz", offset=offset)  # as --resume opens it
+    assert locate(tmp_path / "steps.jsonl.gz", 3)[0] == offset
+    resumed = StepsWriter(tmp_path / "steps.jsonl.gz", offset=offset, lines=3)  # as --resume opens it
     resumed.close()
     assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1, 2, 3]
 
 
 def test_a_closed_writer_refuses_more_lines_in_one_sentence_and_closes_twice_quietly(tmp_path):
-    from opalctl.errors import OpalctlError
-
     writer = StepsWriter(tmp_path / "steps.jsonl.gz")
     writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(2))
     writer.close()
