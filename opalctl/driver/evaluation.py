@@ -44,7 +44,6 @@ def _python_state() -> list:
     return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
 
 
-
 def set_rng_state(state: dict[str, Any]) -> None:
     import torch
 

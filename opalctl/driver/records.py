@@ -76,11 +76,12 @@ class StepsWriter:
     It also keeps what the run totals from those records: the sums of the updates' wall seconds, CPU seconds
     (when the charges are CPU seconds), examples and non-finite losses since they were last taken
     (``take_sums``), and the last loss. ``lines`` counts the lines sent to the file, those it held at the start
-    included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``). ``seen``, the running digest of
+    included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``; the helper cuts the file
+    back to ``offset``, 0 for a new run). ``seen``, the running digest of
     rows seen, is as of the last ``finish_sync`` or ``close``.
     """
 
-    def __init__(self, path: Path, offset: int | None = None, seen: str = SEEN_START, cpu_charges: bool = False,
+    def __init__(self, path: Path, offset: int = 0, seen: str = SEEN_START, cpu_charges: bool = False,
                  inherit_fds: tuple[int, ...] = (), lines: int = 0):
         self.path = Path(path)
         self.lines = lines
@@ -95,7 +96,7 @@ class StepsWriter:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         command = [sys.executable, "-m", "opalctl.driver.records", str(self.path),
-                   "-1" if offset is None else str(int(offset)), seen, "cpu" if cpu_charges else "-"]
+                   str(int(offset)), seen, "cpu" if cpu_charges else "-"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
         try:  # room for a whole flush (about 290 KB on digits), so that sending it never waits for the helper
@@ -125,12 +126,17 @@ class StepsWriter:
 
     def take_sums(self) -> dict[str, float]:
         """Send what is pending, and hand over the sums of the updates sent since the last call."""
-        self._send_pending()
+        self.flush()
         sums, self.sums = self.sums, self._zero()
         return sums
 
-    def _send_pending(self) -> None:
-        """Read the kept losses (one transfer), add up the sums and send the pending lines to the helper."""
+    def flush(self) -> None:
+        """Send the pending lines to the helper, without waiting for it: read the kept losses (one transfer) and
+        add up the sums.
+
+        Only the lines a checkpoint counts need to reach the disk: after a crash the file is cut back to those
+        anyway, so the periodic flushes in between neither wait nor fsync.
+        """
         import numpy as np
 
         pending = self.pending
@@ -154,17 +160,9 @@ class StepsWriter:
                               array("d", losses).tobytes(), lengths.tobytes(), blob]))
         pending.clear()
 
-    def flush(self) -> None:
-        """Send the pending lines to the helper, without waiting for it.
-
-        Only the lines a checkpoint counts need to reach the disk: after a crash the file is cut back to those
-        anyway, so the periodic flushes in between neither wait nor fsync.
-        """
-        self._send_pending()
-
     def begin_sync(self) -> None:
         """Send the pending lines and ask the helper to make the file durable; ``finish_sync`` waits for it."""
-        self._send_pending()
+        self.flush()
         self._write(_HEADER.pack(b"S", 0, 0))
 
     def finish_sync(self) -> int:
@@ -172,16 +170,11 @@ class StepsWriter:
         the file's length then."""
         return self._reply()
 
-    def sync(self) -> int:
-        """``begin_sync`` and ``finish_sync`` at once."""
-        self.begin_sync()
-        return self.finish_sync()
-
     def close(self) -> None:
         """Send the pending lines, wait until the file is complete on the disk, and end the helper."""
         if self.process.poll() is not None and self.process.stdin.closed:
             return
-        self._send_pending()
+        self.flush()
         self._write(_HEADER.pack(b"C", 0, 0))
         self._reply()
         self._end()
@@ -275,8 +268,7 @@ def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
 
     try:
         handle = open(path, "r+b" if os.path.exists(path) else "w+b")
-        if offset >= 0:
-            handle.truncate(offset)
+        handle.truncate(offset)
         handle.seek(0, os.SEEK_END)
         reply({"offset": handle.tell(), "seen": seen})
         while True:

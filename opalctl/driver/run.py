@@ -16,7 +16,8 @@ The order of work is the promise the product makes:
 
 A resume checkpoint holds everything the loop needs (model, optimizer, sampler, schedule, budget meter, RNG
 states, running totals, the incumbent, how many lines of ``steps.jsonl.gz`` precede it), so ``--resume`` after a
-crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run. A run folder that exists is never reused except by ``--resume``.
+crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run. A run folder that exists is
+never reused except by ``--resume``.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ def test_lines_a_resume_cannot_find_whole_are_refused_in_one_sentence(tmp_path):
     for update in range(1, 5):
         writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(3))
         if update == 2:
-            writer.sync()  # members end after lines 2 and 4
+            writer.begin_sync()  # members end after lines 2 and 4
+            writer.finish_sync()
     writer.close()
     whole = path.read_bytes()
     for lines in (3, 5):  # inside a member; past the end of the file
@@ -110,7 +111,8 @@ def test_a_steps_file_that_cannot_be_opened_is_refused_in_one_sentence(tmp_path)
 def test_a_helper_that_dies_is_reported_at_the_next_flush_with_what_to_do(tmp_path):
     writer = StepsWriter(tmp_path / "steps.jsonl.gz")
     writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(4))
-    assert writer.sync() > 0
+    writer.begin_sync()
+    assert writer.finish_sync() > 0
     writer.process.kill()
     writer.process.wait()
     writer.add(2, 1.0, 2.0, 0.1, 0.5, np.arange(4))
@@ -133,7 +135,8 @@ def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_p
         f"writer = StepsWriter({str(tmp_path / 'steps.jsonl.gz')!r})\n"
         "for update in range(1, 4):\n"
         "    writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(3))\n"
-        "offset = writer.sync()\n"
+        "writer.begin_sync()\n"
+        "offset = writer.finish_sync()\n"
         "writer.add(4, 1.0, 4.0, 0.1, 0.5, np.arange(3))\n"
         "writer.flush()\n"
         "print(writer.process.pid, offset, flush=True)\n"
