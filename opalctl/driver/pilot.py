@@ -64,11 +64,49 @@ def _measure(parts, device: str, steps: int, progress) -> tuple[list[float], lis
     return cpu_times, wall_times, losses
 
 
+def _figures(path: Path, arm_name: str, seed: int, steps: int, protocol, parts,
+             measured: tuple[list[float], list[float], list[float]], projected: float) -> dict[str, Any]:
+    """The pilot's record, from its measured updates and the updates the budget is projected to buy."""
+    from opalctl import checkpoints
+
+    cpu_times, wall_times, losses = measured
+    cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
+    budget, model, arm = protocol.budget, parts.model, protocol.arms[arm_name]
+    checkpoint_bytes = len(checkpoints.encode(model.state_dict(), kind="resume",
+                                              extra={"optimizer": parts.optimizer.state_dict(),
+                                                     "sampler": parts.sampler.state_dict()}))
+    return {
+        "protocol": str(path),
+        "arm": arm_name,
+        "seed": seed,
+        "formal": False,
+        "steps": steps,
+        "warmup": WARMUP,
+        "threads": budget.threads,
+        "device": protocol.training.device,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "cpu_seconds_per_update": cpu_per,
+        "cpu_seconds_per_update_median": statistics.median(cpu_times),
+        "wall_seconds_per_update": wall_per,
+        "wall_seconds_per_update_median": statistics.median(wall_times),
+        "updates_per_cpu_second": 1.0 / cpu_per if cpu_per > 0 else None,
+        "budget": {"clock": budget.clock, "amount": budget.amount * arm.budget_multiplier,
+                   "fractions": budget.fractions},
+        "projected_updates": projected,
+        "projected_stage_updates": [projected * f for f in budget.fractions],
+        "examples_per_update": protocol.training.batch_size,
+        "checkpoint_bytes": checkpoint_bytes,
+        "peak_memory_bytes": peak_memory_bytes(),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "notes": [],
+    }
+
+
 def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None = None,
           progress=None) -> dict[str, Any]:
     import torch
 
-    from opalctl import checkpoints
     from opalctl.driver.budget import clock_spec
 
     path = Path(path)
@@ -82,43 +120,12 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
     check_device(protocol, advice="use cpu for the pilot", clock_needs_device=False)
     parts = build_arm(protocol, arm, seed, parent_path, {"train": train_path})
     parts.schedule.apply(0.0)
-    model, optimizer = parts.model, parts.optimizer
     cpu_times, wall_times, losses = _measure(parts, device, steps, progress)
 
-    checkpoint_bytes = len(checkpoints.encode(model.state_dict(), kind="resume",
-                                              extra={"optimizer": optimizer.state_dict(),
-                                                     "sampler": parts.sampler.state_dict()}))
     cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
-    budget = protocol.budget
-    clock = clock_spec(budget.clock)
-    amount = budget.amount * arm.budget_multiplier
-    projected = clock.projected_updates(amount, cpu_per, wall_per)
-    parameters = sum(p.numel() for p in model.parameters())
-    result: dict[str, Any] = {
-        "protocol": str(path),
-        "arm": arm_name,
-        "seed": seed,
-        "formal": False,
-        "steps": steps,
-        "warmup": WARMUP,
-        "threads": budget.threads,
-        "device": device,
-        "parameters": parameters,
-        "cpu_seconds_per_update": cpu_per,
-        "cpu_seconds_per_update_median": statistics.median(cpu_times),
-        "wall_seconds_per_update": wall_per,
-        "wall_seconds_per_update_median": statistics.median(wall_times),
-        "updates_per_cpu_second": 1.0 / cpu_per if cpu_per > 0 else None,
-        "budget": {"clock": budget.clock, "amount": amount, "fractions": budget.fractions},
-        "projected_updates": projected,
-        "projected_stage_updates": [projected * f for f in budget.fractions],
-        "examples_per_update": protocol.training.batch_size,
-        "checkpoint_bytes": checkpoint_bytes,
-        "peak_memory_bytes": peak_memory_bytes(),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "notes": [],
-    }
+    clock = clock_spec(protocol.budget.clock)
+    projected = clock.projected_updates(protocol.budget.amount * arm.budget_multiplier, cpu_per, wall_per)
+    result = _figures(path, arm_name, seed, steps, protocol, parts, (cpu_times, wall_times, losses), projected)
     if device == "cuda":
         result["peak_device_memory_bytes"] = int(torch.cuda.max_memory_allocated())
     if clock.needs_cuda and device != "cuda":
