@@ -18,6 +18,12 @@ comparing ``used >= fraction * total``, keeps whole-update budgets exact: with 2
 ``0.28 * 25`` is 7.000000000000001 in floating point and the boundary would slip to update 8, whereas ``7 / 25``
 rounds to the very double that ``0.28`` denotes, so the boundary falls at update 7 as anyone would expect. The
 budget is spent when ``used >= total``, the same test at the fraction 1.0.
+
+The clocks form a registry (``CLOCKS``, ``clock_spec``): each clock class declares, beside how it measures,
+everything the rest of opalctl needs to know about it (whether its charges are CPU seconds, whether it needs CUDA,
+how the pilot projects updates from measured seconds per update, which stage seconds compare plots it against,
+the sentence for a report's limitations). Adding a clock is one new ``Clock`` subclass decorated with
+``@register`` and its tests; nothing else switches on a clock's name.
 """
 
 from __future__ import annotations
@@ -26,17 +32,55 @@ import math
 import time
 from typing import Any
 
-from opalctl.errors import OpalctlError
+from opalctl.errors import BadInput, OpalctlError
+from opalctl.formats import RecordDamaged
 
 _INFINITY = float("inf")
-CLOCKS = ("cpu", "gpu", "wall", "updates")
+
+
+class UnknownClock(BadInput):
+    """A protocol names a budget clock this opalctl does not have (exit 2)."""
+
+
+class BudgetMismatch(OpalctlError):
+    """A resume checkpoint's budget is not the run's (exit 1)."""
+
+
+def require_cuda(what: str, advice: str) -> None:
+    """The one CUDA check: refuse ``what`` (a sentence's start) when torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadInput(f"{what} but this machine has no CUDA device; {advice}")
 
 
 class Clock:
-    """Measures one update. ``stop(start())`` is the amount to charge, in the clock's unit (seconds or updates)."""
+    """Measures one update. ``stop(start())`` is the amount to charge, in the clock's unit (seconds or updates).
+
+    The class attributes and class methods are the clock's declaration in the registry (see the module docstring).
+    """
 
     name = "clock"
     unit = "seconds"
+    cpu_charges = False  # its charges are this process's CPU seconds (a steps line's ``cpu`` is the charge)
+    needs_cuda = False  # it measures on a CUDA device, so training.device must be cuda
+    compare_seconds = "train_wall_seconds"  # the stage record's seconds that compare plots this clock's runs against
+
+    @classmethod
+    def make(cls, device: Any = None) -> Clock:
+        """The clock that measures a run on ``device``."""
+        return cls()
+
+    @classmethod
+    def projected_updates(cls, amount: float, cpu_per_update: float, wall_per_update: float) -> float:
+        """How many updates a budget of ``amount`` buys, from the pilot's measured seconds per update."""
+        per_update = cpu_per_update if cls.cpu_charges else wall_per_update
+        return amount / per_update if per_update > 0 else _INFINITY
+
+    @classmethod
+    def limitation(cls, threads: int) -> str:  # pragma: no cover - interface
+        """The sentence a run's report lists among its limitations about this clock."""
+        raise NotImplementedError
 
     def start(self) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
@@ -45,10 +89,35 @@ class Clock:
         raise NotImplementedError
 
 
+CLOCKS: dict[str, type[Clock]] = {}  # the registry, in the order a protocol's error message lists the choices
+
+
+def register(cls: type[Clock]) -> type[Clock]:
+    CLOCKS[cls.name] = cls
+    return cls
+
+
+def clock_spec(name: str) -> type[Clock]:
+    """The registered clock class a protocol's ``budget.clock`` names."""
+    try:
+        return CLOCKS[name]
+    except KeyError:
+        raise UnknownClock(f"unknown budget clock {name!r}; set budget.clock to one of "
+                           f"{', '.join(CLOCKS)}") from None
+
+
+@register
 class CpuClock(Clock):
     """Process CPU time (every thread of the process); meaningful only with the thread count fixed by the run."""
 
     name = "cpu"
+    cpu_charges = True
+    compare_seconds = "train_cpu_seconds"
+
+    @classmethod
+    def limitation(cls, threads: int) -> str:
+        return (f"The cpu clock counts this process's CPU time on {threads} thread(s); it is comparable only "
+                f"between runs with the same thread count on the same kind of machine.")
 
     def start(self) -> float:
         return time.process_time()
@@ -57,53 +126,38 @@ class CpuClock(Clock):
         return max(time.process_time() - token, 0.0)
 
 
-class WallClock(Clock):
-    """Elapsed time on a monotonic clock, whatever else the machine is doing."""
-
-    name = "wall"
-
-    def start(self) -> float:
-        return time.perf_counter()
-
-    def stop(self, token: float) -> float:
-        return max(time.perf_counter() - token, 0.0)
-
-
-class UpdatesClock(Clock):
-    """A count: every update costs exactly one, however long it took."""
-
-    name = "updates"
-    unit = "updates"
-
-    def start(self) -> None:
-        return None
-
-    def stop(self, token: None) -> float:
-        return 1.0
-
-
+@register
 class GpuClock(Clock):
     """Device time of each update, from CUDA events recorded on the current stream of ``device``.
 
     ``start`` records an event before the update's work is queued; ``stop`` records one after it, waits for that
     event (so the update's kernels have finished) and charges the time between the two events. Work queued on
     other streams is not counted. torch is imported here, never at module import, so ``opalctl --help`` stays
-    instant and CPU-only machines never touch CUDA.
+    instant and CPU-only machines never touch CUDA. The pilot, which may run without CUDA, projects it from wall
+    time.
     """
 
     name = "gpu"
+    needs_cuda = True
 
     def __init__(self, device: Any = None):
         import torch
 
-        if not torch.cuda.is_available():
-            raise OpalctlError("the budget clock is `gpu` but torch sees no CUDA device; run on a machine with a "
-                               "GPU or choose the cpu, wall or updates clock in the protocol")
+        require_cuda("the budget clock is `gpu`", "run on a machine with a GPU or choose the cpu, wall or updates "
+                                                  "clock in the protocol")
         self._torch = torch
         self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
             raise OpalctlError(f"the `gpu` budget clock needs a CUDA device, not {str(self.device)!r}; set "
                                f"training.device to cuda or choose another clock")
+
+    @classmethod
+    def make(cls, device: Any = None) -> Clock:
+        return cls(device)
+
+    @classmethod
+    def limitation(cls, threads: int) -> str:
+        return "The gpu clock counts device time of each update; host-side work between kernels is not charged."
 
     def _event(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
@@ -119,17 +173,50 @@ class GpuClock(Clock):
         return max(token.elapsed_time(end) / 1000.0, 0.0)  # elapsed_time is in milliseconds
 
 
+@register
+class WallClock(Clock):
+    """Elapsed time on a monotonic clock, whatever else the machine is doing."""
+
+    name = "wall"
+
+    @classmethod
+    def limitation(cls, threads: int) -> str:
+        return "The wall clock includes whatever else the machine was doing; treat small differences as noise."
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, token: float) -> float:
+        return max(time.perf_counter() - token, 0.0)
+
+
+@register
+class UpdatesClock(Clock):
+    """A count: every update costs exactly one, however long it took."""
+
+    name = "updates"
+    unit = "updates"
+    compare_seconds = "train_cpu_seconds"
+
+    @classmethod
+    def projected_updates(cls, amount: float, cpu_per_update: float, wall_per_update: float) -> float:
+        return float(amount)
+
+    @classmethod
+    def limitation(cls, threads: int) -> str:
+        return ("The updates clock counts updates, not compute: arms whose updates cost differently are not at "
+                "equal compute.")
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, token: None) -> float:
+        return 1.0
+
+
 def make_clock(name: str, device: Any = None) -> Clock:
     """The clock a protocol's ``budget.clock`` names; ``device`` matters only for ``gpu``."""
-    if name == "cpu":
-        return CpuClock()
-    if name == "wall":
-        return WallClock()
-    if name == "updates":
-        return UpdatesClock()
-    if name == "gpu":
-        return GpuClock(device)
-    raise ValueError(f"unknown budget clock {name!r}; use one of {', '.join(CLOCKS)}")
+    return clock_spec(name).make(device)
 
 
 class BudgetSpent(RuntimeError):
@@ -203,12 +290,12 @@ class BudgetMeter:
 
     def load_state_dict(self, state: dict) -> None:
         if float(state["total"]) != self.total or [float(f) for f in state["fractions"]] != self.fractions:
-            raise ValueError(f"the saved budget (total {state['total']!r}, fractions {state['fractions']}) is not "
-                             f"this run's (total {self.total!r}, fractions {self.fractions}); resume with the "
-                             f"protocol the run started with")
+            raise BudgetMismatch(f"the saved budget (total {state['total']!r}, fractions {state['fractions']}) is "
+                                 f"not this run's (total {self.total!r}, fractions {self.fractions}); resume with the "
+                                 f"protocol the run started with")
         used, updates, reported = float(state["used"]), int(state["updates"]), int(state["reported"])
         if not (math.isfinite(used) and used >= 0 and updates >= 0 and 0 <= reported <= len(self.fractions)):
-            raise ValueError(f"the saved budget state is damaged (used {used!r}, updates {updates}, reported "
-                             f"{reported}); resume from an earlier checkpoint")
+            raise RecordDamaged(f"the saved budget state is damaged (used {used!r}, updates {updates}, reported "
+                                f"{reported}); resume from an earlier checkpoint")
         self.used, self.updates, self._reported = used, updates, reported
         self.done = bool(state["done"])

@@ -2,18 +2,18 @@
 
 It reads only what a formal run would treat as public: the training rows and the parent. It never evaluates,
 never writes a file, and never touches a run folder, so running it any number of times changes nothing about
-the formal runs. The first updates warm up allocators and caches and are not counted.
+the formal runs. The first updates warm up allocators and caches and are not counted. The arm is built by the
+formal run's own build step (``build.build_arm``), so what it measures is what the run will spend.
 """
 
 from __future__ import annotations
 
-import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.errors import BadInput
 
 WARMUP = 3
@@ -30,64 +30,27 @@ def _source(path: Path):
     return load_protocol(path), None
 
 
-def projected_updates(clock: str, amount: float, cpu_per_update: float, wall_per_update: float) -> float:
-    if clock == "updates":
-        return float(amount)
-    per_update = cpu_per_update if clock == "cpu" else wall_per_update
-    return amount / per_update if per_update > 0 else float("inf")
+def _inputs(path: Path, protocol, lock, seed: int) -> tuple[Path, Path]:
+    """The training rows and the parent, checked against the lock when there is one."""
+    if lock is None:
+        return path.parent / protocol.data["train"], path.parent / protocol.parent_for(seed)
+    from opalctl.protocol.verify import require_unchanged
+
+    require_unchanged(lock, roles=["data.train", f"parent.seed-{seed}"])
+    return lock.data_path("train"), lock.parent_path(seed)
 
 
-def peak_memory_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None = None,
-          progress=None) -> dict[str, Any]:
+def _measure(parts, device: str, steps: int, progress) -> tuple[list[float], list[float], list[float]]:
+    """CPU and wall seconds and the loss of each update after the warm-up."""
     import torch
 
-    from opalctl import checkpoints
-    from opalctl.driver.arm import BudgetSchedule, build_optimizer, make_update
-    from opalctl.tasks import make_task
+    from opalctl.driver.arm import make_update
 
-    path = Path(path)
-    if steps < 1:
-        raise BadInput("--steps must be at least 1")
-    protocol, lock = _source(path)
-    if arm_name not in protocol.arms:
-        raise BadInput(f"{path} has no arm {arm_name!r}; its arms are {', '.join(protocol.arms)}")
-    seed = protocol.seeds[0] if seed is None else seed
-    if seed not in protocol.seeds:
-        raise BadInput(f"seed {seed} is not one of the protocol's seeds ({', '.join(map(str, protocol.seeds))})")
-    arm = protocol.arms[arm_name]
-    if lock is not None:
-        from opalctl.protocol.verify import require_unchanged
-
-        require_unchanged(lock, roles=["data.train", f"parent.seed-{seed}"])
-        train_path, parent_path = lock.data_path("train"), lock.parent_path(seed)
-    else:
-        train_path = path.parent / protocol.data["train"]
-        parent_path = path.parent / protocol.parent_for(seed)
-    device = protocol.training.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BadInput("training.device is cuda but this machine has no CUDA device; use cpu for the pilot")
-
-    torch.set_num_threads(protocol.budget.threads)
-    task = make_task(protocol.task.entry, protocol.task.config)
-    train = task.load({"train": train_path})["train"]
-    built = task.build(parent_path, arm.model, seed, device)
-    model = built.model
-    model.train()
-    optimizer = build_optimizer(arm, model.parameters())
-    schedule = BudgetSchedule(optimizer, arm.schedule)
-    schedule.apply(0.0)
-    sampler = task.sampler(train, seed, protocol.training.batch_size, device)
-
-    update = make_update(task, model, optimizer, protocol.training.gradient_clip)
+    update = make_update(parts.task, parts.model, parts.optimizer, parts.clip)
     cpu_times, wall_times, losses = [], [], []
     for index in range(WARMUP + steps):
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        batch = sampler.next_batch()
+        batch = parts.sampler.next_batch()
         loss = update(batch)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -98,16 +61,21 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
             losses.append(float(loss.detach()))
         if progress is not None:
             progress(index + 1, WARMUP + steps)
+    return cpu_times, wall_times, losses
 
-    checkpoint_bytes = len(checkpoints.encode(model.state_dict(), kind="resume",
-                                              extra={"optimizer": optimizer.state_dict(),
-                                                     "sampler": sampler.state_dict()}))
+
+def _figures(path: Path, arm_name: str, seed: int, steps: int, protocol, parts,
+             measured: tuple[list[float], list[float], list[float]], projected: float) -> dict[str, Any]:
+    """The pilot's record, from its measured updates and the updates the budget is projected to buy."""
+    from opalctl import checkpoints
+
+    cpu_times, wall_times, losses = measured
     cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
-    budget = protocol.budget
-    amount = budget.amount * arm.budget_multiplier
-    projected = projected_updates(budget.clock, amount, cpu_per, wall_per)
-    parameters = sum(p.numel() for p in model.parameters())
-    result: dict[str, Any] = {
+    budget, model, arm = protocol.budget, parts.model, protocol.arms[arm_name]
+    checkpoint_bytes = len(checkpoints.encode(model.state_dict(), kind="resume",
+                                              extra={"optimizer": parts.optimizer.state_dict(),
+                                                     "sampler": parts.sampler.state_dict()}))
+    return {
         "protocol": str(path),
         "arm": arm_name,
         "seed": seed,
@@ -115,14 +83,15 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
         "steps": steps,
         "warmup": WARMUP,
         "threads": budget.threads,
-        "device": device,
-        "parameters": parameters,
+        "device": protocol.training.device,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "cpu_seconds_per_update": cpu_per,
         "cpu_seconds_per_update_median": statistics.median(cpu_times),
         "wall_seconds_per_update": wall_per,
         "wall_seconds_per_update_median": statistics.median(wall_times),
         "updates_per_cpu_second": 1.0 / cpu_per if cpu_per > 0 else None,
-        "budget": {"clock": budget.clock, "amount": amount, "fractions": budget.fractions},
+        "budget": {"clock": budget.clock, "amount": budget.amount * arm.budget_multiplier,
+                   "fractions": budget.fractions},
         "projected_updates": projected,
         "projected_stage_updates": [projected * f for f in budget.fractions],
         "examples_per_update": protocol.training.batch_size,
@@ -132,10 +101,35 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
         "loss_last": losses[-1],
         "notes": [],
     }
+
+
+def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None = None,
+          progress=None) -> dict[str, Any]:
+    import torch
+
+    from opalctl.driver.budget import clock_spec
+
+    path = Path(path)
+    if steps < 1:
+        raise BadInput("--steps must be at least 1")
+    protocol, lock = _source(path)
+    seed = protocol.seeds[0] if seed is None else seed
+    arm = choose_arm(protocol, arm_name, seed, str(path), "the protocol's")
+    train_path, parent_path = _inputs(path, protocol, lock, seed)
+    device = protocol.training.device
+    check_device(protocol, advice="use cpu for the pilot", clock_needs_device=False)
+    parts = build_arm(protocol, arm, seed, parent_path, {"train": train_path})
+    parts.schedule.apply(0.0)
+    cpu_times, wall_times, losses = _measure(parts, device, steps, progress)
+
+    cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
+    clock = clock_spec(protocol.budget.clock)
+    projected = clock.projected_updates(protocol.budget.amount * arm.budget_multiplier, cpu_per, wall_per)
+    result = _figures(path, arm_name, seed, steps, protocol, parts, (cpu_times, wall_times, losses), projected)
     if device == "cuda":
         result["peak_device_memory_bytes"] = int(torch.cuda.max_memory_allocated())
-    if budget.clock == "gpu" and device != "cuda":
-        result["notes"].append("a gpu clock projected from wall time: this machine has no CUDA device")
+    if clock.needs_cuda and device != "cuda":
+        result["notes"].append(f"a {clock.name} clock projected from wall time: this machine has no CUDA device")
     if arm.agent is not None:
         result["notes"].append("an agent arm: this measures its starting program (the plain optimizer)")
         agent = arm.agent

@@ -1,4 +1,4 @@
-"""The promotion policy (SPEC section 7): whether a stage's checkpoint replaces the incumbent.
+"""The promotion policy: whether a stage's checkpoint replaces the incumbent.
 
 The policy is written in the protocol before anything trains, and applied here as a pure function of three
 evaluations, so a decision can be recomputed from the stage records by anyone, and no result seen during the run
@@ -119,6 +119,34 @@ def _show(value: float | int) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
 
+def _check_improvement(rules: dict, candidate: Mapping, incumbent: Mapping, checks: list[dict],
+                       reasons: list[str]) -> None:
+    """The improvement rule: some listed metric strictly better than the incumbent's (an exact tie keeps the
+    earlier checkpoint)."""
+    lower_is_better = set(rules["nonincreasing"])
+    improve = rules["improve_any"] or rules["nondecreasing"] + rules["nonincreasing"]
+    if not improve:
+        reasons.append("the selection policy lists no improve_any, nondecreasing or nonincreasing metric, so no "
+                       "stage can show an improvement and none is ever promoted")
+    else:
+        better, tied, compared = False, True, []
+        for metric in improve:
+            value, reference = _value(candidate, metric, "candidate"), _value(incumbent, metric, "incumbent")
+            lower = metric in lower_is_better
+            strictly = bool(_finite(value) and (value < reference if lower else value > reference))
+            better = better or strictly
+            tied = tied and _finite(value) and value == reference
+            checks.append({"rule": "improve_any", "metric": metric, "candidate": value, "reference": reference,
+                           "better": "lower" if lower else "higher", "passed": strictly})
+            compared.append(f"{metric} {_show(value)} vs {_show(reference)}")
+        if not better:
+            if tied:
+                reasons.append(f"tie with the incumbent ({'; '.join(compared)}), so the earlier checkpoint is kept")
+            else:
+                reasons.append(f"no improvement over the incumbent: no metric is strictly better "
+                               f"({'; '.join(compared)})")
+
+
 def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: Any) -> Decision:
     """Whether ``candidate`` is promoted over ``incumbent``, with every check and every reason recorded."""
     rules = _rules(selection)
@@ -159,29 +187,7 @@ def decide(candidate: Mapping, incumbent: Mapping, anchor: Mapping, selection: A
             elif not passed:
                 reasons.append(f"{metric} {_show(value)} {word} the incumbent's {_show(reference)} ({rule})")
 
-    lower_is_better = set(rules["nonincreasing"])
-    improve = rules["improve_any"] or rules["nondecreasing"] + rules["nonincreasing"]
-    if not improve:
-        reasons.append("the selection policy lists no improve_any, nondecreasing or nonincreasing metric, so no "
-                       "stage can show an improvement and none is ever promoted")
-    else:
-        better, tied, compared = False, True, []
-        for metric in improve:
-            value, reference = _value(candidate, metric, "candidate"), _value(incumbent, metric, "incumbent")
-            lower = metric in lower_is_better
-            strictly = bool(_finite(value) and (value < reference if lower else value > reference))
-            better = better or strictly
-            tied = tied and _finite(value) and value == reference
-            checks.append({"rule": "improve_any", "metric": metric, "candidate": value, "reference": reference,
-                           "better": "lower" if lower else "higher", "passed": strictly})
-            compared.append(f"{metric} {_show(value)} vs {_show(reference)}")
-        if not better:
-            if tied:
-                reasons.append(f"tie with the incumbent ({'; '.join(compared)}), so the earlier checkpoint is kept")
-            else:
-                reasons.append(f"no improvement over the incumbent: no metric is strictly better "
-                               f"({'; '.join(compared)})")
-
+    _check_improvement(rules, candidate, incumbent, checks, reasons)
     return Decision(promoted=not reasons, reasons=reasons, checks=checks)
 
 

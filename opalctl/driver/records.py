@@ -7,37 +7,34 @@ stops at the last complete member. A checkpoint records how many lines the file 
 the end of a member), and ``--resume`` cuts the file back to the end of that line (``locate``), so the file ends
 up holding exactly one line per update, as if nothing had happened.
 
-Each line carries the update's clock figures, its loss, a digest of the batch's row ids and a running digest of
-every row seen so far (so two runs that saw the same rows in the same order end with the same digest).
+Each line (``formats.step_line``) carries the update's clock figures, its loss, a digest of the batch's row ids
+and a running digest of every row seen so far (so two runs that saw the same rows in the same order end with the
+same digest).
 
 Why so little happens in the training process. Inside the training loop, between two updates, the caches are
 full of the model's work, and Python or torch work done there costs several times what it costs in a tight loop
-(measured on ``digits``: the two row digests took about 11 us per update in the loop, 1.1 us on their own; a
-per-update call that detached the loss and converted the ids took about 10 us more than appending a tuple).
-So:
+(bench/README.md has the figures). So:
 
-- per update, the loop only appends one tuple to ``pending`` (``StepsWriter.add`` says what it holds): the
-  loss as a number when it lives on the CPU (reading it there is no synchronisation) and as a detached tensor
-  elsewhere, and the row ids: the batch's own array when the sampler promises never to change it
-  (``Sampler.fresh_ids``), else a copy (about 3.7 us in the loop on ``digits``, 0.6 % of an update);
+- per update, the loop only appends one ``formats.StepRow`` (as a plain tuple) to ``pending``: the loss as a
+  number when it lives on the CPU (reading it there is no synchronisation) and as a detached tensor elsewhere,
+  and the row ids: the batch's own array when the sampler promises never to change it (``Sampler.fresh_ids``),
+  else a copy;
 - every ``FLUSH_LINES`` updates, the training process reads the kept losses (one transfer), adds the figures the
-  run totals up (``take_sums``) and hands the raw numbers and ids to a helper process in one write to a pipe
-  (about 0.9 us per line on ``digits``);
-- the helper (this module, run as ``python -m opalctl.driver.records``) computes the digests, formats the lines,
-  compresses and writes them (about 3.6 us per line, which the training process no longer spends), on another
-  core where there is one, and never charged to a CPU budget (the process CPU clock does not count children).
-  Measured in 24,000-update ``digits`` runs: the loop's time outside the timed updates fell from 12.3 to 10.7 us
-  per update (checkpoints included: they now wait for the helper's reply).
+  run totals up (``take_sums``) and hands the raw numbers and ids over in one frame;
+- the frame goes to a helper process (this module, run as ``python -m opalctl.driver.records``) through a pipe;
+  the helper computes the digests, formats the lines, compresses and writes them, on another core where there is
+  one, and never charged to a CPU budget (the process CPU clock does not count children). Its plain twin,
+  ``StepsWriter(..., in_process=True)``, handles the very same frames in the training process (same bytes, same
+  digests; tested), for reading and for testing the fast path against.
 
 The helper answers only when asked to make the file durable (``begin_sync``, at every checkpoint, and ``close``):
 it fsyncs and replies with the file's length and the running digest. A checkpoint does not wait for that reply
 before it encodes the run's state, since it records a line count, which the training process knows: the helper
 writes and fsyncs the last lines while the state is encoded, and only the checkpoint's rename, which makes it
 the one a resume reads, waits for the reply (``finish_sync``), so that no checkpoint ever counts lines the disk
-may not hold. Measured in paired 12,000-update ``digits`` runs: the time the run spent on checkpoints fell from
-109 to 79 ms (13 resume checkpoints and 4 stage ones).
-When the training process dies, the helper reads the end of its input and exits without writing more; it holds
-the run folder's lock while it lives, so no resumed run can cut the file back while it still writes.
+may not hold. When the training process dies, the helper reads the end of its input and exits without writing
+more; it holds the run folder's lock while it lives, so no resumed run can cut the file back while it still
+writes.
 """
 
 from __future__ import annotations
@@ -52,37 +49,221 @@ import subprocess
 import sys
 import zlib
 from array import array
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from opalctl.errors import OpalctlError
+from opalctl.formats import StepRow, step_line
 from opalctl.scalars import read_floats
 
 FLUSH_LINES = 512
 SEEN_START = "0" * 32
-# a frame to the helper: kind (L: lines, S: make durable and reply, C: the same, then close), line count, id bytes;
-# an L frame then holds six arrays of 8-byte numbers (update, charge, used, wall, loss, id bytes per line) and
-# the ids of every line, as int64
+# A frame: a header (kind, line count, id bytes) then, for kind L (lines), one column of 8-byte numbers per
+# StepRow field, in StepRow's order, then the ids of every line as int64. The ``ids`` column holds each line's
+# id bytes. Kinds: L lines, S make durable and reply, C the same, then close. The layout follows StepRow:
+# a field added there without its code here stops the import.
 _HEADER = struct.Struct("<cII")
-_COLUMNS = 6
+_FIELD_CODES = {"update": "q", "charge": "d", "used": "d", "wall": "d", "loss": "d", "ids": "q"}
+_CODES = tuple(_FIELD_CODES[name] for name in StepRow._fields)
 _READ_BYTES = 1 << 16  # how much of a steps file a reader decompresses at a time
 PIPE_BYTES = 1 << 20  # the pipe's buffer, where the system allows it (Linux: /proc/sys/fs/pipe-max-size)
 
 
+def encode_lines(columns: dict[str, Any]) -> tuple[bytes, int]:
+    """An L frame of these rows' columns (by StepRow field name, the losses read already), and how many row ids
+    it holds."""
+    import numpy as np
+
+    ids = columns["ids"]
+    blob = np.concatenate(ids).astype(np.int64, copy=False).tobytes()  # the digests are of int64 bytes
+    numbers = {**columns, "ids": [8 * len(rows) for rows in ids]}
+    parts = [_HEADER.pack(b"L", len(ids), len(blob))]
+    parts += [array(code, numbers[name]).tobytes() for name, code in zip(StepRow._fields, _CODES)]
+    parts.append(blob)
+    return b"".join(parts), len(blob) // 8
+
+
+def decode_lines(count: int, body: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """An L frame's columns by StepRow field name, and each line's ids as int64 bytes."""
+    view = memoryview(body)
+    columns = {name: view[8 * count * k:8 * count * (k + 1)].cast(code)
+               for k, (name, code) in enumerate(zip(StepRow._fields, _CODES))}
+    ids, start = [], len(_CODES) * 8 * count
+    for length in columns["ids"]:
+        ids.append(body[start:start + length])
+        start += length
+    return columns, ids
+
+
+def frame_body_bytes(count: int, id_bytes: int) -> int:
+    return len(_CODES) * 8 * count + id_bytes
+
+
+def format_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: list[bytes]) -> tuple[list[str], str]:
+    """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
+    sha256 = hashlib.sha256
+    lines = []
+    for update, charge, spent, wall, loss, rows_bytes in zip(columns["update"], columns["charge"], columns["used"],
+                                                             columns["wall"], columns["loss"], ids):
+        rows = sha256(rows_bytes).hexdigest()[:16]
+        seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
+        lines.append(step_line(update, charge, spent, wall, loss, rows, seen, cpu_charges))
+    return lines, seen
+
+
+class StepsFile:
+    """The writing end, wherever it runs: the file cut back to ``offset``, the running digest, and one method per
+    frame kind."""
+
+    def __init__(self, path: str, offset: int, seen: str, cpu_charges: bool):
+        self.path = path
+        self.seen = seen
+        self.cpu_charges = cpu_charges
+        self.handle = open(path, "r+b" if os.path.exists(path) else "w+b")
+        self.handle.truncate(offset)
+        self.handle.seek(0, os.SEEK_END)
+
+    def state(self) -> dict[str, Any]:
+        return {"offset": self.handle.tell(), "seen": self.seen}
+
+    def write(self, count: int, body: bytes) -> None:
+        columns, ids = decode_lines(count, body)
+        lines, self.seen = format_lines(self.seen, self.cpu_charges, columns, ids)
+        self.handle.write(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0))
+        self.handle.flush()
+
+    def sync(self) -> dict[str, Any]:
+        os.fsync(self.handle.fileno())
+        return self.state()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class HelperProcess:
+    """The fast path: a helper process writes the frames it reads from a pipe (see the module docstring)."""
+
+    def __init__(self, path: Path, offset: int, seen: str, cpu_charges: bool, inherit_fds: tuple[int, ...]):
+        self.path = path
+        package_root = str(Path(__file__).resolve().parents[2])  # the helper runs this very copy of opalctl
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        command = [sys.executable, "-m", "opalctl.driver.records", str(path), str(int(offset)), seen,
+                   "cpu" if cpu_charges else "-"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
+        try:  # room for a whole flush, so that sending it never waits for the helper
+            import fcntl
+
+            fcntl.fcntl(self.process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (ImportError, AttributeError, OSError):
+            pass  # not Linux, or a lower system limit: sending then waits for the helper to read, nothing more
+
+    @property
+    def ended(self) -> bool:
+        return self.process.poll() is not None and self.process.stdin.closed
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.process.stdin.write(data)
+        except (BrokenPipeError, ValueError):
+            self._failed()
+
+    def receive(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            self._failed()
+        return json.loads(line)
+
+    def end(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            stream.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _failed(self) -> None:
+        """The helper is gone: say why, in its own words when it left any."""
+        try:
+            answer = self.process.stdout.read() or b""
+            stderr = self.process.stderr.read() or b""
+        except ValueError:  # the writer was closed already: there is nothing more to read
+            answer = stderr = b""
+        self.end()
+        for line in answer.decode(errors="replace").splitlines():
+            if line.startswith('{"error"'):
+                raise OpalctlError(f"the run's steps records {self.path} cannot be written: {json.loads(line)['error']}")
+        last = (stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise OpalctlError(f"the process writing the run's steps records {self.path} stopped "
+                           f"(exit status {self.process.returncode}: {last[:300]}); resume the run with --resume")
+
+
+class InProcess:
+    """The plain twin of ``HelperProcess``: the same frames, handled here by the same ``StepsFile``."""
+
+    def __init__(self, path: Path, offset: int, seen: str, cpu_charges: bool, inherit_fds: tuple[int, ...] = ()):
+        self.path = path
+        self.answers: deque[dict[str, Any]] = deque()
+        self.file: StepsFile | None = None
+        self.ended = False
+        try:
+            self.file = StepsFile(str(path), offset, seen, cpu_charges)
+            self.answers.append(self.file.state())
+        except OSError as error:
+            self.answers.append({"error": f"{error.strerror or error} ({path})"})
+
+    def send(self, data: bytes) -> None:
+        if self.ended or self.file is None:
+            raise OpalctlError(f"the writer of the run's steps records {self.path} stopped; resume the run with "
+                               f"--resume")
+        position = 0
+        while position < len(data):
+            kind, count, id_bytes = _HEADER.unpack_from(data, position)
+            position += _HEADER.size
+            answer = _handle(self.file, kind, count, data[position:position + frame_body_bytes(count, id_bytes)])
+            position += frame_body_bytes(count, id_bytes) if kind == b"L" else 0
+            if answer is not None:
+                self.answers.append(answer)
+
+    def receive(self) -> dict[str, Any]:
+        return self.answers.popleft()
+
+    def end(self) -> None:
+        if self.file is not None and not self.ended:
+            self.file.handle.close()
+        self.ended = True
+
+
+def _handle(steps: StepsFile, kind: bytes, count: int, body: bytes) -> dict[str, Any] | None:
+    """One frame; the reply it asks for, if any (a C frame also closes the file)."""
+    if kind == b"L":
+        steps.write(count, body)
+        return None
+    if kind in (b"S", b"C"):
+        answer = steps.sync()
+        if kind == b"C":
+            steps.close()
+        return answer
+    return {"error": f"the helper received an unknown request {kind!r}"}
+
+
 class StepsWriter:
-    """Keeps the per-update records of a run and has a helper process write them (see the module docstring).
+    """Keeps the per-update records of a run and has them written (see the module docstring).
 
     It also keeps what the run totals from those records: the sums of the updates' wall seconds, CPU seconds
     (when the charges are CPU seconds), examples and non-finite losses since they were last taken
     (``take_sums``), and the last loss. ``lines`` counts the lines sent to the file, those it held at the start
-    included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``; the helper cuts the file
-    back to ``offset``, 0 for a new run). ``seen``, the running digest of
-    rows seen, is as of the last ``finish_sync`` or ``close``.
+    included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``; the writing end cuts the file
+    back to ``offset``, 0 for a new run). ``seen``, the running digest of rows seen, is as of the last
+    ``finish_sync`` or ``close``. ``in_process`` chooses the plain twin over the helper process.
     """
 
     def __init__(self, path: Path, offset: int = 0, seen: str = SEEN_START, cpu_charges: bool = False,
-                 inherit_fds: tuple[int, ...] = (), lines: int = 0):
+                 inherit_fds: tuple[int, ...] = (), lines: int = 0, in_process: bool = False):
         self.path = Path(path)
         self.lines = lines
         self.cpu_charges = cpu_charges  # the charges are CPU seconds (the cpu clock): each line's "cpu" is its charge
@@ -92,27 +273,21 @@ class StepsWriter:
         self.seen = seen
         self.sums = self._zero()
         self.last_loss = float("nan")
-        package_root = str(Path(__file__).resolve().parents[2])  # the helper runs this very copy of opalctl
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        command = [sys.executable, "-m", "opalctl.driver.records", str(self.path),
-                   str(int(offset)), seen, "cpu" if cpu_charges else "-"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
-        try:  # room for a whole flush (about 290 KB on digits), so that sending it never waits for the helper
-            import fcntl
+        end = InProcess if in_process else HelperProcess
+        self.channel = end(self.path, offset, seen, cpu_charges, inherit_fds)
+        self._reply()  # the file is open (and, on resume, cut back), or the sentence says why it could not be
 
-            fcntl.fcntl(self.process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        except (ImportError, AttributeError, OSError):
-            pass  # not Linux, or a lower system limit: sending then waits for the helper to read, nothing more
-        self._reply()  # the helper has opened (and, on resume, cut back) the file, or says why it could not
+    @property
+    def process(self) -> subprocess.Popen:
+        """The helper process (the fast path only)."""
+        return self.channel.process
 
     def add(self, update: int, charge: float, used: float, wall: float, loss, ids) -> None:
-        """One update's line, kept as the tuple ``(update, charge, used, wall, loss, ids)``, sent every
-        ``FLUSH_LINES``. ``loss`` is a number, or a scalar tensor read later with the others: only a detached one
-        may be kept, since holding the loss itself would keep its autograd graph alive until the flush, moving the
-        graph's teardown, a part of the update's cost, out of the timed interval. ``ids`` must not change until the
-        flush: a copy of the batch's row ids, unless the sampler hands over a new array with each batch.
+        """One update's line, kept as a ``StepRow`` tuple, sent every ``FLUSH_LINES``. ``loss`` is a number, or a
+        scalar tensor read later with the others: only a detached one may be kept, since holding the loss itself
+        would keep its autograd graph alive until the flush, moving the graph's teardown, a part of the update's
+        cost, out of the timed interval. ``ids`` must not change until the flush: a copy of the batch's row ids,
+        unless the sampler hands over a new array with each batch.
 
         The run's loop appends the same tuple to ``pending`` itself and checks the length, without this call:
         there, a call costs more than its work (see the module docstring)."""
@@ -131,39 +306,33 @@ class StepsWriter:
         return sums
 
     def flush(self) -> None:
-        """Send the pending lines to the helper, without waiting for it: read the kept losses (one transfer) and
-        add up the sums.
+        """Send the pending lines, without waiting for them to be written: read the kept losses (one transfer)
+        and add up the sums.
 
         Only the lines a checkpoint counts need to reach the disk: after a crash the file is cut back to those
         anyway, so the periodic flushes in between neither wait nor fsync.
         """
-        import numpy as np
-
         pending = self.pending
         if not pending:
             return
-        updates, charges, used, walls, losses, ids = zip(*pending)
-        losses = read_floats(list(losses))
-        blob = np.concatenate(ids).astype(np.int64, copy=False).tobytes()  # the digests are of int64 bytes
-        lengths = array("q", [8 * len(rows) for rows in ids])
-        id_bytes = len(blob)
+        columns = dict(zip(StepRow._fields, zip(*pending)))
+        losses = columns["loss"] = read_floats(list(columns["loss"]))
+        frame, examples = encode_lines(columns)
         sums = self.sums
-        sums["train_wall"] += sum(walls)
+        sums["train_wall"] += sum(columns["wall"])
         if self.cpu_charges:
-            sums["train_cpu"] += sum(charges)
-        sums["examples"] += id_bytes // 8
+            sums["train_cpu"] += sum(columns["charge"])
+        sums["examples"] += examples
         sums["nonfinite_losses"] += sum(1 for loss in losses if loss - loss != 0.0)
         self.last_loss = losses[-1]
         self.lines += len(pending)
-        self._write(b"".join([_HEADER.pack(b"L", len(pending), id_bytes), array("q", updates).tobytes(),
-                              array("d", charges).tobytes(), array("d", used).tobytes(), array("d", walls).tobytes(),
-                              array("d", losses).tobytes(), lengths.tobytes(), blob]))
+        self.channel.send(frame)
         pending.clear()
 
     def begin_sync(self) -> None:
-        """Send the pending lines and ask the helper to make the file durable; ``finish_sync`` waits for it."""
+        """Send the pending lines and ask for the file to be made durable; ``finish_sync`` waits for it."""
         self.flush()
-        self._write(_HEADER.pack(b"S", 0, 0))
+        self.channel.send(_HEADER.pack(b"S", 0, 0))
 
     def finish_sync(self) -> int:
         """Wait until every line sent before ``begin_sync`` is on the disk; bring ``seen`` up to date and return
@@ -171,78 +340,25 @@ class StepsWriter:
         return self._reply()
 
     def close(self) -> None:
-        """Send the pending lines, wait until the file is complete on the disk, and end the helper."""
-        if self.process.poll() is not None and self.process.stdin.closed:
+        """Send the pending lines, wait until the file is complete on the disk, and end the writing end."""
+        if self.channel.ended:
             return
         self.flush()
-        self._write(_HEADER.pack(b"C", 0, 0))
+        self.channel.send(_HEADER.pack(b"C", 0, 0))
         self._reply()
-        self._end()
+        self.channel.end()
 
     def abandon(self) -> None:
-        """End the helper without waiting for the lines still pending (the run failed; a resume cuts them)."""
-        self._end()
-
-    def _end(self) -> None:
-        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
-            stream.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def _write(self, data: bytes) -> None:
-        try:
-            self.process.stdin.write(data)
-        except (BrokenPipeError, ValueError):
-            self._failed()
+        """End the writing end without waiting for the lines still pending (the run failed; a resume cuts them)."""
+        self.channel.end()
 
     def _reply(self) -> int:
-        line = self.process.stdout.readline()
-        if not line:
-            self._failed()
-        answer = json.loads(line)
+        answer = self.channel.receive()
         if "error" in answer:
-            self._end()
+            self.channel.end()
             raise OpalctlError(f"the run's steps records {self.path} cannot be written: {answer['error']}")
         self.seen = answer["seen"]
         return int(answer["offset"])
-
-    def _failed(self) -> None:
-        """The helper is gone: say why, in its own words when it left any."""
-        try:
-            answer = self.process.stdout.read() or b""
-            stderr = self.process.stderr.read() or b""
-        except ValueError:  # the writer was closed already: there is nothing more to read
-            answer = stderr = b""
-        self._end()
-        for line in answer.decode(errors="replace").splitlines():
-            if line.startswith('{"error"'):
-                raise OpalctlError(f"the run's steps records {self.path} cannot be written: {json.loads(line)['error']}")
-        last = (stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-        raise OpalctlError(f"the process writing the run's steps records {self.path} stopped "
-                           f"(exit status {self.process.returncode}: {last[:300]}); resume the run with --resume")
-
-
-def format_lines(seen: str, cpu_charges: bool, updates, charges, used, walls, losses,
-                 ids: list[bytes]) -> tuple[list[str], str]:
-    """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
-    sha256 = hashlib.sha256
-    lines = []
-    for update, charge, spent, wall, loss, rows_bytes in zip(updates, charges, used, walls, losses, ids):
-        rows = sha256(rows_bytes).hexdigest()[:16]
-        seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
-        # the clock figures are finite by construction (the meter refuses others); only the loss may not be
-        if loss - loss == 0.0:
-            lines.append(f'{{"charge":{charge!r},"cpu":{repr(charge) if cpu_charges else "null"},'
-                         f'"loss":{loss!r},"rows":"{rows}","seen":"{seen}","update":{update},"used":{spent!r},'
-                         f'"wall":{wall!r}}}')
-        else:
-            lines.append(json.dumps({"charge": charge, "cpu": charge if cpu_charges else None, "loss": loss,
-                                     "rows": rows, "seen": seen, "update": update, "used": spent, "wall": wall},
-                                    separators=(",", ":"), allow_nan=True, sort_keys=True))
-    return lines, seen
 
 
 def _read_exactly(stream, size: int) -> bytes | None:
@@ -267,38 +383,25 @@ def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
         answers.flush()
 
     try:
-        handle = open(path, "r+b" if os.path.exists(path) else "w+b")
-        handle.truncate(offset)
-        handle.seek(0, os.SEEK_END)
-        reply({"offset": handle.tell(), "seen": seen})
+        steps = StepsFile(path, offset, seen, cpu_charges)
+        reply(steps.state())
         while True:
             header = _read_exactly(source, _HEADER.size)
             if header is None:
                 return 0  # the run is gone: what is pending is cut by the resume anyway
             kind, count, id_bytes = _HEADER.unpack(header)
+            body = b""
             if kind == b"L":
-                body = _read_exactly(source, _COLUMNS * 8 * count + id_bytes)
+                body = _read_exactly(source, frame_body_bytes(count, id_bytes))
                 if body is None:
                     return 0
-                view = memoryview(body)
-                columns = [view[8 * count * k:8 * count * (k + 1)].cast("q" if k in (0, 5) else "d")
-                           for k in range(_COLUMNS)]
-                ids, start = [], _COLUMNS * 8 * count
-                for length in columns[5]:
-                    ids.append(body[start:start + length])
-                    start += length
-                lines, seen = format_lines(seen, cpu_charges, *columns[:5], ids)
-                handle.write(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0))
-                handle.flush()
-            elif kind in (b"S", b"C"):
-                os.fsync(handle.fileno())
-                reply({"offset": handle.tell(), "seen": seen})
+            answer = _handle(steps, kind, count, body)
+            if answer is not None:
+                reply(answer)
+                if "error" in answer:
+                    return 2
                 if kind == b"C":
-                    handle.close()
                     return 0
-            else:
-                reply({"error": f"the helper received an unknown request {kind!r}"})
-                return 2
     except OSError as error:
         reply({"error": f"{error.strerror or error} ({path})"})
         return 1
@@ -333,8 +436,8 @@ def read_steps(path: Path) -> Iterator[dict[str, Any]]:
 
 def locate(path: Path, lines: int) -> tuple[int, str]:
     """Where a steps file's first ``lines`` lines end, as a resume needs it: the byte offset to cut the file back
-    to, and the running digest after the last of them. It reads the file from its start (0.05 s per 100,000 lines of
-    ``digits``); a file that does not hold those lines whole, each numbered in turn, is refused in one sentence."""
+    to, and the running digest after the last of them. It reads the file from its start; a file that does not hold those lines
+    whole, each numbered in turn, is refused in one sentence."""
     path = Path(path)
     if lines == 0:
         return 0, SEEN_START

@@ -7,16 +7,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opalctl.driver.budget import (
+    CLOCKS,
     BudgetMeter,
+    BudgetMismatch,
     BudgetSpent,
     Clock,
     CpuClock,
     GpuClock,
+    UnknownClock,
     UpdatesClock,
     WallClock,
+    clock_spec,
     make_clock,
 )
-from opalctl.errors import OpalctlError
+from opalctl.errors import BadInput, OpalctlError
+from opalctl.formats import RecordDamaged
 
 
 class FakeClock(Clock):
@@ -132,9 +137,9 @@ def test_state_round_trip_mid_run_continues_exactly():
     assert resumed.used == whole.used and resumed.overshoot == whole.overshoot and resumed.updates == whole.updates
 
 
-def test_state_of_another_budget_is_refused():
+def test_state_of_another_budget_is_refused_as_an_opalctl_error():
     meter = BudgetMeter(10, [0.5, 1.0])
-    with pytest.raises(ValueError, match="not this run's"):
+    with pytest.raises(BudgetMismatch, match="not this run's"):
         meter.load_state_dict(BudgetMeter(20, [0.5, 1.0]).state_dict())
 
 
@@ -169,7 +174,8 @@ def test_real_clocks_measure_intervals():
         assert clock.stop(token) >= 0.0
     assert UpdatesClock().stop(UpdatesClock().start()) == 1.0
     assert [make_clock(n).name for n in ("cpu", "wall", "updates")] == ["cpu", "wall", "updates"]
-    with pytest.raises(ValueError, match="unknown budget clock 'tpu'"):
+    with pytest.raises(UnknownClock, match="unknown budget clock 'tpu'; set budget.clock to one of cpu, gpu, wall, "
+                                           "updates"):
         make_clock("tpu")
 
 
@@ -212,3 +218,54 @@ def test_gpu_clock_without_cuda_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake_torch(False))
     with pytest.raises(OpalctlError, match="no CUDA device"):
         GpuClock()
+
+
+def test_a_damaged_saved_state_is_refused_as_a_damaged_record():
+    meter = BudgetMeter(10, [0.5, 1.0])
+    state = {**meter.state_dict(), "used": -1.0}
+    with pytest.raises(RecordDamaged, match="saved budget state is damaged"):
+        meter.load_state_dict(state)
+
+
+def test_the_registry_lists_every_clock_in_the_order_a_protocol_error_names_them():
+    assert list(CLOCKS) == ["cpu", "gpu", "wall", "updates"]
+    assert all(clock_spec(name).name == name for name in CLOCKS)
+    with pytest.raises(BadInput, match="unknown budget clock 'tpu'"):
+        clock_spec("tpu")
+
+
+def test_each_clock_declares_what_the_run_pilot_and_compare_need():
+    declared = {name: (spec.cpu_charges, spec.needs_cuda, spec.compare_seconds) for name, spec in CLOCKS.items()}
+    assert declared == {"cpu": (True, False, "train_cpu_seconds"), "gpu": (False, True, "train_wall_seconds"),
+                        "wall": (False, False, "train_wall_seconds"), "updates": (False, False, "train_cpu_seconds")}
+    # the pilot's projection: cpu seconds for the cpu clock, wall seconds for the timed others, the count itself
+    assert clock_spec("cpu").projected_updates(10.0, 0.5, 0.25) == 20.0
+    assert clock_spec("wall").projected_updates(10.0, 0.5, 0.25) == 40.0
+    assert clock_spec("gpu").projected_updates(10.0, 0.5, 0.25) == 40.0
+    assert clock_spec("updates").projected_updates(10.0, 0.5, 0.25) == 10.0
+    assert clock_spec("wall").projected_updates(10.0, 0.5, 0.0) == float("inf")
+    assert "on 3 thread(s)" in clock_spec("cpu").limitation(3)
+    assert all(clock_spec(name).limitation(1).endswith(".") for name in CLOCKS)
+
+
+def test_a_new_clock_is_one_registered_class(monkeypatch):
+    from opalctl.driver import budget
+
+    monkeypatch.setattr(budget, "CLOCKS", dict(budget.CLOCKS))
+
+    @budget.register
+    class HalfClock(budget.Clock):
+        name = "half"
+
+        @classmethod
+        def limitation(cls, threads):
+            return "The half clock charges half an update."
+
+        def start(self):
+            return None
+
+        def stop(self, token):
+            return 0.5
+
+    assert clock_spec("half") is HalfClock
+    assert make_clock("half").stop(None) == 0.5
