@@ -36,9 +36,11 @@ import operator
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
-MEASURED_MODEL = "claude-opus-5-5"
-MEASURED_EFFORT = "high"
+# the model and effort the figures below were measured for (the defaults of an agent arm)
+MEASURED_MODEL = DEFAULT_MODEL
+MEASURED_EFFORT = DEFAULT_EFFORT
 
 FIGURES: dict[tuple[str, str], dict[str, Any]] = {
     (MEASURED_MODEL, MEASURED_EFFORT): {
@@ -51,7 +53,7 @@ FIGURES: dict[tuple[str, str], dict[str, Any]] = {
 }
 """Per-decision time and cost, keyed by (model, effort).
 
-Measured for claude-opus-5-5 at effort high over 567 decisions of agent-steered training runs (SPEC 6.9). The
+Measured for MEASURED_MODEL at MEASURED_EFFORT over 567 decisions of agent-steered training runs. The
 first decision reads the code and writes the first program, so it is much longer and dearer than the later ones,
 which revise a program the agent already knows. low / typical / high are the spread seen across those decisions;
 seconds are the wall time from request to answer, usd the billed cost of the decision.

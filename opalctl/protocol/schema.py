@@ -15,16 +15,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opalctl.errors import BadInput
+from opalctl.opal.agents import registry
+from opalctl.opal.agents.anthropic import Prices
+from opalctl.opal.agents.options import Strict
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SEALED_PARTS = ("sealed", "final-test", "evaluation-final")
 DEFAULT_FRACTIONS = [0.25, 0.5, 0.75, 1.0]
-BACKENDS = ("keep", "heuristic", "anthropic", "claude-code")
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TaskSpec(Strict):
@@ -74,16 +72,9 @@ class OptimizerSpec(BaseModel):
         return dict(self.model_extra or {})
 
 
-class Prices(Strict):
-    """US dollars per million tokens."""
+class AgentCommon(Strict):
+    """The agent keys of every backend: which backend, when it is asked, and what the optimizer does with it."""
 
-    input: Annotated[float, Field(ge=0)]
-    output: Annotated[float, Field(ge=0)]
-    cache_read: Annotated[float, Field(ge=0)] = 0.0
-    cache_write: Annotated[float, Field(ge=0)] = 0.0
-
-
-class AgentSpec(Strict):
     backend: str = "heuristic"
     decisions: Annotated[int, Field(ge=1, le=1000)] | None = None
     schedule: Literal["front", "uniform"] | list[Annotated[float, Field(gt=0, lt=1)]] = "front"
@@ -93,21 +84,19 @@ class AgentSpec(Strict):
     trial_steps: Annotated[int, Field(ge=1)] = 20
     prompt: Literal["neutral", "aggressive"] = "neutral"
     goal: str | None = None
-    model: str | None = None
-    effort: Literal["low", "medium", "high"] = "high"
-    max_tokens: Annotated[int, Field(ge=256)] = 8192
-    turns: Annotated[int, Field(ge=1)] = 24
-    seconds_per_decision: Annotated[float, Field(gt=0)] = 900.0
-    retries: Annotated[int, Field(ge=0)] = 4
     max_cost_usd: Annotated[float, Field(gt=0)] | None = None
-    prices: Prices | None = None
 
     @field_validator("backend")
     @classmethod
     def _backend(cls, value: str) -> str:
-        if value in BACKENDS or (value.startswith("replay:") and len(value) > len("replay:")):
+        if registry.find(value) is not None:
             return value
-        raise ValueError(f"unknown backend {value!r}; use one of {', '.join(BACKENDS)} or replay:<run folder>")
+        raise ValueError(f"unknown backend {value!r}; use one of {registry.spellings()}")
+
+
+class AgentSpec(*registry.option_models(), AgentCommon):
+    """``arms.NAME.agent``: the common keys and those of every backend (each backend reads its own; a protocol
+    may name any of them whatever its backend, as it always could), with each default where its backend states it."""
 
 
 class Arm(Strict):
@@ -216,13 +205,16 @@ def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
 
 
 class ProtocolError(BadInput):
+    """Every problem of one protocol file: the sentence names the first, ``details`` the others (the command line
+    prints them, indented, under the sentence)."""
+
     def __init__(self, where: str, problems: list[tuple[str, int | None, str]]):
         self.problems = problems
         key, line, text = problems[0]
         place = f"{where} line {line}" if line else where
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
         super().__init__(f"{place}: {key}: {text}{more}",
-                         details=[f"{k} (line {ln}): {t}" if ln else f"{k}: {t}" for k, ln, t in problems])
+                         details=[f"{k} (line {ln}): {t}" if ln else f"{k}: {t}" for k, ln, t in problems[1:]])
 
 
 def _message(error: dict, known: list[str] | None) -> str:
@@ -399,14 +391,9 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     for arm_name, arm in protocol.arms.items():
         if reason := check_optimizer(arm.optimizer):
             problem(("arms", arm_name, "optimizer", "name"), reason)
-        if arm.agent is not None and arm.agent.backend == "anthropic" and arm.agent.prices is None:
-            from opalctl.opal.agents.anthropic import DEFAULT_MODEL, default_prices
-
-            model = arm.agent.model or DEFAULT_MODEL
-            if default_prices(model) is None:
-                problem(("arms", arm_name, "agent", "model"),
-                        f"model {model!r} has no default prices; give arms.{arm_name}.agent.prices (input, output, "
-                        f"cache_read, cache_write in USD per million tokens)")
+        if arm.agent is not None:
+            for key, text in registry.problems(arm.agent, f"arms.{arm_name}.agent"):
+                problem(("arms", arm_name, "agent", key), text)
     if problems:
         raise ProtocolError(where, problems)
 

@@ -106,7 +106,8 @@ def test_several_problems_are_all_kept(tmp_path):
     keys = [key for key, _line, _text in error.problems]
     assert keys == ["budget.clock", "training.batch_size"]
     assert all(line == line_of(text, key.split(".")[0] + ":") for key, line, _ in error.problems)
-    assert len(error.details) == 2
+    assert error.details == [f"training.batch_size (line {line_of(text, 'training:')}): "
+                             f"{error.problems[1][2]}"]  # the sentence names the first problem, details the others
 
 
 def test_a_misspelt_key_is_named_before_the_missing_one(tmp_path):

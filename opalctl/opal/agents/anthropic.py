@@ -40,19 +40,21 @@ import threading
 import time
 import traceback
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from opalctl.errors import BadInput
-from opalctl.opal.agents.base import Answer, Backend
-
-DEFAULT_MODEL = "claude-opus-5-5"
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
+from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
+from opalctl.opal.agents.options import ModelOptions, Strict
 
 # Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
 # are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
-# overrides them (and must be given for a model not listed here). claude-opus-5-5, the model of the measured
+# overrides them (and must be given for a model not listed here). DEFAULT_MODEL, the model of the measured
 # figures in estimate.py, is priced like the current Opus list price.
 DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
-    "claude-opus-5-5": (5.0, 25.0, 0.50, 6.25),
+    DEFAULT_MODEL: (5.0, 25.0, 0.50, 6.25),
     "claude-opus-4-5": (5.0, 25.0, 0.50, 6.25),
     "claude-opus-4-1": (15.0, 75.0, 1.50, 18.75),
     "claude-opus-4-0": (15.0, 75.0, 1.50, 18.75),
@@ -62,7 +64,7 @@ DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
     "claude-3-5-haiku": (0.80, 4.0, 0.08, 1.0),
 }
 # models that take `output_config.effort`; for any other model the effort setting is not sent
-EFFORT_MODELS = ("claude-opus-5-5", "claude-opus-4-5")
+EFFORT_MODELS = (DEFAULT_MODEL, "claude-opus-4-5")
 PRICE_KEYS = ("input", "output", "cache_read", "cache_write")
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 RETRYABLE_STATUS = (408, 429)  # and every 5xx (500, 502, 503, 504, 529 overloaded)
@@ -114,6 +116,29 @@ TOOLS: list[dict[str, Any]] = [
                                               "tensors of the run's real shapes; returns 'ok' or the error.",
      "input_schema": {"type": "object", "properties": {}}},
 ]
+
+
+# -- the protocol's settings --------------------------------------------------------------------------------------
+
+class Prices(Strict):
+    """US dollars per million tokens."""
+
+    input: Annotated[float, Field(ge=0)]
+    output: Annotated[float, Field(ge=0)]
+    cache_read: Annotated[float, Field(ge=0)] = 0.0
+    cache_write: Annotated[float, Field(ge=0)] = 0.0
+
+
+class AnthropicOptions(ModelOptions):
+    """The protocol keys this backend reads (besides model, turns and seconds_per_decision)."""
+
+    effort: Literal["low", "medium", "high"] = DEFAULT_EFFORT
+    max_tokens: Annotated[int, Field(ge=256)] = 8192
+    retries: Annotated[int, Field(ge=0)] = 4
+    prices: Prices | None = None  # None: the model's DEFAULT_PRICES
+
+
+OPTION_DEFAULTS = AnthropicOptions()
 
 
 # -- prices and cost ---------------------------------------------------------------------------------------------
@@ -364,8 +389,9 @@ class AnthropicBackend(Backend):
     runs_in = "thread"  # it only waits on the network (and runs a tiny dry run)
     backoff_seconds = 2.0  # the first wait after an unavailable answer without retry-after; doubles each time
 
-    def __init__(self, model: str | None = None, max_tokens: int = 8192, turns: int = 24,
-                 seconds_per_decision: float = 900.0, retries: int = 4, prices: Any = None,
+    def __init__(self, model: str | None = None, max_tokens: int = OPTION_DEFAULTS.max_tokens,
+                 turns: int = OPTION_DEFAULTS.turns, seconds_per_decision: float = OPTION_DEFAULTS.seconds_per_decision,
+                 retries: int = OPTION_DEFAULTS.retries, prices: Any = None,
                  prompt_text: str | None = None, api_key: str | None = None, base_url: str | None = None,
                  effort: str | None = None):
         self.model = model or DEFAULT_MODEL
@@ -601,3 +627,24 @@ def _shorten(value: Any) -> Any:
     if isinstance(value, list):
         return [_shorten(v) for v in value]
     return value
+
+
+# -- what the registry knows of this backend ---------------------------------------------------------------------
+
+def lock_defaults(agent: dict[str, Any]) -> dict[str, Any]:
+    """The lock names the model and the prices the run will use, not "whatever the default was then"."""
+    model = agent["model"] or DEFAULT_MODEL
+    return {"model": model, "prices": agent["prices"] or default_prices(model)}
+
+
+def problems(agent: AnthropicOptions, where: str) -> list[tuple[str, str]]:
+    """A model without default prices needs prices in the protocol (the cost of each decision is recorded)."""
+    model = agent.model or DEFAULT_MODEL
+    if agent.prices is None and default_prices(model) is None:
+        return [("model", f"model {model!r} has no default prices; give {where}.prices (input, output, cache_read, "
+                          f"cache_write in USD per million tokens)")]
+    return []
+
+
+KIND = BackendKind(name="anthropic", waits=True, factory=AnthropicBackend, options=AnthropicOptions, prompted=True,
+                   lock_defaults=lock_defaults, problems=problems)

@@ -23,7 +23,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event, read_jsonl
-from opalctl.opal.agents.base import Answer, Backend
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
 # the outcomes a replay reproduces (a decision the original answered ``late`` is not in the plan: the replay keeps)
@@ -91,3 +91,7 @@ class ReplayBackend(Backend):
         if path.is_file():
             return path.read_text(encoding="utf-8").strip()
         return str(event.get("rationale") or "")
+
+
+# a relative run folder is taken from the current folder
+KIND = BackendKind(name="replay", waits=False, factory=ReplayBackend, argument="run folder")
