@@ -110,11 +110,11 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
         entry = _arm_row(arm, baseline, finished, unfinished)
         for metric, higher in directions.items():
             values = {s: _selected_metric(finished[arm][s], metric) for s in entry["seeds"]}
-            entry["metrics"][metric] = summary(values.values())
+            entry["metrics"][metric] = summary(values.values(), what=f"the selected {metric} of arm {arm}")
             if arm != baseline:
                 base_values = {s: _selected_metric(finished[baseline][s], metric) for s in finished[baseline]}
-                entry["paired"][metric] = paired(base_values, values, higher_is_better=higher,
-                                                 resamples=resamples)
+                entry["paired"][metric] = paired(base_values, values, higher_is_better=higher, resamples=resamples,
+                                                 what=f"selected {metric} (arm {arm}, baseline {baseline})")
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
                                                           directions[primary], seconds_key)
