@@ -1,9 +1,8 @@
 """Errors that reach the user as one sentence and an exit code.
 
 The CLI turns each of these into a message on stderr and the documented exit code, never a traceback: the
-sentence, then each of ``details`` on an indented line under it (what the sentence does not already say, such as
-the other problems of one protocol). Anything else that escapes is a bug in opalctl and is shown as such (exit 1,
-with the traceback kept for the report).
+sentence, then each of ``details`` (if any) on an indented line under it. Anything else that escapes is a bug in
+opalctl and is shown as such (exit 1, with the traceback kept for the report).
 """
 
 EXIT_OK = 0

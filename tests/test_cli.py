@@ -161,20 +161,6 @@ def test_init_refuses_bad_input_before_it_says_it_is_preparing(tmp_path, cli):
 # errors
 
 
-def test_a_protocol_with_several_problems_names_the_first_and_lists_the_others_indented(digits_project,
-                                                                                          cli_inprocess):
-    path = digits_project / "digits.yaml"
-    text = path.read_text()
-    assert text.count("clock: cpu,") == 1 and text.count("batch_size: 64") == 1
-    path.write_text(text.replace("clock: cpu,", "clock: cpuu,").replace("batch_size: 64", "batch_size: -1"))
-    result = cli_inprocess("freeze", path)
-    assert result.code == 2 and result.stdout == ""
-    first, other = result.stderr.splitlines()
-    assert first.startswith(f"opalctl: error: {path} line ") and "budget.clock" in first
-    assert first.endswith("(and 1 more problem)")
-    assert other.startswith("  training.batch_size (line ") and "greater than or equal to 1" in other
-
-
 def test_the_details_of_an_error_are_printed_indented_under_its_sentence(monkeypatch, cli_inprocess):
     from opalctl.errors import BadInput
     from opalctl.protocol import freeze

@@ -205,16 +205,15 @@ def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
 
 
 class ProtocolError(BadInput):
-    """Every problem of one protocol file: the sentence names the first, ``details`` the others (the command line
-    prints them, indented, under the sentence)."""
+    """Every problem of one protocol file, as ``(key, line, text)`` in ``problems``. The sentence names the first
+    and counts the others: a refused protocol is one line on stderr, so a person fixes one problem at a time."""
 
     def __init__(self, where: str, problems: list[tuple[str, int | None, str]]):
         self.problems = problems
         key, line, text = problems[0]
         place = f"{where} line {line}" if line else where
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        super().__init__(f"{place}: {key}: {text}{more}",
-                         details=[f"{k} (line {ln}): {t}" if ln else f"{k}: {t}" for k, ln, t in problems[1:]])
+        super().__init__(f"{place}: {key}: {text}{more}")
 
 
 def _message(error: dict, known: list[str] | None) -> str:
@@ -333,61 +332,14 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     def problem(path: tuple, text: str) -> None:
         problems.append((_dotted(path), _line_of(lines, path), text))
 
-    for split, value in protocol.data.items():
-        if sealed := sealed_part(value):
-            problem(("data", split), f"the path names sealed data ({sealed!r}); opalctl never reads a final test "
-                                     f"set, so remove this split from the protocol")
-    if isinstance(protocol.parents, dict):
-        for seed in protocol.seeds:
-            if seed not in protocol.parents:
-                problem(("parents",), f"no parent for seed {seed}; add it or use a template with {{seed}}")
-    elif len(protocol.seeds) > 1 and "{seed}" not in protocol.parents:
-        pass  # one parent shared by every seed is allowed
-    for seed in protocol.seeds:
-        if isinstance(protocol.parents, dict) and seed not in protocol.parents:
-            continue
-        parent = protocol.parent_for(seed)
-        if sealed := sealed_part(parent):
-            problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")
-            break
-
+    _check_paths(protocol, problem)
     try:
         task_cls = load_task_class(protocol.task.entry)
     except TaskLoadError as error:
         problem(("task", "entry"), str(error))
         task_cls = None
     if task_cls is not None:
-        try:
-            task_cls.Config.model_validate(protocol.task.config)
-        except ValidationError as error:
-            for item in error.errors():
-                path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
-                known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
-                problem(path, _message(item, known))
-        for arm_name, arm in protocol.arms.items():  # each arm's model settings, as the task defines them
-            try:
-                task_cls.ArmConfig.model_validate(arm.model)
-            except ValidationError as error:
-                for item in error.errors():
-                    path = ("arms", arm_name, "model") + _data_path(arm.model, tuple(item["loc"]))
-                    known = sorted(task_cls.ArmConfig.model_fields) if item["type"] == "extra_forbidden" else None
-                    text = (f"task {task_cls.name!r} takes no arm model settings; remove this key" if known == []
-                            else _message(item, known))
-                    problem(path, text)
-        for split in task_cls.splits:
-            if split not in protocol.data:
-                problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")
-        evaluation_splits = [s for s in protocol.data if s != "train"]
-        for rule, metric in protocol.selection.metric_keys():
-            split, _, name = metric.partition(".")
-            index_path = ("selection", rule)
-            if split not in evaluation_splits:
-                problem(index_path, f"{metric!r} names no evaluation split (use one of "
-                                    f"{', '.join(evaluation_splits) or 'none'} then a metric, e.g. "
-                                    f"{(evaluation_splits or ['selection'])[0]}.correct)")
-            elif name not in task_cls.metrics:
-                problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
-                                    f"{', '.join(sorted(task_cls.metrics))})")
+        _check_task(protocol, task_cls, problem)
     for arm_name, arm in protocol.arms.items():
         if reason := check_optimizer(arm.optimizer):
             problem(("arms", arm_name, "optimizer", "name"), reason)
@@ -396,6 +348,61 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
                 problem(("arms", arm_name, "agent", key), text)
     if problems:
         raise ProtocolError(where, problems)
+
+
+def _check_paths(protocol: Protocol, problem) -> None:
+    """No split and no parent may name sealed data; a dict of parents names one for every seed."""
+    for split, value in protocol.data.items():
+        if sealed := sealed_part(value):
+            problem(("data", split), f"the path names sealed data ({sealed!r}); opalctl never reads a final test "
+                                     f"set, so remove this split from the protocol")
+    if isinstance(protocol.parents, dict):
+        for seed in protocol.seeds:
+            if seed not in protocol.parents:
+                problem(("parents",), f"no parent for seed {seed}; add it or use a template with {{seed}}")
+    # (one parent shared by every seed is allowed)
+    for seed in protocol.seeds:
+        if isinstance(protocol.parents, dict) and seed not in protocol.parents:
+            continue
+        parent = protocol.parent_for(seed)
+        if sealed := sealed_part(parent):
+            problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")
+            break
+
+
+def _check_task(protocol: Protocol, task_cls, problem) -> None:
+    """The task's config and each arm's model settings as the task defines them, its splits and its metrics."""
+    try:
+        task_cls.Config.model_validate(protocol.task.config)
+    except ValidationError as error:
+        for item in error.errors():
+            path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
+            known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
+            problem(path, _message(item, known))
+    for arm_name, arm in protocol.arms.items():
+        try:
+            task_cls.ArmConfig.model_validate(arm.model)
+        except ValidationError as error:
+            for item in error.errors():
+                path = ("arms", arm_name, "model") + _data_path(arm.model, tuple(item["loc"]))
+                known = sorted(task_cls.ArmConfig.model_fields) if item["type"] == "extra_forbidden" else None
+                text = (f"task {task_cls.name!r} takes no arm model settings; remove this key" if known == []
+                        else _message(item, known))
+                problem(path, text)
+    for split in task_cls.splits:
+        if split not in protocol.data:
+            problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")
+    evaluation_splits = [s for s in protocol.data if s != "train"]
+    for rule, metric in protocol.selection.metric_keys():
+        split, _, name = metric.partition(".")
+        index_path = ("selection", rule)
+        if split not in evaluation_splits:
+            problem(index_path, f"{metric!r} names no evaluation split (use one of "
+                                f"{', '.join(evaluation_splits) or 'none'} then a metric, e.g. "
+                                f"{(evaluation_splits or ['selection'])[0]}.correct)")
+        elif name not in task_cls.metrics:
+            problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
+                                f"{', '.join(sorted(task_cls.metrics))})")
 
 
 def load_protocol(path: Path) -> Protocol:
