@@ -1,4 +1,5 @@
-"""The protocol's schema: what a person may write, with every default stated here and nowhere else.
+"""The protocol's schema: what a person may write, with every default stated once: here, or for the keys a
+backend reads (``arms.NAME.agent``), in that backend's options model (``opalctl.opal.agents.registry``).
 
 Validation is done by pydantic (strict types, unknown keys forbidden), then by cross-field checks that need
 the task (its splits and metrics) or torch (optimizer names and arguments). Every error becomes one sentence

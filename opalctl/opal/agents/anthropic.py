@@ -11,10 +11,11 @@ act on the workspace only:
     check_programs   a dry run of the workspace's updater.py and analysis.py: the static check, build() on
                      stand-in tensors of the run's real parameter shapes and dtypes wrapped in a fresh AdamW, one
                      step on random gradients, state_dict()/load_state_dict(), one analyze(); the error text, if any
+                     (``opalctl.opal.agents.dry_run``)
 
-Paths are confined to the workspace: an absolute path, a ``..`` part, or a symlink that leads out is refused,
-and the refusal is the tool's result (the agent reads it and goes on). The optimizer's own folder ``.opal`` is
-read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
+Paths are confined to the workspace (``opalctl.opal.agents.workspace``): an absolute path, a ``..`` part, or a
+symlink that leads out is refused, and the refusal is the tool's result (the agent reads it and goes on). The
+optimizer's own folder ``.opal`` is read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
 decision has at most ``turns`` requests and ``seconds_per_decision`` seconds; the last turn is sent with tools
 switched off, so the agent must end with its rationale.
 
@@ -32,14 +33,11 @@ client at another server (the tests use a loopback one).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
-import threading
 import time
-import traceback
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -47,7 +45,9 @@ from pydantic import Field
 from opalctl.errors import BadInput
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
+from opalctl.opal.agents.dry_run import dry_run
 from opalctl.opal.agents.options import ModelOptions, Strict
+from opalctl.opal.agents.workspace import Refused, Workspace
 
 # Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
 # are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
@@ -69,10 +69,7 @@ PRICE_KEYS = ("input", "output", "cache_read", "cache_write")
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 RETRYABLE_STATUS = (408, 429)  # and every 5xx (500, 502, 503, 504, 529 overloaded)
 MAX_BACKOFF_SECONDS = 60.0
-MAX_READ_CHARS = 100_000
-MAX_WRITE_CHARS = 200_000
 MAX_RECORDED_CHARS = 20_000
-META_FOLDER = ".opal"
 
 TOOL_INSTRUCTIONS = """\
 ## Your tools
@@ -165,272 +162,6 @@ def cost_of(usage: dict[str, Any], prices: dict[str, float]) -> float:
     return (usage.get("input_tokens", 0) * prices["input"] + usage.get("output_tokens", 0) * prices["output"]
             + usage.get("cache_read_input_tokens", 0) * prices["cache_read"]
             + usage.get("cache_creation_input_tokens", 0) * prices["cache_write"]) / 1e6
-
-
-# -- the workspace as the tools see it ---------------------------------------------------------------------------
-
-class Refused(Exception):
-    """A tool call the workspace refuses; the message goes back to the agent as the tool's result."""
-
-
-class Workspace:
-    """The run's workspace, with every path confined to it."""
-
-    def __init__(self, root: Path):
-        self.root = Path(os.path.realpath(root))
-
-    def path(self, given: Any, *, write: bool = False) -> Path:
-        if not isinstance(given, str) or not given.strip():
-            raise Refused("give a path relative to the workspace, e.g. updater.py")
-        if "\x00" in given:
-            raise Refused("a path may not contain a NUL character")
-        text = given.strip()
-        pure = PurePosixPath(text.replace("\\", "/"))
-        if pure.is_absolute() or text.startswith("~") or re.match(r"^[A-Za-z]:", text):
-            raise Refused(f"{given!r} is an absolute path; paths are relative to the workspace (e.g. updater.py)")
-        if ".." in pure.parts:
-            raise Refused(f"{given!r} goes up with '..'; only files inside the workspace can be used")
-        target = Path(os.path.realpath(self.root / pure))
-        if target != self.root and self.root not in target.parents:
-            raise Refused(f"{given!r} leads outside the workspace (through a symbolic link); only files inside the "
-                          f"workspace can be used")
-        relative = target.relative_to(self.root)
-        if write and (relative.parts[:1] == (META_FOLDER,) or target == self.root):
-            raise Refused(f"{given!r} cannot be written: {META_FOLDER}/ belongs to the optimizer; edit updater.py "
-                          f"or analysis.py")
-        return target
-
-    def list_files(self, folder: Any = None) -> str:
-        base = self.path(folder) if folder not in (None, "", ".") else self.root
-        if not base.is_dir():
-            raise Refused(f"{folder!r} is not a folder of the workspace")
-        lines = []
-        for current, folders, files in os.walk(base):
-            folders[:] = sorted(f for f in folders if f not in (META_FOLDER, "__pycache__"))
-            for name in sorted(files):
-                path = Path(current) / name
-                relative = path.relative_to(self.root).as_posix()
-                if path.is_symlink():
-                    lines.append(f"{relative} (a link)")
-                else:
-                    lines.append(f"{relative} ({path.stat().st_size} bytes)")
-                if len(lines) >= 200:
-                    return "\n".join(lines + ["(more files not listed)"])
-        return "\n".join(lines) or "(no files)"
-
-    def read(self, given: Any) -> str:
-        path = self.path(given)
-        if not path.is_file():
-            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if len(text) > MAX_READ_CHARS:
-            return text[:MAX_READ_CHARS] + f"\n... (cut at {MAX_READ_CHARS} characters of {len(text)})"
-        return text
-
-    def write(self, given: Any, content: Any) -> str:
-        if not isinstance(content, str):
-            raise Refused("content must be the file's text (a string)")
-        if len(content) > MAX_WRITE_CHARS:
-            raise Refused(f"the content has {len(content)} characters; the limit is {MAX_WRITE_CHARS}")
-        path = self.path(given, write=True)
-        if path.is_dir():
-            raise Refused(f"{given!r} is a folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content, encoding="utf-8")
-        return f"wrote {path.relative_to(self.root).as_posix()} ({len(content.splitlines())} lines)"
-
-    def replace(self, given: Any, old: Any, new: Any) -> str:
-        if not isinstance(old, str) or not isinstance(new, str) or not old:
-            raise Refused("old must be a non-empty string and new a string")
-        path = self.path(given, write=True)
-        if not path.is_file():
-            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
-        text = path.read_text(encoding="utf-8")
-        count = text.count(old)
-        if count != 1:
-            raise Refused(f"the old text occurs {count} times in {given}; it must occur exactly once (include more "
-                          f"of the surrounding lines)" if count else f"the old text does not occur in {given}; read "
-                          f"the file and copy the text exactly")
-        path.write_text(text.replace(old, new, 1), encoding="utf-8")
-        return f"replaced 1 occurrence in {path.relative_to(self.root).as_posix()}"
-
-
-# -- the dry run ---------------------------------------------------------------------------------------------------
-
-def _stand_ins(facts: dict[str, Any]):
-    """name -> a parameter of the run's shape and dtype (random, from a private generator)."""
-    import torch
-
-    shapes = facts.get("shapes") or {"weight": [[8, 8], "float32"], "bias": [[8], "float32"]}
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, (shape, dtype_name) in shapes.items():
-        dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.float32
-        value = torch.randn(tuple(shape), generator=generator) * 0.1
-        params[name] = torch.nn.Parameter(value.to(dtype), requires_grad=dtype.is_floating_point)
-    return params, generator
-
-
-def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None = None) -> str | None:
-    """The error text of the workspace's programs on stand-in tensors (None when they pass).
-
-    The running programs (``running``, the files as the decision began) are built and stepped first, so that the
-    new updater is built with a ``previous`` and an optimizer state, as it will be in the run. Torch's global
-    random state is kept when this runs on the main thread (a program may draw from it).
-    """
-    import torch
-
-    if threading.current_thread() is threading.main_thread():
-        with torch.random.fork_rng(devices=[]):
-            return _dry_run(workspace, facts, running)
-    return _dry_run(workspace, facts, running)
-
-
-def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
-    from opalctl.opal.optimizer import PROGRAM_FILES
-
-    sources = {}
-    for name in PROGRAM_FILES:
-        path = Path(workspace) / name
-        if not path.is_file():
-            return f"{name} is missing from the workspace; write it"
-        sources[name] = path.read_text(encoding="utf-8")
-    loaded = _loaded_programs(sources)
-    if isinstance(loaded, str):
-        return loaded
-    build, analyze, every = loaded
-    trial = _Trial(facts)
-    stage = "building the running program"
-    try:
-        previous = trial.running_updater(running, sources["updater.py"])
-        stage = "build()"
-        updater = build(trial.params, previous, trial.spec)
-        for method in ("step", "state_dict", "load_state_dict"):
-            if not callable(getattr(updater, method, None)):
-                return f"updater.py: the object build() returns has no {method}()"
-        stage = "step()"
-        before, problem = trial.step(updater)
-        if problem is not None:
-            return problem
-        stage = "state_dict() / load_state_dict()"
-        updater.load_state_dict(updater.state_dict())
-        stage = "analyze()"
-        return trial.analyse(analyze, every, updater, before)
-    except Exception as error:
-        lines = traceback.format_exc(limit=-4).rstrip()
-        return f"{stage} raised {type(error).__name__}: {error}\n{lines}"
-
-
-def _loaded_programs(sources: dict[str, str]):
-    """``(build, analyze, EVERY)`` of the workspace's programs, or the text of why they do not load."""
-    from opalctl.opal.programs import ProgramRejected, load_program
-
-    try:
-        updater_program = load_program("updater", sources["updater.py"], label="updater")
-        analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
-    except ProgramRejected as error:
-        return str(error)
-    build = getattr(updater_program.module, "build", None)
-    analyze = getattr(analysis_program.module, "analyze", None)
-    if not callable(build):
-        return "updater.py must define build(params, previous, spec)"
-    if not callable(analyze):
-        return "analysis.py must define analyze(obs, memory)"
-    every = getattr(analysis_program.module, "EVERY", 25)
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        return f"analysis.py: EVERY must be a positive integer, not {every!r}"
-    return build, analyze, every
-
-
-class _Trial:
-    """The stand-ins a dry run works on: parameters of the run's shapes, a fresh AdamW, and where the run is."""
-
-    def __init__(self, facts: dict[str, Any]):
-        import torch
-
-        from opalctl.opal.optimizer import GradView, Spec
-
-        self.params, self.generator = _stand_ins(facts)
-        lrs = facts.get("lrs") or [1e-3]
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(lrs[0]) or 1e-3)
-        self.spec = Spec(self.optimizer, None, None, facts.get("total_steps"), facts.get("goal"), self.params)
-        self.grads = GradView(self.params)
-        self.update = int(facts.get("update") or 0)
-        self.progress = float(facts.get("progress") or 0.0)
-
-    def random_grads(self) -> None:
-        import torch
-
-        for p in self.params.values():
-            if p.requires_grad:
-                p.grad = (torch.randn(tuple(p.shape), generator=self.generator) * 0.01).to(p.dtype)
-
-    def _step(self, updater) -> None:
-        import torch
-
-        from opalctl.opal.optimizer import StepContext
-
-        with torch.no_grad():
-            updater.step(self.grads, self.update, StepContext(self.progress, torch.tensor(1.0), self.update))
-
-    def running_updater(self, running: dict[str, str] | None, new_source: str):
-        """The running program built and stepped once, so the new one is built with a ``previous`` and an optimizer
-        state, as it will be in the run; None when there is none, it is the new one, or it fails (it is not on
-        trial here)."""
-        from opalctl.opal.programs import load_program
-
-        if not (running and running.get("updater.py") and running["updater.py"] != new_source):
-            return None
-        try:
-            old = load_program("updater", running["updater.py"], label="running-updater")
-            previous = old.module.build(self.params, None, self.spec)
-            self.random_grads()
-            self._step(previous)
-            return previous
-        except Exception:
-            return None
-
-    def step(self, updater) -> tuple[dict[str, Any], str | None]:
-        """One step on random gradients: the parameters before it, and what is wrong after it (None: nothing)."""
-        import torch
-
-        self.random_grads()
-        before = {name: p.detach().clone() for name, p in self.params.items()}
-        layout = {name: (p.dtype, tuple(p.shape)) for name, p in self.params.items()}
-        self._step(updater)
-        for name, p in self.params.items():
-            if (p.dtype, tuple(p.shape)) != layout[name]:
-                return before, (f"step() changed parameter {name} from {layout[name][0]} {list(layout[name][1])} to "
-                                f"{p.dtype} {list(p.shape)}; keep dtype and shape")
-            if not bool(torch.isfinite(p.detach()).all()):
-                return before, f"step() left non-finite values in parameter {name}"
-        return before, None
-
-    def analyse(self, analyze, every: int, updater, before: dict[str, Any]) -> str | None:
-        """One ``analyze()`` on what the run would observe; what is wrong with its result (None: nothing)."""
-        import torch
-
-        from opalctl.opal.roles import role_of
-
-        params, optimizer = self.params, self.optimizer
-        obs = {"update": self.update + 1, "progress": self.progress, "losses": [2.0 - 0.01 * i for i in range(every)],
-               "params": dict(params), "before": before, "grads": dict(self.grads.items()),
-               "state": {name: optimizer.state.get(p, {}) for name, p in params.items()},
-               "roles": {name: role_of(name, tuple(p.shape)) for name, p in params.items()},
-               "lrs": [float(g["lr"]) for g in (getattr(updater, "param_groups", None) or optimizer.param_groups)]}
-        memory: dict[str, Any] = {}
-        with torch.no_grad():
-            result = analyze(obs, memory)
-        if not isinstance(result, dict):
-            return f"analyze() returned {type(result).__name__}, not a dict"
-        try:
-            json.dumps(result.get("report"), default=float)
-            json.dumps(memory)
-        except (TypeError, ValueError) as error:
-            return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
-        return None
 
 
 # -- the backend -------------------------------------------------------------------------------------------------
