@@ -15,6 +15,7 @@ import click
 
 from opalctl import __version__
 from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, OpalctlError
+from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
 json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
 
@@ -146,8 +147,8 @@ def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) 
 @click.option("--auto", "auto_blocking", is_flag=True, help="Wait only when an answer would land late.")
 @click.option("--max-lag", default=50, show_default=True, type=click.IntRange(0, None),
               help="With --auto: updates an answer may land late without training waiting.")
-@click.option("--model", default="claude-opus-5-5", show_default=True)
-@click.option("--effort", default="high", show_default=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--effort", default=DEFAULT_EFFORT, show_default=True)
 @json_option
 def estimate(total_steps: int, sec_per_step: float, decisions: int | None, no_blocking: bool, auto_blocking: bool,
              max_lag: int, model: str, effort: str, json_mode: bool) -> None:
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="opalctl", standalone_mode=False)
     except OpalctlError as error:
-        sys.stderr.write(f"opalctl: error: {error.message}\n")
+        sys.stderr.write(f"opalctl: error: {error.message}\n" + "".join(f"  {line}\n" for line in error.details))
         sys.exit(error.exit_code)
     except click.exceptions.Abort:
         sys.stderr.write("opalctl: aborted\n")

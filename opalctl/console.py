@@ -79,8 +79,7 @@ def progress(description: str, json_mode: bool = False):
 
     The bar is drawn by ``update`` itself, in the caller's thread and at most ``REDRAW_SECONDS`` apart, never by
     a refresh thread: a formal run calls ``update`` between two updates, and a thread drawing while an update runs
-    would have its CPU time (about 18 ms a second at rich's default 10 redraws a second, measured) charged to
-    training by the ``cpu`` clock, which counts every thread of the process.
+    would have its CPU time charged to training by the ``cpu`` clock, which counts every thread of the process.
     """
     if not rich_enabled(sys.stderr, json_mode):
         yield lambda done, total, **fields: None

@@ -1,7 +1,8 @@
 """Errors that reach the user as one sentence and an exit code.
 
-The CLI turns each of these into a message on stderr and the documented exit code, never a traceback. Anything
-else that escapes is a bug in opalctl and is shown as such (exit 1, with the traceback kept for the report).
+The CLI turns each of these into a message on stderr and the documented exit code, never a traceback: the
+sentence, then each of ``details`` (if any) on an indented line under it. Anything else that escapes is a bug in
+opalctl and is shown as such (exit 1, with the traceback kept for the report).
 """
 
 EXIT_OK = 0
@@ -11,7 +12,10 @@ EXIT_CHANGED = 3
 
 
 class OpalctlError(Exception):
-    """A failure while working: something that should have worked did not (exit 1)."""
+    """A failure while working: something that should have worked did not (exit 1).
+
+    ``message`` is one sentence naming the file or key and saying what to do; ``details`` are further lines, each
+    complete without the others (never a repetition of the sentence)."""
 
     exit_code = EXIT_FAILURE
 

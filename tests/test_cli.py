@@ -155,3 +155,19 @@ def test_init_refuses_bad_input_before_it_says_it_is_preparing(tmp_path, cli):
     assert result.stderr.startswith("opalctl: error: there is no built-in task 'nope'"), result.stderr
     assert result.stderr.count("\n") == 1 and "preparing" not in result.stderr and result.stdout == ""
     assert not folder.exists()  # refused before anything was made
+
+
+# --------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_the_details_of_an_error_are_printed_indented_under_its_sentence(monkeypatch, cli_inprocess):
+    from opalctl.errors import BadInput
+    from opalctl.protocol import freeze
+
+    def refuse(*args, **kwargs):
+        raise BadInput("the sentence", details=["one thing", "another"])
+
+    monkeypatch.setattr(freeze, "freeze", refuse)
+    result = cli_inprocess("freeze", "x.yaml")
+    assert result.code == 2 and result.stderr == "opalctl: error: the sentence\n  one thing\n  another\n"

@@ -4,6 +4,10 @@ Only runs made from this very lock are read (their folder is named after the loc
 names the lock's sha256, which is checked), so a comparison can never mix protocols. The selected model of
 each run (the last promoted stage, or the anchor when none qualified) is what is compared: that is the model the
 pre-registered policy would hand over. Paired differences to the baseline are taken seed by seed.
+
+A report is read tolerantly: only the keys compare needs (``REPORT_KEYS``, and in each stage its ``metrics`` and
+seconds) must be there, so reports written before ``opalctl.formats.RunReport`` held every field still compare;
+a report that lacks one of those is refused as damaged, naming the file.
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.compare.statistics import paired, summary, time_to_reach
+from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
 from opalctl.files import read_json
+from opalctl.formats import RecordDamaged
+
+# the fields of a RunReport that compare reads (a test checks they are RunReport's)
+REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages", "selected", "stages",
+               "anchor_metrics")
+# the agent figures compare summarises across seeds (fields of AgentFigures)
+AGENT_KEYS = ("decisions_asked", "decisions_applied", "decisions_reverted", "waiting_seconds", "cost_usd")
 
 
 def _metric_directions(lock) -> dict[str, bool]:
@@ -52,7 +64,7 @@ def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dic
             if not report_path.exists():
                 unfinished.setdefault(arm, []).append(seed)
                 continue
-            report = read_json(report_path)
+            report = read_report(report_path)
             if report.get("lock_sha256") != lock.sha256:
                 raise BadInput(f"run {folder} was made from lock {str(report.get('lock_sha256'))[:12]}, not "
                                f"{lock.sha12} ({lock.path}); compare only runs of one lock")
@@ -60,6 +72,20 @@ def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dic
     if not finished:
         raise BadInput(f"no finished runs of lock {lock.path} under {base}; finish at least one run first")
     return base, finished, unfinished
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A run's ``report.json``, with at least the keys compare reads (``RecordDamaged`` naming the file if not)."""
+    try:
+        report = read_json(path)
+    except ValueError:
+        raise RecordDamaged(f"{path} is not JSON; the record is damaged (run the arm again)") from None
+    if not isinstance(report, dict):
+        raise RecordDamaged(f"{path} is not a JSON object; the record is damaged (run the arm again)")
+    missing = [key for key in REPORT_KEYS if key not in report]
+    if missing:
+        raise RecordDamaged(f"{path} lacks {', '.join(missing)}; the record is damaged (run the arm again)")
+    return report
 
 
 def _curve(report: dict, metric: str, seconds_key: str) -> list[tuple[float, float]]:
@@ -75,58 +101,75 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     runs_dir = runs_dir_default(runs_dir)
     base, finished, unfinished = collect(lock, runs_dir)
     arms = [arm for arm in lock.resolved["arms"] if arm in finished]
-    if baseline is None:
-        baseline = arms[0]
-    elif baseline not in lock.resolved["arms"]:
-        raise BadInput(f"--baseline {baseline!r} is not an arm of {lock.path} ({', '.join(lock.resolved['arms'])})")
-    elif baseline not in finished:
-        raise BadInput(f"--baseline {baseline!r} has no finished runs yet; run it first")
+    baseline = _baseline(lock, baseline, arms, finished)
     directions = _metric_directions(lock)
     clock = lock.resolved["budget"]["clock"]
-    seconds_key = "train_wall_seconds" if clock in ("wall", "gpu") else "train_cpu_seconds"
+    seconds_key = clock_spec(clock).compare_seconds
     primary = next(iter(directions), None)
     rows = []
     for arm in arms:
-        reports = finished[arm]
-        seeds = sorted(reports)
-        entry: dict[str, Any] = {
-            "arm": arm,
-            "baseline": arm == baseline,
-            "seeds": seeds,
-            "unfinished_seeds": sorted(unfinished.get(arm, [])),
-            "updates": summary([reports[s]["updates"] for s in seeds]),
-            "train_cpu_seconds": summary([reports[s]["seconds"]["train_cpu"] for s in seeds]),
-            "train_wall_seconds": summary([reports[s]["seconds"]["train_wall"] for s in seeds]),
-            "budget_used": summary([reports[s]["budget"]["used"] for s in seeds]),
-            "promoted_stages": summary([len(reports[s]["promoted_stages"]) for s in seeds]),
-            "selected_anchor": sum(1 for s in seeds if reports[s]["selected"]["source"] == "anchor"),
-            "metrics": {},
-            "paired": {},
-            "time_to_baseline": {},
-            "agent": _agent_figures(reports),
-        }
+        entry = _arm_row(arm, baseline, finished, unfinished)
         for metric, higher in directions.items():
-            values = {s: _selected_metric(reports[s], metric) for s in seeds}
-            entry["metrics"][metric] = summary(values.values())
+            values = {s: _selected_metric(finished[arm][s], metric) for s in entry["seeds"]}
+            entry["metrics"][metric] = summary(values.values(), what=f"the selected {metric} of arm {arm}")
             if arm != baseline:
                 base_values = {s: _selected_metric(finished[baseline][s], metric) for s in finished[baseline]}
-                entry["paired"][metric] = paired(base_values, values, higher_is_better=higher,
-                                                 resamples=resamples)
+                entry["paired"][metric] = paired(base_values, values, higher_is_better=higher, resamples=resamples,
+                                                 what=f"selected {metric} (arm {arm}, baseline {baseline})")
         if primary is not None:
-            reached = []
-            for s in seeds:
-                if s not in finished[baseline]:
-                    continue
-                target = finished[baseline][s]["stages"][-1]["metrics"][primary]
-                reached.append(time_to_reach(_curve(reports[s], primary, seconds_key), target,
-                                             higher_is_better=directions[primary]))
-            hits = [r for r in reached if r is not None]
-            entry["time_to_baseline"] = {"metric": primary, "seconds": summary(hits), "reached": len(hits),
-                                         "of": len(reached)}
+            entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
+                                                          directions[primary], seconds_key)
         rows.append(entry)
     return {"lock": str(lock.path), "lock_sha256": lock.sha256, "runs": str(base), "baseline": baseline,
-            "clock": clock, "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
+            "clock": clock, "seconds_key": seconds_key, "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
             "primary": primary, "arms": rows}
+
+
+def _baseline(lock, baseline: str | None, arms: list[str], finished: dict[str, dict[int, dict]]) -> str:
+    """The arm the others are paired against: the one asked for, or the first arm with finished runs."""
+    if baseline is None:
+        return arms[0]
+    if baseline not in lock.resolved["arms"]:
+        raise BadInput(f"--baseline {baseline!r} is not an arm of {lock.path} ({', '.join(lock.resolved['arms'])})")
+    if baseline not in finished:
+        raise BadInput(f"--baseline {baseline!r} has no finished runs yet; run it first")
+    return baseline
+
+
+def _arm_row(arm: str, baseline: str, finished: dict[str, dict[int, dict]],
+             unfinished: dict[str, list[int]]) -> dict[str, Any]:
+    """One arm's figures that need no metric; ``metrics``, ``paired`` and ``time_to_baseline`` are filled after."""
+    reports = finished[arm]
+    seeds = sorted(reports)
+    return {
+        "arm": arm,
+        "baseline": arm == baseline,
+        "seeds": seeds,
+        "unfinished_seeds": sorted(unfinished.get(arm, [])),
+        "updates": summary([reports[s]["updates"] for s in seeds]),
+        "train_cpu_seconds": summary([reports[s]["seconds"]["train_cpu"] for s in seeds]),
+        "train_wall_seconds": summary([reports[s]["seconds"]["train_wall"] for s in seeds]),
+        "budget_used": summary([reports[s]["budget"]["used"] for s in seeds]),
+        "promoted_stages": summary([len(reports[s]["promoted_stages"]) for s in seeds]),
+        "selected_anchor": sum(1 for s in seeds if reports[s]["selected"]["source"] == "anchor"),
+        "metrics": {},
+        "paired": {},
+        "time_to_baseline": {},
+        "agent": _agent_figures(reports),
+    }
+
+
+def _time_to_baseline(reports: dict[int, dict], baseline_reports: dict[int, dict], primary: str, higher: bool,
+                      seconds_key: str) -> dict[str, Any]:
+    """How long the arm took, seed by seed, to reach the baseline's final value of the primary metric."""
+    reached = []
+    for seed in sorted(reports):
+        if seed not in baseline_reports:
+            continue
+        target = baseline_reports[seed]["stages"][-1]["metrics"][primary]
+        reached.append(time_to_reach(_curve(reports[seed], primary, seconds_key), target, higher_is_better=higher))
+    hits = [r for r in reached if r is not None]
+    return {"metric": primary, "seconds": summary(hits), "reached": len(hits), "of": len(reached)}
 
 
 def _selected_metric(report: dict, metric: str) -> float:
@@ -140,5 +183,4 @@ def _agent_figures(reports: dict[int, dict]) -> dict[str, Any] | None:
     agents = [r["agent"] for r in reports.values() if r.get("agent")]
     if not agents:
         return None
-    keys = ("decisions_asked", "decisions_applied", "decisions_reverted", "waiting_seconds", "cost_usd")
-    return {key: summary([a.get(key, 0) or 0 for a in agents]) for key in keys}
+    return {key: summary([a.get(key, 0) or 0 for a in agents]) for key in AGENT_KEYS}

@@ -26,7 +26,7 @@ def render_compare(result: dict[str, Any]) -> None:
             arm["arm"] + (" (baseline)" if arm["baseline"] else ""),
             f"{len(arm['seeds'])}" + (f" (+{len(arm['unfinished_seeds'])} unfinished)" if arm["unfinished_seeds"] else ""),
             _mean_spread(arm["updates"], 0),
-            _mean_spread(arm[f"train_{'wall' if result['clock'] in ('wall', 'gpu') else 'cpu'}_seconds"]),
+            _mean_spread(arm[result["seconds_key"]]),
             _mean_spread(arm["promoted_stages"]),
             f"{arm['selected_anchor']}/{len(arm['seeds'])}",
             *[_mean_spread(arm["metrics"].get(m)) for m in result["metrics"]],
@@ -35,7 +35,7 @@ def render_compare(result: dict[str, Any]) -> None:
                                             ("decisions_asked", "decisions_applied", "decisions_reverted"))
                                    + f", {agent['waiting_seconds']['mean']:.1f} s, ${agent['cost_usd']['mean']:.2f}"),
         ])
-    seconds = "wall s" if result["clock"] in ("wall", "gpu") else "cpu s"
+    seconds = "wall s" if result["seconds_key"] == "train_wall_seconds" else "cpu s"
     console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']})",
                   ["arm", "seeds", "updates", f"train {seconds}", "promoted", "anchor kept", *result["metrics"],
                    f"time to baseline's final {result['primary']}", "agent asked/applied/reverted, waiting, cost"], rows)

@@ -1,4 +1,4 @@
-"""Paired statistics across seeds (SPEC section 8).
+"""Paired statistics across seeds.
 
 Seeds are the unit of replication: each seed gives every arm the same parent, the same data order and the same
 evaluation rows, so the honest comparison of an arm with the baseline is the difference seed by seed, not the
@@ -7,6 +7,10 @@ distribution is assumed: the confidence interval of the mean difference is a per
 from a seeded numpy Generator so the same records always give the same table. Wins, ties and losses are counted
 with the metric's direction, and a tie is an exact tie (the metrics are mostly counts). Every figure comes back as
 plain JSON-able values.
+
+A value that is not a finite number (a report holds ``null`` for a metric that was not finite) cannot be compared:
+``NotComparable`` names it. Wrong arguments of a caller (``resamples``, ``confidence``, a curve out of order) are
+``ValueError``s: they are bugs of the caller, not something a user can fix.
 """
 
 from __future__ import annotations
@@ -16,23 +20,33 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from opalctl.errors import OpalctlError
+
 _CHUNK = 1000  # bootstrap resamples drawn at a time (fixed, so the draws never depend on memory)
+
+
+class NotComparable(OpalctlError):
+    """A figure to compare is not a finite number (exit 1); the sentence names the figure."""
 
 
 def _check(values: Iterable[float], what: str) -> list[float]:
     out = []
     for value in values:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"{what} holds {value!r}, which is not a finite number; a run whose metric is not finite "
-                             f"cannot be compared, so leave it out or fix it")
-        out.append(value)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise NotComparable(f"{what} holds {value!r}, which is not a finite number; a run whose metric is not "
+                                f"finite cannot be compared, so move that run's folder aside or run it again")
+        out.append(number)
     return out
 
 
-def summary(values: Iterable[float]) -> dict:
-    """Mean, sample standard deviation (ddof=1; 0.0 for one value), min, max and n; all None but n when empty."""
-    data = _check(values, "the values to summarise")
+def summary(values: Iterable[float], what: str = "the values to summarise") -> dict:
+    """Mean, sample standard deviation (ddof=1; 0.0 for one value), min, max and n; all None but n when empty.
+    ``what`` names the values in the refusal of one that is not a finite number."""
+    data = _check(values, what)
     n = len(data)
     if n == 0:
         return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
@@ -59,7 +73,7 @@ def bootstrap_interval(differences: list[float], *, resamples: int, confidence: 
 
 
 def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is_better: bool = True,
-           resamples: int = 10000, confidence: float = 0.95, seed: int = 0) -> dict:
+           resamples: int = 10000, confidence: float = 0.95, seed: int = 0, what: str = "metric") -> dict:
     """The arm against the baseline on the seeds both have: differences (arm - baseline), their mean with a
     bootstrap interval, and wins/ties/losses in the metric's direction.
 
@@ -71,8 +85,8 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie strictly between 0 and 1, not {confidence}")
     seeds = sorted(set(baseline) & set(arm))
-    base = _check((baseline[s] for s in seeds), "the baseline's metric")
-    mine = _check((arm[s] for s in seeds), "the arm's metric")
+    base = _check((baseline[s] for s in seeds), f"the baseline's {what}")
+    mine = _check((arm[s] for s in seeds), f"the arm's {what}")
     differences = [a - b for a, b in zip(mine, base, strict=True)]
     n = len(seeds)
     result = {

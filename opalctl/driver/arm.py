@@ -17,19 +17,25 @@ DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows with
 
 
 def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
-    """How many decisions an agent arm schedules, and why (SPEC 6.9 when the protocol leaves it open)."""
+    """How many decisions an agent arm schedules, and why (docs/architecture.md, the agent's waiting and cost,
+    when the protocol leaves it open)."""
+    from opalctl.driver.budget import clock_spec
+    from opalctl.opal.agents import registry
+
     agent = arm.agent
     if agent.decisions is not None:
         return agent.decisions, "set by the protocol"
-    if agent.backend in ("keep", "heuristic") or agent.backend.startswith("replay:"):
-        return 8, f"the default for the {agent.backend.split(':')[0]} backend (its decisions take no waiting)"
-    if budget.clock == "updates":
+    if not registry.waits(agent):
+        kind, _ = registry.find(agent.backend)
+        return 8, f"the default for the {kind.name} backend (its decisions take no waiting)"
+    if clock_spec(budget.clock).unit == "updates":
         return 8, "the default (an updates budget gives no training time to weigh waiting against)"
     from opalctl.opal.estimate import estimate
 
     seconds = budget.amount * arm.budget_multiplier
-    forecast = estimate(1, seconds, decisions=None, blocking=agent.blocking, max_lag=agent.max_lag,
-                        model=agent.model or "claude-opus-5-5", effort=agent.effort)
+    model, effort = registry.forecast_model(agent)
+    forecast = estimate(1, seconds, decisions=None, blocking=agent.blocking, max_lag=agent.max_lag, model=model,
+                        effort=effort)
     return forecast["decisions"], "the most whose typical waiting stays within 4x the training time"
 
 
@@ -37,25 +43,11 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
     """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates."""
     import os
 
-    from opalctl.errors import BadInput
     from opalctl.opal import wrap
-    from opalctl.opal.agents import make_backend
-    from opalctl.opal.messages import prompt_text
+    from opalctl.opal.agents import registry
 
     agent = arm.agent
-    backend = agent.backend
-    if backend == "anthropic":
-        backend = make_backend(backend, model=agent.model, max_tokens=agent.max_tokens, turns=agent.turns,
-                               seconds_per_decision=agent.seconds_per_decision, retries=agent.retries,
-                               prices=agent.prices, prompt_text=prompt_text(agent.prompt), effort=agent.effort)
-    elif backend == "claude-code":
-        backend = make_backend(backend, model=agent.model, turns=agent.turns,
-                               seconds_per_decision=agent.seconds_per_decision, prompt_text=prompt_text(agent.prompt))
-    elif backend.startswith("replay:"):
-        backend = make_backend(backend)  # a relative run folder is taken from the current folder
-    elif backend not in ("keep", "heuristic"):
-        raise BadInput(f"agent backend {agent.backend!r} is not available in this version of opalctl; use "
-                       f"heuristic, keep, anthropic, claude-code or replay:<run folder>")
+    backend = registry.from_protocol(agent)
     # the key never reaches a file: the records redact it wherever it would appear
     secrets = [os.environ.get("ANTHROPIC_API_KEY", ""), os.environ.get("ANTHROPIC_AUTH_TOKEN", "")]
     secrets += [backend.secret()] if hasattr(backend, "secret") else []

@@ -131,16 +131,19 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
     if clock.needs_cuda and device != "cuda":
         result["notes"].append(f"a {clock.name} clock projected from wall time: this machine has no CUDA device")
     if arm.agent is not None:
+        from opalctl.opal.agents import registry
+
         result["notes"].append("an agent arm: this measures its starting program (the plain optimizer)")
         agent = arm.agent
-        if agent.backend in ("keep", "heuristic") or agent.backend.startswith("replay:"):
-            result["notes"].append(f"the {agent.backend.split(':')[0]} backend answers in milliseconds and costs "
-                                   f"nothing, so there is no waiting or cost to forecast")
+        if not registry.waits(agent):
+            kind, _ = registry.find(agent.backend)
+            result["notes"].append(f"the {kind.name} backend answers in milliseconds and costs nothing, so there "
+                                   f"is no waiting or cost to forecast")
         else:
             from opalctl.opal.estimate import estimate
 
             steps = max(1, int(projected)) if projected != float("inf") else 1
+            model, effort = registry.forecast_model(agent)
             result["agent_forecast"] = estimate(steps, wall_per, decisions=agent.decisions, blocking=agent.blocking,
-                                                max_lag=agent.max_lag, model=agent.model or "claude-opus-5-5",
-                                                effort=agent.effort)
+                                                max_lag=agent.max_lag, model=model, effort=effort)
     return result

@@ -1,12 +1,12 @@
 """How long an agent-steered run will wait for its agent, and what the agent will cost, before anyone starts it.
 
-The budget clock never charges the agent's time (section 5.4): a comparison at equal compute is honest about the
-optimizer, but silent about the hours a person waits while training stands still for an answer, and about the
-bill. This module says both up front, from figures measured for one model at one effort, so that a user picks the
+The budget clock never charges the agent's time (docs/architecture.md): a comparison at equal compute is honest
+about the optimizer, but silent about the hours a person waits while training stands still for an answer, and about
+the bill. This module says both up front, from figures measured for one model at one effort, so that a user picks the
 number of decisions and the blocking mode knowingly. ``opalctl estimate`` prints it, and so does the pilot for
 agent arms.
 
-The arithmetic (SPEC 6.9), for each of the low / typical / high figures separately:
+The arithmetic, for each of the low / typical / high figures separately:
 
 - waiting for n blocking decisions = first + (n - 1) x later;
 - ``blocking=False`` waits 0: answers apply at a later update boundary while training goes on (a non-finite loss
@@ -36,9 +36,11 @@ import operator
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
-MEASURED_MODEL = "claude-opus-5-5"
-MEASURED_EFFORT = "high"
+# the model and effort the figures below were measured for (the defaults of an agent arm)
+MEASURED_MODEL = DEFAULT_MODEL
+MEASURED_EFFORT = DEFAULT_EFFORT
 
 FIGURES: dict[tuple[str, str], dict[str, Any]] = {
     (MEASURED_MODEL, MEASURED_EFFORT): {
@@ -51,7 +53,7 @@ FIGURES: dict[tuple[str, str], dict[str, Any]] = {
 }
 """Per-decision time and cost, keyed by (model, effort).
 
-Measured for claude-opus-5-5 at effort high over 567 decisions of agent-steered training runs (SPEC 6.9). The
+Measured for MEASURED_MODEL at MEASURED_EFFORT over 567 decisions of agent-steered training runs. The
 first decision reads the code and writes the first program, so it is much longer and dearer than the later ones,
 which revise a program the agent already knows. low / typical / high are the spread seen across those decisions;
 seconds are the wall time from request to answer, usd the billed cost of the decision.
@@ -73,6 +75,97 @@ def estimate(total_steps: int, sec_per_step: float, *, decisions: int | None = N
     ``waiting_ratio`` (typical waiting / training seconds), ``lines`` (sentences for the user) and ``measured``
     (the model and effort the figures come from). Raises ``BadInput`` for an input that makes no forecast.
     """
+    total_steps, sec_per_step, decisions, max_lag = _checked(total_steps, sec_per_step, decisions, blocking, max_lag,
+                                                             model, effort)
+    training = _training_seconds(total_steps, sec_per_step)
+    cap = WAITING_CAP_RATIO * training
+    measured_key = (model, effort) if (model, effort) in FIGURES else (MEASURED_MODEL, MEASURED_EFFORT)
+    table = FIGURES[measured_key]
+    waits = _Waiting(table, blocking, max_lag, sec_per_step)
+
+    source = "user" if decisions is not None else "auto"
+    lines: list[str] = []
+    if decisions is None:
+        decisions, chosen = _chosen_decisions(waits, blocking, training, cap)
+        lines.append(chosen)
+    typical = waits.seconds(decisions, "typical")
+    if source == "user" and typical > cap:
+        lines.append(f"The {decisions} decision{_s(decisions)} asked for typically "
+                     f"wait{'s' if decisions == 1 else ''} {_seconds(typical)}, more than {_cap_words(training, cap)}; consider fewer decisions, "
+                     f"blocking=\"auto\" or False, or a longer run.")
+    elif source == "auto" and not waits.later["typical"] and typical > cap:
+        lines.append(f"Even the first decision typically waits {_seconds(typical)}, more than "
+                     f"{_cap_words(training, cap)}; consider blocking=False or a longer run.")
+    lines.append(_blocking_line(blocking, max_lag, sec_per_step, waits.later_s, waits.lag_updates, waits.later))
+    if (model, effort) not in FIGURES:
+        lines.append(f"These figures were measured for {MEASURED_MODEL} at effort {MEASURED_EFFORT}, not for "
+                     f"{model} at effort {effort}, and may not hold for it.")
+
+    first_usd, later_usd = table["first"]["usd"], table["later"]["usd"]
+    return {
+        "total_steps": total_steps,
+        "sec_per_step": sec_per_step,
+        "training_seconds": training,
+        "decisions": decisions,
+        "decisions_source": source,
+        "blocking": blocking,
+        "max_lag": max_lag,
+        "model": model,
+        "effort": effort,
+        "waiting_seconds": {name: round(waits.seconds(decisions, name), _ROUND) for name in FIGURE_NAMES},
+        "cost_usd": {name: round(first_usd[name] + (decisions - 1) * later_usd[name], _ROUND) for name in FIGURE_NAMES},
+        "waiting_ratio": typical / training,
+        "lines": lines,
+        "measured": {"model": measured_key[0], "effort": measured_key[1],
+                     "decisions": table["sample_decisions"]},
+    }
+
+
+class _Waiting:
+    """What training waits for, per figure (low / typical / high): the first answer, and each later one."""
+
+    def __init__(self, table: dict[str, Any], blocking: bool | str, max_lag: int, sec_per_step: float):
+        self.first_s, self.later_s = table["first"]["seconds"], table["later"]["seconds"]
+        self.lag_updates = {name: self.later_s[name] / sec_per_step for name in FIGURE_NAMES}
+        if blocking is True or blocking is False:
+            self.first = {name: blocking for name in FIGURE_NAMES}
+            self.later = {name: blocking for name in FIGURE_NAMES}
+        else:  # auto: a fast figure may land within the lag while a slow one does not
+            self.first = {name: True for name in FIGURE_NAMES}
+            self.later = {name: not (self.lag_updates[name] <= max_lag) for name in FIGURE_NAMES}
+
+    def seconds(self, n: int, name: str) -> float:
+        """Seconds training waits for ``n`` decisions at figure ``name``."""
+        first = self.first_s[name] if self.first[name] else 0.0
+        later = self.later_s[name] if self.later[name] else 0.0
+        return first + (n - 1) * later
+
+
+def _chosen_decisions(waits: _Waiting, blocking: bool | str, training: float, cap: float) -> tuple[int, str]:
+    """The number of decisions when the user sets none, and the sentence that says why."""
+    if not waits.later["typical"]:
+        waited = "the agent's answers" if blocking is False else "the later decisions (typical figure)"
+        return DEFAULT_DECISIONS, (f"Chose the default of {DEFAULT_DECISIONS} decisions: training does not wait for "
+                                   f"{waited}, so their number does not lengthen the run; pass decisions to choose "
+                                   f"another count.")
+    most = _most_within(lambda n: waits.seconds(n, "typical"), cap)
+    decisions = min(most, MAX_AUTO_DECISIONS)
+    within = _cap_words(training, cap)
+    typical = waits.seconds(decisions, "typical")
+    if most > MAX_AUTO_DECISIONS:
+        return decisions, (f"Chose {decisions} decisions, the most a protocol accepts: their typical waiting, "
+                           f"{_seconds(typical)}, stays within {within}, which would allow {most:,}.")
+    if typical <= cap:
+        return decisions, (f"Chose {decisions} decision{_s(decisions)}, the most whose typical waiting, "
+                           f"{_seconds(typical)}, stays within {within}; pass decisions to choose another count.")
+    return decisions, (f"Chose 1 decision, the fewest there can be: even the first typically waits "
+                       f"{_seconds(waits.seconds(1, 'typical'))}, more than {within}; consider a longer run or "
+                       f"blocking=False.")
+
+
+def _checked(total_steps: Any, sec_per_step: Any, decisions: Any, blocking: Any, max_lag: Any, model: Any,
+             effort: Any) -> tuple[int, float, int | None, int]:
+    """The inputs as numbers, or ``BadInput`` naming the first that makes no forecast."""
     total_steps = _whole("total_steps", "the number of updates the run will make", total_steps, minimum=1)
     sec_per_step = _seconds_per_step(sec_per_step)
     if decisions is not None:
@@ -85,100 +178,19 @@ def estimate(total_steps: int, sec_per_step: float, *, decisions: int | None = N
     if not isinstance(model, str) or not isinstance(effort, str):
         raise BadInput(f"model and effort must be names (strings), not {model!r} and {effort!r}; pass e.g. "
                        f"model=\"{MEASURED_MODEL}\", effort=\"{MEASURED_EFFORT}\"")
+    return total_steps, sec_per_step, decisions, max_lag
 
+
+def _training_seconds(total_steps: int, sec_per_step: float) -> float:
+    """The run's training time, refused when it (or the 4x cap on waiting) is not a finite number of seconds."""
     try:
         training = total_steps * sec_per_step
     except OverflowError:  # an int too large for a float
         training = math.inf
-    cap = WAITING_CAP_RATIO * training
-    if not math.isfinite(cap):
+    if not math.isfinite(WAITING_CAP_RATIO * training):
         raise BadInput(f"total_steps x sec_per_step ({total_steps} x {sec_per_step!r}) is not a finite number of "
                        f"seconds; pass a realistic run length")
-
-    measured_key = (model, effort) if (model, effort) in FIGURES else (MEASURED_MODEL, MEASURED_EFFORT)
-    table = FIGURES[measured_key]
-    first_s, later_s = table["first"]["seconds"], table["later"]["seconds"]
-    first_usd, later_usd = table["first"]["usd"], table["later"]["usd"]
-
-    # What training waits for, per figure: the first answer, and each later one.
-    lag_updates = {name: later_s[name] / sec_per_step for name in FIGURE_NAMES}
-    if blocking is True:
-        waits_first = {name: True for name in FIGURE_NAMES}
-        waits_later = {name: True for name in FIGURE_NAMES}
-    elif blocking is False:
-        waits_first = {name: False for name in FIGURE_NAMES}
-        waits_later = {name: False for name in FIGURE_NAMES}
-    else:
-        waits_first = {name: True for name in FIGURE_NAMES}
-        waits_later = {name: not (lag_updates[name] <= max_lag) for name in FIGURE_NAMES}
-
-    def waiting(n: int, name: str) -> float:
-        first = first_s[name] if waits_first[name] else 0.0
-        later = later_s[name] if waits_later[name] else 0.0
-        return first + (n - 1) * later
-
-    lines: list[str] = []
-    if decisions is None:
-        source = "auto"
-        if waits_later["typical"]:
-            most = _most_within(lambda n: waiting(n, "typical"), cap)
-            decisions = min(most, MAX_AUTO_DECISIONS)
-            within = _cap_words(training, cap)
-            if most > MAX_AUTO_DECISIONS:
-                lines.append(f"Chose {decisions} decisions, the most a protocol accepts: their typical waiting, "
-                             f"{_seconds(waiting(decisions, 'typical'))}, stays within {within}, which would "
-                             f"allow {most:,}.")
-            elif waiting(decisions, "typical") <= cap:
-                lines.append(f"Chose {decisions} decision{_s(decisions)}, the most whose typical waiting, "
-                             f"{_seconds(waiting(decisions, 'typical'))}, stays within {within}; pass decisions "
-                             f"to choose another count.")
-            else:
-                lines.append(f"Chose 1 decision, the fewest there can be: even the first typically waits "
-                             f"{_seconds(waiting(1, 'typical'))}, more than {within}; consider a longer run or "
-                             f"blocking=False.")
-        else:
-            decisions = DEFAULT_DECISIONS
-            waited = "the agent's answers" if blocking is False else "the later decisions (typical figure)"
-            lines.append(f"Chose the default of {decisions} decisions: training does not wait for {waited}, so "
-                         f"their number does not lengthen the run; pass decisions to choose another count.")
-    else:
-        source = "user"
-
-    waiting_seconds = {name: round(waiting(decisions, name), _ROUND) for name in FIGURE_NAMES}
-    cost_usd = {name: round(first_usd[name] + (decisions - 1) * later_usd[name], _ROUND) for name in FIGURE_NAMES}
-    typical = waiting(decisions, "typical")
-
-    if source == "user" and typical > cap:
-        lines.append(f"The {decisions} decision{_s(decisions)} asked for typically "
-                     f"wait{'s' if decisions == 1 else ''} {_seconds(typical)}, more than {_cap_words(training, cap)}; consider fewer decisions, "
-                     f"blocking=\"auto\" or False, or a longer run.")
-    elif source == "auto" and not waits_later["typical"] and typical > cap:
-        lines.append(f"Even the first decision typically waits {_seconds(typical)}, more than "
-                     f"{_cap_words(training, cap)}; consider blocking=False or a longer run.")
-
-    lines.append(_blocking_line(blocking, max_lag, sec_per_step, later_s, lag_updates, waits_later))
-
-    if (model, effort) not in FIGURES:
-        lines.append(f"These figures were measured for {MEASURED_MODEL} at effort {MEASURED_EFFORT}, not for "
-                     f"{model} at effort {effort}, and may not hold for it.")
-
-    return {
-        "total_steps": total_steps,
-        "sec_per_step": sec_per_step,
-        "training_seconds": training,
-        "decisions": decisions,
-        "decisions_source": source,
-        "blocking": blocking,
-        "max_lag": max_lag,
-        "model": model,
-        "effort": effort,
-        "waiting_seconds": waiting_seconds,
-        "cost_usd": cost_usd,
-        "waiting_ratio": typical / training,
-        "lines": lines,
-        "measured": {"model": measured_key[0], "effort": measured_key[1],
-                     "decisions": table["sample_decisions"]},
-    }
+    return training
 
 
 def format_lines(result: dict) -> list[str]:

@@ -86,13 +86,10 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
     for arm in resolved["arms"].values():
         options = arm["optimizer"]
         arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
-        agent = arm.get("agent")
-        if agent and agent["backend"] == "anthropic":
-            # the lock names the model and the prices the run will use, not "whatever the default was then"
-            from opalctl.opal.agents.anthropic import DEFAULT_MODEL, default_prices
+        if arm.get("agent"):
+            from opalctl.opal.agents import registry
 
-            agent["model"] = agent["model"] or DEFAULT_MODEL
-            agent["prices"] = agent["prices"] or default_prices(agent["model"])
+            arm["agent"] = registry.lock_defaults(arm["agent"])
     return resolved
 
 

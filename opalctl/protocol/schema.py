@@ -1,4 +1,5 @@
-"""The protocol's schema: what a person may write, with every default stated here and nowhere else.
+"""The protocol's schema: what a person may write, with every default stated once: here, or for the keys a
+backend reads (``arms.NAME.agent``), in that backend's options model (``opalctl.opal.agents.registry``).
 
 Validation is done by pydantic (strict types, unknown keys forbidden), then by cross-field checks that need
 the task (its splits and metrics) or torch (optimizer names and arguments). Every error becomes one sentence
@@ -16,17 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from opalctl.driver.budget import CLOCKS
 from opalctl.errors import BadInput
+from opalctl.opal.agents import registry
+from opalctl.opal.agents.anthropic import Prices
+from opalctl.opal.agents.options import Strict
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SEALED_PARTS = ("sealed", "final-test", "evaluation-final")
 DEFAULT_FRACTIONS = [0.25, 0.5, 0.75, 1.0]
-BACKENDS = ("keep", "heuristic", "anthropic", "claude-code")
 ClockName = Literal[tuple(CLOCKS)]  # the registered budget clocks: adding one needs no change here
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TaskSpec(Strict):
@@ -53,7 +52,7 @@ class Budget(Strict):
 
     @model_validator(mode="after")
     def _whole_updates(self) -> Budget:
-        if self.clock == "updates" and self.amount != int(self.amount):
+        if CLOCKS[self.clock].unit == "updates" and self.amount != int(self.amount):
             raise ValueError("an `updates` budget counts whole updates; give an integer amount")
         return self
 
@@ -76,16 +75,9 @@ class OptimizerSpec(BaseModel):
         return dict(self.model_extra or {})
 
 
-class Prices(Strict):
-    """US dollars per million tokens."""
+class AgentCommon(Strict):
+    """The agent keys of every backend: which backend, when it is asked, and what the optimizer does with it."""
 
-    input: Annotated[float, Field(ge=0)]
-    output: Annotated[float, Field(ge=0)]
-    cache_read: Annotated[float, Field(ge=0)] = 0.0
-    cache_write: Annotated[float, Field(ge=0)] = 0.0
-
-
-class AgentSpec(Strict):
     backend: str = "heuristic"
     decisions: Annotated[int, Field(ge=1, le=1000)] | None = None
     schedule: Literal["front", "uniform"] | list[Annotated[float, Field(gt=0, lt=1)]] = "front"
@@ -95,21 +87,19 @@ class AgentSpec(Strict):
     trial_steps: Annotated[int, Field(ge=1)] = 20
     prompt: Literal["neutral", "aggressive"] = "neutral"
     goal: str | None = None
-    model: str | None = None
-    effort: Literal["low", "medium", "high"] = "high"
-    max_tokens: Annotated[int, Field(ge=256)] = 8192
-    turns: Annotated[int, Field(ge=1)] = 24
-    seconds_per_decision: Annotated[float, Field(gt=0)] = 900.0
-    retries: Annotated[int, Field(ge=0)] = 4
     max_cost_usd: Annotated[float, Field(gt=0)] | None = None
-    prices: Prices | None = None
 
     @field_validator("backend")
     @classmethod
     def _backend(cls, value: str) -> str:
-        if value in BACKENDS or (value.startswith("replay:") and len(value) > len("replay:")):
+        if registry.find(value) is not None:
             return value
-        raise ValueError(f"unknown backend {value!r}; use one of {', '.join(BACKENDS)} or replay:<run folder>")
+        raise ValueError(f"unknown backend {value!r}; use one of {registry.spellings()}")
+
+
+class AgentSpec(*registry.option_models(), AgentCommon):
+    """``arms.NAME.agent``: the common keys and those of every backend (each backend reads its own; a protocol
+    may name any of them whatever its backend, as it always could), with each default where its backend states it."""
 
 
 class Arm(Strict):
@@ -218,13 +208,15 @@ def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
 
 
 class ProtocolError(BadInput):
+    """Every problem of one protocol file, as ``(key, line, text)`` in ``problems``. The sentence names the first
+    and counts the others: a refused protocol is one line on stderr, so a person fixes one problem at a time."""
+
     def __init__(self, where: str, problems: list[tuple[str, int | None, str]]):
         self.problems = problems
         key, line, text = problems[0]
         place = f"{where} line {line}" if line else where
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-        super().__init__(f"{place}: {key}: {text}{more}",
-                         details=[f"{k} (line {ln}): {t}" if ln else f"{k}: {t}" for k, ln, t in problems])
+        super().__init__(f"{place}: {key}: {text}{more}")
 
 
 def _message(error: dict, known: list[str] | None) -> str:
@@ -343,6 +335,26 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     def problem(path: tuple, text: str) -> None:
         problems.append((_dotted(path), _line_of(lines, path), text))
 
+    _check_paths(protocol, problem)
+    try:
+        task_cls = load_task_class(protocol.task.entry)
+    except TaskLoadError as error:
+        problem(("task", "entry"), str(error))
+        task_cls = None
+    if task_cls is not None:
+        _check_task(protocol, task_cls, problem)
+    for arm_name, arm in protocol.arms.items():
+        if reason := check_optimizer(arm.optimizer):
+            problem(("arms", arm_name, "optimizer", "name"), reason)
+        if arm.agent is not None:
+            for key, text in registry.problems(arm.agent, f"arms.{arm_name}.agent"):
+                problem(("arms", arm_name, "agent", key), text)
+    if problems:
+        raise ProtocolError(where, problems)
+
+
+def _check_paths(protocol: Protocol, problem) -> None:
+    """No split and no parent may name sealed data; a dict of parents names one for every seed."""
     for split, value in protocol.data.items():
         if sealed := sealed_part(value):
             problem(("data", split), f"the path names sealed data ({sealed!r}); opalctl never reads a final test "
@@ -351,8 +363,7 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
         for seed in protocol.seeds:
             if seed not in protocol.parents:
                 problem(("parents",), f"no parent for seed {seed}; add it or use a template with {{seed}}")
-    elif len(protocol.seeds) > 1 and "{seed}" not in protocol.parents:
-        pass  # one parent shared by every seed is allowed
+    # (one parent shared by every seed is allowed)
     for seed in protocol.seeds:
         if isinstance(protocol.parents, dict) and seed not in protocol.parents:
             continue
@@ -361,56 +372,40 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
             problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")
             break
 
+
+def _check_task(protocol: Protocol, task_cls, problem) -> None:
+    """The task's config and each arm's model settings as the task defines them, its splits and its metrics."""
     try:
-        task_cls = load_task_class(protocol.task.entry)
-    except TaskLoadError as error:
-        problem(("task", "entry"), str(error))
-        task_cls = None
-    if task_cls is not None:
+        task_cls.Config.model_validate(protocol.task.config)
+    except ValidationError as error:
+        for item in error.errors():
+            path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
+            known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
+            problem(path, _message(item, known))
+    for arm_name, arm in protocol.arms.items():
         try:
-            task_cls.Config.model_validate(protocol.task.config)
+            task_cls.ArmConfig.model_validate(arm.model)
         except ValidationError as error:
             for item in error.errors():
-                path = ("task", "config") + _data_path(protocol.task.config, tuple(item["loc"]))
-                known = sorted(task_cls.Config.model_fields) if item["type"] == "extra_forbidden" else None
-                problem(path, _message(item, known))
-        for arm_name, arm in protocol.arms.items():  # each arm's model settings, as the task defines them
-            try:
-                task_cls.ArmConfig.model_validate(arm.model)
-            except ValidationError as error:
-                for item in error.errors():
-                    path = ("arms", arm_name, "model") + _data_path(arm.model, tuple(item["loc"]))
-                    known = sorted(task_cls.ArmConfig.model_fields) if item["type"] == "extra_forbidden" else None
-                    text = (f"task {task_cls.name!r} takes no arm model settings; remove this key" if known == []
-                            else _message(item, known))
-                    problem(path, text)
-        for split in task_cls.splits:
-            if split not in protocol.data:
-                problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")
-        evaluation_splits = [s for s in protocol.data if s != "train"]
-        for rule, metric in protocol.selection.metric_keys():
-            split, _, name = metric.partition(".")
-            index_path = ("selection", rule)
-            if split not in evaluation_splits:
-                problem(index_path, f"{metric!r} names no evaluation split (use one of "
-                                    f"{', '.join(evaluation_splits) or 'none'} then a metric, e.g. "
-                                    f"{(evaluation_splits or ['selection'])[0]}.correct)")
-            elif name not in task_cls.metrics:
-                problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
-                                    f"{', '.join(sorted(task_cls.metrics))})")
-    for arm_name, arm in protocol.arms.items():
-        if reason := check_optimizer(arm.optimizer):
-            problem(("arms", arm_name, "optimizer", "name"), reason)
-        if arm.agent is not None and arm.agent.backend == "anthropic" and arm.agent.prices is None:
-            from opalctl.opal.agents.anthropic import DEFAULT_MODEL, default_prices
-
-            model = arm.agent.model or DEFAULT_MODEL
-            if default_prices(model) is None:
-                problem(("arms", arm_name, "agent", "model"),
-                        f"model {model!r} has no default prices; give arms.{arm_name}.agent.prices (input, output, "
-                        f"cache_read, cache_write in USD per million tokens)")
-    if problems:
-        raise ProtocolError(where, problems)
+                path = ("arms", arm_name, "model") + _data_path(arm.model, tuple(item["loc"]))
+                known = sorted(task_cls.ArmConfig.model_fields) if item["type"] == "extra_forbidden" else None
+                text = (f"task {task_cls.name!r} takes no arm model settings; remove this key" if known == []
+                        else _message(item, known))
+                problem(path, text)
+    for split in task_cls.splits:
+        if split not in protocol.data:
+            problem(("data",), f"task {task_cls.name!r} needs a data.{split} file")
+    evaluation_splits = [s for s in protocol.data if s != "train"]
+    for rule, metric in protocol.selection.metric_keys():
+        split, _, name = metric.partition(".")
+        index_path = ("selection", rule)
+        if split not in evaluation_splits:
+            problem(index_path, f"{metric!r} names no evaluation split (use one of "
+                                f"{', '.join(evaluation_splits) or 'none'} then a metric, e.g. "
+                                f"{(evaluation_splits or ['selection'])[0]}.correct)")
+        elif name not in task_cls.metrics:
+            problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
+                                f"{', '.join(sorted(task_cls.metrics))})")
 
 
 def load_protocol(path: Path) -> Protocol:

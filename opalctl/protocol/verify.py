@@ -75,8 +75,7 @@ def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, A
     if not report["ok"]:
         count = len(report["problems"])
         raise InputChanged(f"{count} frozen input{'s' if count > 1 else ''} no longer match{'es' if count == 1 else ''} "
-                           f"lock {lock.path}: {describe(report['problems'])}; restore them or freeze again",
-                           details=[f"{p['role']}: {p['path']} {p['status']}" for p in report["problems"]])
+                           f"lock {lock.path}: {describe(report['problems'])}; restore them or freeze again")
     return report
 
 

@@ -50,8 +50,9 @@ class Sampler:
 
     ``fresh_ids``: set it to True when every batch's ``ids`` is a new array that nothing changes after the batch
     is handed over. The formal run keeps each batch's ids until its records are written (up to 512 updates
-    later); with fresh ids it keeps the array itself, otherwise a copy, made between two updates, where it costs
-    several microseconds (0.6 % of a ``digits`` update). A sampler that refills one array must leave it False.
+    later); with fresh ids it keeps the array itself, otherwise a copy, made between two updates: a cost on every
+    update that fresh ids avoid (bench/README.md has the figure). A sampler that refills one array must leave it
+    False.
     """
 
     fresh_ids = False

@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import Field
 
 from opalctl import checkpoints
+from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
 from opalctl.tasks.common import read_arrays, torch_threads, write_arrays
 
@@ -95,7 +96,8 @@ class DigitsSampler(Sampler):
         replay_count = int(round(batch_size * replay_share)) if len(self.streams[1]) else 0
         self.counts = [batch_size - replay_count, replay_count]
         if self.counts[0] > 0 and len(self.streams[0]) == 0:
-            raise ValueError("the training file holds no new-class rows")
+            raise BadInput("the training file (data.train) holds no new-class rows, only replay rows; give a file "
+                           "`opalctl init digits` writes, or one with rows whose replay flag is 0")
         self.x = torch.from_numpy(train["x"]).to(device)
         self.y = torch.from_numpy(train["y"]).to(device)
         self.ids = train["ids"]

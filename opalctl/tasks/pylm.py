@@ -25,16 +25,10 @@ trains with one thread and windows drawn from ``(seed, update)``, each training 
 ``opalctl init pylm`` gives the same bytes twice on the same Python; the text itself comes from the installed
 stdlib, so another Python version gives other (equally deterministic) files, and the parents record the version.
 
-Sizing (measured on 2 shared CPU cores, default shape: 2 layers, width 64, 4 heads, context 64, 136,960
-parameters): an AdamW update of batch 16 costs 15-17 ms of CPU with one thread and 45-85 ms with two (the second
-thread mostly waits, the more so when the machine is busy), so a 20 CPU-second arm sees about 1,200 updates with
-one thread and 240-440 with two. The default parent (300 updates, about 5 CPU-seconds; 3 seeds prepare in about
-16 CPU-seconds) is barely past byte statistics: 3.36 bits per byte on retention and 3.32 on selection (an untrained
-model: 8.0), and an arm of 1,300 updates at lr 1e-3 improves both (selection 2.47, retention 3.32). The tension
-appears with a longer parent: after 1,000 updates (about 19 CPU-seconds) retention is 2.66 against selection's
-2.80, and the same arm takes selection to 2.32 while retention rises to 3.10; after 3,000 updates, 2.04 against
-2.41, then 2.10 and 2.80. A protocol that wants forgetting to arbitrate should set ``parent_updates`` to 1,000 or
-more.
+Sizing: a second thread mostly waits on this small model, so one thread sees several times the updates of two
+under a CPU budget. The default parent is barely past byte statistics and an arm improves retention and selection
+alike; the tension between them (forgetting) appears only with a longer parent, so a protocol that wants forgetting
+to arbitrate should set ``parent_updates`` to 1,000 or more (the measured figures are in bench/README.md).
 
 Unlike ``digits``, this module imports torch at the top: it defines ``nn.Module`` classes, and it is imported
 only when a protocol names this task.

@@ -195,3 +195,42 @@ def test_compare_without_finished_runs_is_refused(grid, opalctl, tmp_path):
         report.unlink()
     code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
     assert code == 2 and out == "" and "no finished runs" in err
+
+
+def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl, tmp_path):
+    from opalctl.compare.aggregate import REPORT_KEYS
+
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
+    assert code == 0, err
+    runs = copy_runs(grid, tmp_path)
+    for path in (runs / grid["base"].name).glob("*/seed-*/report.json"):
+        report = read(path)
+        old = {key: report[key] for key in REPORT_KEYS}  # a report of an older opalctl: a subset, no format
+        old["stages"] = [{k: s[k] for k in ("stage", "metrics", "train_cpu_seconds", "train_wall_seconds")}
+                         for s in report["stages"]]
+        path.write_text(json.dumps(old))
+    code, old_out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
+    assert code == 0, err
+    assert {**json.loads(old_out), "runs": None} == {**json.loads(out), "runs": None}
+
+
+def test_compare_refuses_a_report_that_lacks_what_it_needs_naming_the_file(grid, opalctl, tmp_path):
+    runs = copy_runs(grid, tmp_path)
+    path = runs / grid["base"].name / "high" / "seed-1" / "report.json"
+    report = read(path)
+    del report["selected"]
+    path.write_text(json.dumps(report))
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"{path} lacks selected" in lines[0] and "internal error" not in lines[0]
+
+
+def test_compare_reads_only_fields_the_formats_define():
+    from dataclasses import fields
+
+    from opalctl.compare.aggregate import AGENT_KEYS, REPORT_KEYS
+    from opalctl.formats import AgentFigures, RunReport
+
+    assert set(REPORT_KEYS) <= {f.name for f in fields(RunReport)}
+    assert set(AGENT_KEYS) <= {f.name for f in fields(AgentFigures)}

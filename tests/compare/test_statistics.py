@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from opalctl.compare.statistics import paired, summary, time_to_reach
+from opalctl.compare.statistics import NotComparable, paired, summary, time_to_reach
 
 
 def test_summary_by_hand():
@@ -11,7 +11,7 @@ def test_summary_by_hand():
                                      "n": 4}
     assert summary([7]) == {"mean": 7.0, "std": 0.0, "min": 7.0, "max": 7.0, "n": 1}
     assert summary([]) == {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-    with pytest.raises(ValueError, match="not a finite number"):
+    with pytest.raises(NotComparable, match="not a finite number"):
         summary([1.0, float("nan")])
 
 
@@ -78,7 +78,7 @@ def test_no_common_seed():
 
 
 def test_paired_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="not a finite number"):
+    with pytest.raises(NotComparable, match="not a finite number"):
         paired({1: 1.0}, {1: float("inf")})
     with pytest.raises(ValueError, match="confidence"):
         paired({1: 1.0}, {1: 1.0}, confidence=1.0)
@@ -102,3 +102,11 @@ def test_mean_counts_of_agent_decisions_keep_their_fraction():
 
     # 2, 1 and 1 decisions applied over three seeds: 1.3, not the 1 that rounding to a whole number printed
     assert [_count(x) for x in (8.0, 4 / 3, 0.0, 10 / 3)] == ["8", "1.3", "0", "3.3"]
+
+
+def test_a_value_that_is_not_a_number_is_refused_naming_it():
+    # a report holds null for a metric that was not finite: it is refused in a sentence, not a TypeError
+    with pytest.raises(NotComparable, match="^the selected x holds None, which is not a finite number"):
+        summary([1.0, None], what="the selected x")
+    with pytest.raises(NotComparable, match="the arm's loss holds 'x'"):
+        paired({1: 1.0}, {1: "x"}, what="loss")

@@ -1,4 +1,4 @@
-"""Agent arms in formal runs (SPEC sections 5 and 6): an arm whose optimizer is wrapped by ``opalctl.opal.wrap``.
+"""Agent arms in formal runs: an arm whose optimizer is wrapped by ``opalctl.opal.wrap``.
 
 The protocol is the digits project on an ``updates`` clock of ``AMOUNT`` updates with a resume checkpoint every
 5 % of the budget, and two arms with the same AdamW settings: ``adamw`` (plain) and ``agent`` (the heuristic
@@ -9,7 +9,7 @@ What is shown here:
 
 - the arm runs through the real command line and leaves the agent's records (events, programs, decisions);
 - two runs of it end with the same weights, events and programs, and until the agent changes something it is
-  bit for bit the plain arm (SPEC 6.3);
+  bit for bit the plain arm (the starting program calls the user's optimizer);
 - killed with SIGKILL anywhere (mid-update before any change, while the agent decides, after a new program was
   applied, during and after its trial) and resumed with ``--resume``, it ends exactly where an uninterrupted
   run ends, with the same program versions and events (apart from ``resumed`` events and timing);
@@ -245,7 +245,7 @@ def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_
     assert applied is not None, "the heuristic agent must change the program at least once in this protocol"
     assert_same_agent_run(tools, second, first, resumes=0)
 
-    # SPEC 6.3: until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
+    # until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
     agent_project.run("adamw", 1, runs_dir=tmp_path / "first")
     plain = agent_project.run_dir("adamw", 1, runs=tmp_path / "first")
     agent_steps = list(read_steps(first / "steps.jsonl.gz"))

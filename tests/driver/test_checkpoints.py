@@ -1,4 +1,4 @@
-"""Checkpoints that can be trusted (SPEC section 5.9): every refusal is a CheckpointRefused naming the file."""
+"""Checkpoints that can be trusted: every refusal is a CheckpointRefused naming the file."""
 
 from __future__ import annotations
 

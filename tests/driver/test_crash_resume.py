@@ -1,4 +1,4 @@
-"""Crash safety (SPEC section 5.7-5.9): a run killed with SIGKILL anywhere, then resumed with ``--resume`` until it
+"""Crash safety: a run killed with SIGKILL anywhere, then resumed with ``--resume`` until it
 finishes, ends exactly where an uninterrupted run ends: the same final weights, rows seen, stages, decisions and
 selected model, with ``steps.jsonl.gz`` holding one line per update.
 

@@ -1,6 +1,6 @@
 """The formal run end to end, in this process: the budget loop under a scripted clock, promotion, and refusals.
 
-Every run is a real ``opalctl.driver.run.run`` on the built-in digits task (SPEC sections 5 and 7); the
+Every run is a real ``opalctl.driver.run.run`` on the built-in digits task; the
 expectations are computed here from the scripted charges and from the stage records, not taken from the driver.
 """
 
@@ -235,7 +235,7 @@ STRICT = {
 
 
 def failing_rules(candidate, incumbent, anchor, policy):
-    """This test's own reading of SPEC section 7: the (rule, metric) pairs a candidate fails."""
+    """This test's own reading of the promotion rules: the (rule, metric) pairs a candidate fails."""
     lower = set(policy.get("nonincreasing", []))
     out = [("floors", m) for m, tol in policy.get("floors", {}).items() if not candidate[m] >= anchor[m] - tol]
     out += [("nondecreasing", m) for m in policy.get("nondecreasing", []) if not candidate[m] >= incumbent[m]]

@@ -82,3 +82,50 @@ def test_show_refuses_a_folder_that_is_not_a_run(project, main_cli, tmp_path):
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "is not a run folder" in lines[0] and str(folder) in lines[0]
+
+
+def _events(path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+REQUESTED = '{"kind": "requested", "decision": 1, "update": 10, "reason": "scheduled"}\n'
+APPLIED = ('{"kind": "applied", "decision": 1, "update": 10, "version": 2, "rationale": "r", "seconds": 1.5, '
+           '"files": ["updater.py"], "diff": {"updater.py": {"added": 3, "removed": 1}}}\n')
+
+
+def test_show_reads_agent_decisions_and_skips_a_last_line_cut_short(tmp_path):
+    from opalctl.driver.show import agent_decisions
+
+    path = tmp_path / "opal" / "events.jsonl"
+    # the torn last line here is valid JSON but not an object: the old reader crashed on it
+    for torn in ('{"kind": "requested", "decis', "3"):
+        _events(path, [REQUESTED, APPLIED, '{"kind": "reverted", "version": 2, "update": 30, "message": "m"}\n',
+                       torn])
+        [decision] = agent_decisions(path)
+        assert decision["outcome"] == "applied" and decision["answered_at"] == 10 and decision["seconds"] == 1.5
+        assert decision["reverted_at"] == 30 and decision["revert_reason"] == "m"
+
+
+def test_show_refuses_an_events_file_damaged_in_the_middle_naming_file_and_line(tmp_path):
+    from opalctl.driver.show import agent_decisions
+    from opalctl.formats import RecordDamaged
+
+    path = tmp_path / "opal" / "events.jsonl"
+    _events(path, [REQUESTED, "not json at all\n", APPLIED])
+    with pytest.raises(RecordDamaged, match="line 2 is not JSON") as caught:
+        agent_decisions(path)
+    assert str(path) in caught.value.message
+
+
+def test_show_refuses_a_stage_file_that_lacks_a_field_naming_it(finished, main_cli, tmp_path):
+    run_dir, _stages = finished
+    copy = tmp_path / "copy" / "adamw" / "seed-1"
+    shutil.copytree(run_dir, copy)
+    stage = json.loads((copy / "stage-02.json").read_text())
+    del stage["decision"]
+    (copy / "stage-02.json").write_text(json.dumps(stage))
+    code, out, err = main_cli(["show", copy])
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "stage-02.json lacks decision" in lines[0] and "internal error" not in lines[0]

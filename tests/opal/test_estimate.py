@@ -1,4 +1,4 @@
-"""Waiting and cost forecasts (SPEC 6.9), checked against figures computed by hand from the measured table.
+"""Waiting and cost forecasts, checked against figures computed by hand from the measured table.
 
 Measured per decision (low / typical / high): first 100 / 250 / 430 s and $0.30 / $1.08 / $1.60; later
 10 / 27 / 50 s and $0.05 / $0.23 / $0.38.

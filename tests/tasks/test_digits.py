@@ -288,3 +288,13 @@ def test_a_flipped_byte_in_metadata_or_a_key_is_refused(tmp_path, old, new):
     with pytest.raises(CheckpointRefused, match=ALTERED) as caught:
         checkpoints.load(path)
     assert str(path) in caught.value.message
+
+
+def test_a_training_file_without_new_class_rows_is_refused_as_bad_input():
+    from opalctl.errors import BadInput
+    from opalctl.tasks.digits import DigitsSampler
+
+    rows = {"x": np.zeros((4, 64), dtype=np.float32), "y": np.zeros(4, dtype=np.int64),
+            "ids": np.arange(4, dtype=np.int64), "replay": np.ones(4, dtype=np.int64)}
+    with pytest.raises(BadInput, match=r"data\.train\) holds no new-class rows"):
+        DigitsSampler(rows, seed=1, batch_size=4, replay_share=0.25, device="cpu")

@@ -11,10 +11,11 @@ act on the workspace only:
     check_programs   a dry run of the workspace's updater.py and analysis.py: the static check, build() on
                      stand-in tensors of the run's real parameter shapes and dtypes wrapped in a fresh AdamW, one
                      step on random gradients, state_dict()/load_state_dict(), one analyze(); the error text, if any
+                     (``opalctl.opal.agents.dry_run``)
 
-Paths are confined to the workspace: an absolute path, a ``..`` part, or a symlink that leads out is refused,
-and the refusal is the tool's result (the agent reads it and goes on). The optimizer's own folder ``.opal`` is
-read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
+Paths are confined to the workspace (``opalctl.opal.agents.workspace``): an absolute path, a ``..`` part, or a
+symlink that leads out is refused, and the refusal is the tool's result (the agent reads it and goes on). The
+optimizer's own folder ``.opal`` is read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
 decision has at most ``turns`` requests and ``seconds_per_decision`` seconds; the last turn is sent with tools
 switched off, so the agent must end with its rationale.
 
@@ -32,27 +33,28 @@ client at another server (the tests use a loopback one).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
-import threading
 import time
-import traceback
-from pathlib import Path, PurePosixPath
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from opalctl.errors import BadInput
-from opalctl.opal.agents.base import Answer, Backend
-
-DEFAULT_MODEL = "claude-opus-5-5"
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
+from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
+from opalctl.opal.agents.dry_run import dry_run
+from opalctl.opal.agents.options import ModelOptions, Strict
+from opalctl.opal.agents.workspace import Refused, Workspace
 
 # Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
 # are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
-# overrides them (and must be given for a model not listed here). claude-opus-5-5, the model of the measured
+# overrides them (and must be given for a model not listed here). DEFAULT_MODEL, the model of the measured
 # figures in estimate.py, is priced like the current Opus list price.
 DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
-    "claude-opus-5-5": (5.0, 25.0, 0.50, 6.25),
+    DEFAULT_MODEL: (5.0, 25.0, 0.50, 6.25),
     "claude-opus-4-5": (5.0, 25.0, 0.50, 6.25),
     "claude-opus-4-1": (15.0, 75.0, 1.50, 18.75),
     "claude-opus-4-0": (15.0, 75.0, 1.50, 18.75),
@@ -62,15 +64,12 @@ DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
     "claude-3-5-haiku": (0.80, 4.0, 0.08, 1.0),
 }
 # models that take `output_config.effort`; for any other model the effort setting is not sent
-EFFORT_MODELS = ("claude-opus-5-5", "claude-opus-4-5")
+EFFORT_MODELS = (DEFAULT_MODEL, "claude-opus-4-5")
 PRICE_KEYS = ("input", "output", "cache_read", "cache_write")
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 RETRYABLE_STATUS = (408, 429)  # and every 5xx (500, 502, 503, 504, 529 overloaded)
 MAX_BACKOFF_SECONDS = 60.0
-MAX_READ_CHARS = 100_000
-MAX_WRITE_CHARS = 200_000
 MAX_RECORDED_CHARS = 20_000
-META_FOLDER = ".opal"
 
 TOOL_INSTRUCTIONS = """\
 ## Your tools
@@ -116,6 +115,29 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 
+# -- the protocol's settings --------------------------------------------------------------------------------------
+
+class Prices(Strict):
+    """US dollars per million tokens."""
+
+    input: Annotated[float, Field(ge=0)]
+    output: Annotated[float, Field(ge=0)]
+    cache_read: Annotated[float, Field(ge=0)] = 0.0
+    cache_write: Annotated[float, Field(ge=0)] = 0.0
+
+
+class AnthropicOptions(ModelOptions):
+    """The protocol keys this backend reads (besides model, turns and seconds_per_decision)."""
+
+    effort: Literal["low", "medium", "high"] = DEFAULT_EFFORT
+    max_tokens: Annotated[int, Field(ge=256)] = 8192
+    retries: Annotated[int, Field(ge=0)] = 4
+    prices: Prices | None = None  # None: the model's DEFAULT_PRICES
+
+
+OPTION_DEFAULTS = AnthropicOptions()
+
+
 # -- prices and cost ---------------------------------------------------------------------------------------------
 
 def default_prices(model: str | None) -> dict[str, float] | None:
@@ -142,221 +164,6 @@ def cost_of(usage: dict[str, Any], prices: dict[str, float]) -> float:
             + usage.get("cache_creation_input_tokens", 0) * prices["cache_write"]) / 1e6
 
 
-# -- the workspace as the tools see it ---------------------------------------------------------------------------
-
-class Refused(Exception):
-    """A tool call the workspace refuses; the message goes back to the agent as the tool's result."""
-
-
-class Workspace:
-    """The run's workspace, with every path confined to it."""
-
-    def __init__(self, root: Path):
-        self.root = Path(os.path.realpath(root))
-
-    def path(self, given: Any, *, write: bool = False) -> Path:
-        if not isinstance(given, str) or not given.strip():
-            raise Refused("give a path relative to the workspace, e.g. updater.py")
-        if "\x00" in given:
-            raise Refused("a path may not contain a NUL character")
-        text = given.strip()
-        pure = PurePosixPath(text.replace("\\", "/"))
-        if pure.is_absolute() or text.startswith("~") or re.match(r"^[A-Za-z]:", text):
-            raise Refused(f"{given!r} is an absolute path; paths are relative to the workspace (e.g. updater.py)")
-        if ".." in pure.parts:
-            raise Refused(f"{given!r} goes up with '..'; only files inside the workspace can be used")
-        target = Path(os.path.realpath(self.root / pure))
-        if target != self.root and self.root not in target.parents:
-            raise Refused(f"{given!r} leads outside the workspace (through a symbolic link); only files inside the "
-                          f"workspace can be used")
-        relative = target.relative_to(self.root)
-        if write and (relative.parts[:1] == (META_FOLDER,) or target == self.root):
-            raise Refused(f"{given!r} cannot be written: {META_FOLDER}/ belongs to the optimizer; edit updater.py "
-                          f"or analysis.py")
-        return target
-
-    def list_files(self, folder: Any = None) -> str:
-        base = self.path(folder) if folder not in (None, "", ".") else self.root
-        if not base.is_dir():
-            raise Refused(f"{folder!r} is not a folder of the workspace")
-        lines = []
-        for current, folders, files in os.walk(base):
-            folders[:] = sorted(f for f in folders if f not in (META_FOLDER, "__pycache__"))
-            for name in sorted(files):
-                path = Path(current) / name
-                relative = path.relative_to(self.root).as_posix()
-                if path.is_symlink():
-                    lines.append(f"{relative} (a link)")
-                else:
-                    lines.append(f"{relative} ({path.stat().st_size} bytes)")
-                if len(lines) >= 200:
-                    return "\n".join(lines + ["(more files not listed)"])
-        return "\n".join(lines) or "(no files)"
-
-    def read(self, given: Any) -> str:
-        path = self.path(given)
-        if not path.is_file():
-            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if len(text) > MAX_READ_CHARS:
-            return text[:MAX_READ_CHARS] + f"\n... (cut at {MAX_READ_CHARS} characters of {len(text)})"
-        return text
-
-    def write(self, given: Any, content: Any) -> str:
-        if not isinstance(content, str):
-            raise Refused("content must be the file's text (a string)")
-        if len(content) > MAX_WRITE_CHARS:
-            raise Refused(f"the content has {len(content)} characters; the limit is {MAX_WRITE_CHARS}")
-        path = self.path(given, write=True)
-        if path.is_dir():
-            raise Refused(f"{given!r} is a folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content, encoding="utf-8")
-        return f"wrote {path.relative_to(self.root).as_posix()} ({len(content.splitlines())} lines)"
-
-    def replace(self, given: Any, old: Any, new: Any) -> str:
-        if not isinstance(old, str) or not isinstance(new, str) or not old:
-            raise Refused("old must be a non-empty string and new a string")
-        path = self.path(given, write=True)
-        if not path.is_file():
-            raise Refused(f"{given!r} is not a file of the workspace (list_files shows them)")
-        text = path.read_text(encoding="utf-8")
-        count = text.count(old)
-        if count != 1:
-            raise Refused(f"the old text occurs {count} times in {given}; it must occur exactly once (include more "
-                          f"of the surrounding lines)" if count else f"the old text does not occur in {given}; read "
-                          f"the file and copy the text exactly")
-        path.write_text(text.replace(old, new, 1), encoding="utf-8")
-        return f"replaced 1 occurrence in {path.relative_to(self.root).as_posix()}"
-
-
-# -- the dry run ---------------------------------------------------------------------------------------------------
-
-def _stand_ins(facts: dict[str, Any]):
-    """name -> a parameter of the run's shape and dtype (random, from a private generator)."""
-    import torch
-
-    shapes = facts.get("shapes") or {"weight": [[8, 8], "float32"], "bias": [[8], "float32"]}
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, (shape, dtype_name) in shapes.items():
-        dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.float32
-        value = torch.randn(tuple(shape), generator=generator) * 0.1
-        params[name] = torch.nn.Parameter(value.to(dtype), requires_grad=dtype.is_floating_point)
-    return params, generator
-
-
-def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None = None) -> str | None:
-    """The error text of the workspace's programs on stand-in tensors (None when they pass).
-
-    The running programs (``running``, the files as the decision began) are built and stepped first, so that the
-    new updater is built with a ``previous`` and an optimizer state, as it will be in the run. Torch's global
-    random state is kept when this runs on the main thread (a program may draw from it).
-    """
-    import torch
-
-    if threading.current_thread() is threading.main_thread():
-        with torch.random.fork_rng(devices=[]):
-            return _dry_run(workspace, facts, running)
-    return _dry_run(workspace, facts, running)
-
-
-def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
-    import torch
-
-    from opalctl.opal.optimizer import PROGRAM_FILES, GradView, Spec, StepContext
-    from opalctl.opal.programs import ProgramRejected, load_program
-    from opalctl.opal.roles import role_of
-
-    sources = {}
-    for name in PROGRAM_FILES:
-        path = Path(workspace) / name
-        if not path.is_file():
-            return f"{name} is missing from the workspace; write it"
-        sources[name] = path.read_text(encoding="utf-8")
-    try:
-        updater_program = load_program("updater", sources["updater.py"], label="updater")
-        analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
-    except ProgramRejected as error:
-        return str(error)
-    build = getattr(updater_program.module, "build", None)
-    analyze = getattr(analysis_program.module, "analyze", None)
-    if not callable(build):
-        return "updater.py must define build(params, previous, spec)"
-    if not callable(analyze):
-        return "analysis.py must define analyze(obs, memory)"
-    every = getattr(analysis_program.module, "EVERY", 25)
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        return f"analysis.py: EVERY must be a positive integer, not {every!r}"
-
-    params, generator = _stand_ins(facts)
-    lrs = facts.get("lrs") or [1e-3]
-    optimizer = torch.optim.AdamW(list(params.values()), lr=float(lrs[0]) or 1e-3)
-    spec = Spec(optimizer, None, None, facts.get("total_steps"), facts.get("goal"), params)
-    grads = GradView(params)
-    update = int(facts.get("update") or 0)
-    progress = float(facts.get("progress") or 0.0)
-
-    def random_grads() -> None:
-        for p in params.values():
-            if p.requires_grad:
-                p.grad = (torch.randn(tuple(p.shape), generator=generator) * 0.01).to(p.dtype)
-
-    stage = "building the running program"
-    try:
-        previous = None
-        if running and running.get("updater.py") and running["updater.py"] != sources["updater.py"]:
-            try:
-                old = load_program("updater", running["updater.py"], label="running-updater")
-                previous = old.module.build(params, None, spec)
-                random_grads()
-                with torch.no_grad():
-                    previous.step(grads, update, StepContext(progress, torch.tensor(1.0), update))
-            except Exception:  # the running program is not on trial here
-                previous = None
-        stage = "build()"
-        updater = build(params, previous, spec)
-        for method in ("step", "state_dict", "load_state_dict"):
-            if not callable(getattr(updater, method, None)):
-                return f"updater.py: the object build() returns has no {method}()"
-        random_grads()
-        before = {name: p.detach().clone() for name, p in params.items()}
-        layout = {name: (p.dtype, tuple(p.shape)) for name, p in params.items()}
-        stage = "step()"
-        with torch.no_grad():
-            updater.step(grads, update, StepContext(progress, torch.tensor(1.0), update))
-        for name, p in params.items():
-            if (p.dtype, tuple(p.shape)) != layout[name]:
-                return (f"step() changed parameter {name} from {layout[name][0]} {list(layout[name][1])} to "
-                        f"{p.dtype} {list(p.shape)}; keep dtype and shape")
-            if not bool(torch.isfinite(p.detach()).all()):
-                return f"step() left non-finite values in parameter {name}"
-        stage = "state_dict() / load_state_dict()"
-        updater.load_state_dict(updater.state_dict())
-        stage = "analyze()"
-        obs = {"update": update + 1, "progress": progress, "losses": [2.0 - 0.01 * i for i in range(every)],
-               "params": dict(params), "before": before, "grads": dict(grads.items()),
-               "state": {name: optimizer.state.get(p, {}) for name, p in params.items()},
-               "roles": {name: role_of(name, tuple(p.shape)) for name, p in params.items()},
-               "lrs": [float(g["lr"]) for g in (getattr(updater, "param_groups", None) or optimizer.param_groups)]}
-        memory: dict[str, Any] = {}
-        with torch.no_grad():
-            result = analyze(obs, memory)
-        if not isinstance(result, dict):
-            return f"analyze() returned {type(result).__name__}, not a dict"
-        try:
-            json.dumps(result.get("report"), default=float)
-            json.dumps(memory)
-        except (TypeError, ValueError) as error:
-            return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
-    except Exception as error:
-        lines = traceback.format_exc(limit=-4).rstrip()
-        return f"{stage} raised {type(error).__name__}: {error}\n{lines}"
-    return None
-
-
 # -- the backend -------------------------------------------------------------------------------------------------
 
 class AnthropicBackend(Backend):
@@ -364,8 +171,9 @@ class AnthropicBackend(Backend):
     runs_in = "thread"  # it only waits on the network (and runs a tiny dry run)
     backoff_seconds = 2.0  # the first wait after an unavailable answer without retry-after; doubles each time
 
-    def __init__(self, model: str | None = None, max_tokens: int = 8192, turns: int = 24,
-                 seconds_per_decision: float = 900.0, retries: int = 4, prices: Any = None,
+    def __init__(self, model: str | None = None, max_tokens: int = OPTION_DEFAULTS.max_tokens,
+                 turns: int = OPTION_DEFAULTS.turns, seconds_per_decision: float = OPTION_DEFAULTS.seconds_per_decision,
+                 retries: int = OPTION_DEFAULTS.retries, prices: Any = None,
                  prompt_text: str | None = None, api_key: str | None = None, base_url: str | None = None,
                  effort: str | None = None):
         self.model = model or DEFAULT_MODEL
@@ -601,3 +409,24 @@ def _shorten(value: Any) -> Any:
     if isinstance(value, list):
         return [_shorten(v) for v in value]
     return value
+
+
+# -- what the registry knows of this backend ---------------------------------------------------------------------
+
+def lock_defaults(agent: dict[str, Any]) -> dict[str, Any]:
+    """The lock names the model and the prices the run will use, not "whatever the default was then"."""
+    model = agent["model"] or DEFAULT_MODEL
+    return {"model": model, "prices": agent["prices"] or default_prices(model)}
+
+
+def problems(agent: AnthropicOptions, where: str) -> list[tuple[str, str]]:
+    """A model without default prices needs prices in the protocol (the cost of each decision is recorded)."""
+    model = agent.model or DEFAULT_MODEL
+    if agent.prices is None and default_prices(model) is None:
+        return [("model", f"model {model!r} has no default prices; give {where}.prices (input, output, cache_read, "
+                          f"cache_write in USD per million tokens)")]
+    return []
+
+
+KIND = BackendKind(name="anthropic", waits=True, factory=AnthropicBackend, options=AnthropicOptions, prompted=True,
+                   lock_defaults=lock_defaults, problems=problems)

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
-from opalctl.opal.agents.base import Answer, Backend
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
+from opalctl.opal.agents.options import ModelOptions
 
 DEFAULT_BINARY = "claude"
 BINARY_ENV = "OPALCTL_CLAUDE_BIN"
@@ -56,7 +57,8 @@ class ClaudeCodeBackend(Backend):
     name = "claude-code"
     runs_in = "thread"  # it only waits on a child process
 
-    def __init__(self, model: str | None = None, turns: int | None = None, seconds_per_decision: float = 900.0,
+    def __init__(self, model: str | None = None, turns: int | None = None,
+                 seconds_per_decision: float = ModelOptions().seconds_per_decision,
                  prompt_text: str | None = None, binary: str | None = None, env: dict[str, str] | None = None):
         chosen = binary or os.environ.get(BINARY_ENV) or DEFAULT_BINARY
         found = shutil.which(chosen)
@@ -166,6 +168,10 @@ class ClaudeCodeBackend(Backend):
         return message
 
 
+class ClaudeCodeOptions(ModelOptions):
+    """The protocol keys this backend reads: model (the CLI's own default when None), turns, seconds_per_decision."""
+
+
 def _parse(text: str) -> dict[str, Any]:
     """The CLI's JSON answer: one object, or (with --verbose) a list of messages ending with the result."""
     text = text.strip()
@@ -187,3 +193,7 @@ def _parse(text: str) -> dict[str, Any]:
 
 def _shorten(text: str) -> str:
     return text if len(text) <= MAX_RECORDED_CHARS else text[:MAX_RECORDED_CHARS] + "... (cut)"
+
+
+KIND = BackendKind(name="claude-code", waits=True, factory=ClaudeCodeBackend, options=ClaudeCodeOptions,
+                   prompted=True)

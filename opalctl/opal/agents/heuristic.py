@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from opalctl.opal.agents.base import Answer, Backend
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
 
 SETTING = re.compile(r"^(?P<name>LR_SCALE|CLIP|ANNEAL_START)\s*=\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$",
                      re.MULTILINE)
@@ -165,3 +165,6 @@ def _median_ratio(report: dict) -> float | None:
     ratios = [v["update_to_weight"] for k, v in roles.items()
               if k in MATRIX_ROLES and v.get("update_to_weight") is not None]
     return statistics.median(ratios) if ratios else None
+
+
+KIND = BackendKind(name="heuristic", waits=False, factory=HeuristicBackend)

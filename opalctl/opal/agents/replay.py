@@ -18,15 +18,18 @@ records folder itself (``wrap(..., run_dir=...)``). A relative path is taken fro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
-from opalctl.opal.agents.base import Answer, Backend
+from opalctl.formats import Event, read_jsonl
+from opalctl.opal.agents.base import Answer, Backend, BackendKind
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
-OUTCOMES = ("applied", "load_failed", "kept", "decision_failed")
+# the outcomes a replay reproduces (a decision the original answered ``late`` is not in the plan: the replay keeps)
+REPLAYED = (Event.APPLIED, Event.LOAD_FAILED, Event.KEPT, Event.DECISION_FAILED)
+# the outcomes whose event names the version the original wrote
+WITH_VERSION = (Event.APPLIED, Event.LOAD_FAILED)
 
 
 class ReplayBackend(Backend):
@@ -43,25 +46,22 @@ class ReplayBackend(Backend):
                            f"folder of an agent arm, runs/<name>-<sha>/<arm>/seed-<S>, relative to the current folder")
         self.source = folder.resolve()
         self.records = records.resolve()
-        self.plan: dict[int, dict[str, Any]] = {}
-        for line in events_path.read_text(encoding="utf-8").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a crash of the original
-            if event.get("kind") in OUTCOMES and isinstance(event.get("decision"), int):
-                self.plan[event["decision"]] = event
-        self.programs: dict[int, dict[str, str]] = {}
-        for event in self.plan.values():
-            if event["kind"] in ("applied", "load_failed"):
-                version = int(event["version"])
-                folder_v = self.records / "programs" / f"v{version:03d}"
-                missing = [name for name in PROGRAM_FILES if not (folder_v / name).is_file()]
-                if missing:
-                    raise BadInput(f"replay:{given}: version {version} of decision {event['decision']} has no "
-                                   f"{', '.join(missing)} under {folder_v}; the run's records are incomplete")
-                self.programs[version] = {name: (folder_v / name).read_text(encoding="utf-8")
-                                          for name in PROGRAM_FILES}
+        # a last line cut short by a crash of the original is skipped; damage elsewhere is refused
+        self.plan: dict[int, dict[str, Any]] = {
+            event["decision"]: event for event in read_jsonl(events_path)
+            if event.get("kind") in REPLAYED and isinstance(event.get("decision"), int)}
+        self.programs = {int(event["version"]): self._program_files(given, event)
+                         for event in self.plan.values() if event["kind"] in WITH_VERSION}
+
+    def _program_files(self, given: str, event: dict[str, Any]) -> dict[str, str]:
+        """The files of the version an ``applied`` or ``load_failed`` event names, refused when one is missing."""
+        version = int(event["version"])
+        folder = self.records / "programs" / f"v{version:03d}"
+        missing = [name for name in PROGRAM_FILES if not (folder / name).is_file()]
+        if missing:
+            raise BadInput(f"replay:{given}: version {version} of decision {event['decision']} has no "
+                           f"{', '.join(missing)} under {folder}; the run's records are incomplete")
+        return {name: (folder / name).read_text(encoding="utf-8") for name in PROGRAM_FILES}
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "source": str(self.source), "decisions": len(self.plan)}
@@ -74,10 +74,10 @@ class ReplayBackend(Backend):
                                     f"Kept: the programs as they are.")
         kind = event["kind"]
         original = self._original_rationale(number, event)
-        if kind == "decision_failed":
+        if kind == Event.DECISION_FAILED:
             return Answer(rationale="", failed=f"replayed: decision {number} failed in the original run "
                                                f"({event.get('message') or 'no message'})")
-        if kind in ("applied", "load_failed"):
+        if kind in WITH_VERSION:
             version = int(event["version"])
             for name, text in self.programs[version].items():
                 (Path(workspace) / name).write_text(text, encoding="utf-8")
@@ -91,3 +91,7 @@ class ReplayBackend(Backend):
         if path.is_file():
             return path.read_text(encoding="utf-8").strip()
         return str(event.get("rationale") or "")
+
+
+# a relative run folder is taken from the current folder
+KIND = BackendKind(name="replay", waits=False, factory=ReplayBackend, argument="run folder")

@@ -1,0 +1,190 @@
+"""The ``check_programs`` tool: a dry run of the workspace's ``updater.py`` and ``analysis.py`` on stand-ins.
+
+The static check, ``build()`` on stand-in tensors of the run's real parameter shapes and dtypes wrapped in a fresh
+AdamW, one step on random gradients, ``state_dict()`` / ``load_state_dict()``, one ``analyze()``; the answer is the
+error text, or None when the programs pass. torch is imported when a dry run starts, not with this module.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _stand_ins(facts: dict[str, Any]):
+    """name -> a parameter of the run's shape and dtype (random, from a private generator)."""
+    import torch
+
+    shapes = facts.get("shapes") or {"weight": [[8, 8], "float32"], "bias": [[8], "float32"]}
+    generator = torch.Generator().manual_seed(0)
+    params = {}
+    for name, (shape, dtype_name) in shapes.items():
+        dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.float32
+        value = torch.randn(tuple(shape), generator=generator) * 0.1
+        params[name] = torch.nn.Parameter(value.to(dtype), requires_grad=dtype.is_floating_point)
+    return params, generator
+
+
+def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None = None) -> str | None:
+    """The error text of the workspace's programs on stand-in tensors (None when they pass).
+
+    The running programs (``running``, the files as the decision began) are built and stepped first, so that the
+    new updater is built with a ``previous`` and an optimizer state, as it will be in the run. Torch's global
+    random state is kept when this runs on the main thread (a program may draw from it).
+    """
+    import torch
+
+    if threading.current_thread() is threading.main_thread():
+        with torch.random.fork_rng(devices=[]):
+            return _dry_run(workspace, facts, running)
+    return _dry_run(workspace, facts, running)
+
+
+def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
+    from opalctl.opal.optimizer import PROGRAM_FILES
+
+    sources = {}
+    for name in PROGRAM_FILES:
+        path = Path(workspace) / name
+        if not path.is_file():
+            return f"{name} is missing from the workspace; write it"
+        sources[name] = path.read_text(encoding="utf-8")
+    loaded = _loaded_programs(sources)
+    if isinstance(loaded, str):
+        return loaded
+    build, analyze, every = loaded
+    trial = _Trial(facts)
+    stage = "building the running program"
+    try:
+        previous = trial.running_updater(running, sources["updater.py"])
+        stage = "build()"
+        updater = build(trial.params, previous, trial.spec)
+        for method in ("step", "state_dict", "load_state_dict"):
+            if not callable(getattr(updater, method, None)):
+                return f"updater.py: the object build() returns has no {method}()"
+        stage = "step()"
+        before, problem = trial.step(updater)
+        if problem is not None:
+            return problem
+        stage = "state_dict() / load_state_dict()"
+        updater.load_state_dict(updater.state_dict())
+        stage = "analyze()"
+        return trial.analyse(analyze, every, updater, before)
+    except Exception as error:
+        lines = traceback.format_exc(limit=-4).rstrip()
+        return f"{stage} raised {type(error).__name__}: {error}\n{lines}"
+
+
+def _loaded_programs(sources: dict[str, str]):
+    """``(build, analyze, EVERY)`` of the workspace's programs, or the text of why they do not load."""
+    from opalctl.opal.programs import ProgramRejected, load_program
+
+    try:
+        updater_program = load_program("updater", sources["updater.py"], label="updater")
+        analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
+    except ProgramRejected as error:
+        return str(error)
+    build = getattr(updater_program.module, "build", None)
+    analyze = getattr(analysis_program.module, "analyze", None)
+    if not callable(build):
+        return "updater.py must define build(params, previous, spec)"
+    if not callable(analyze):
+        return "analysis.py must define analyze(obs, memory)"
+    every = getattr(analysis_program.module, "EVERY", 25)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return f"analysis.py: EVERY must be a positive integer, not {every!r}"
+    return build, analyze, every
+
+
+class _Trial:
+    """The stand-ins a dry run works on: parameters of the run's shapes, a fresh AdamW, and where the run is."""
+
+    def __init__(self, facts: dict[str, Any]):
+        import torch
+
+        from opalctl.opal.optimizer import GradView, Spec
+
+        self.params, self.generator = _stand_ins(facts)
+        lrs = facts.get("lrs") or [1e-3]
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(lrs[0]) or 1e-3)
+        self.spec = Spec(self.optimizer, None, None, facts.get("total_steps"), facts.get("goal"), self.params)
+        self.grads = GradView(self.params)
+        self.update = int(facts.get("update") or 0)
+        self.progress = float(facts.get("progress") or 0.0)
+
+    def random_grads(self) -> None:
+        import torch
+
+        for p in self.params.values():
+            if p.requires_grad:
+                p.grad = (torch.randn(tuple(p.shape), generator=self.generator) * 0.01).to(p.dtype)
+
+    def _step(self, updater) -> None:
+        import torch
+
+        from opalctl.opal.optimizer import StepContext
+
+        with torch.no_grad():
+            updater.step(self.grads, self.update, StepContext(self.progress, torch.tensor(1.0), self.update))
+
+    def running_updater(self, running: dict[str, str] | None, new_source: str):
+        """The running program built and stepped once, so the new one is built with a ``previous`` and an optimizer
+        state, as it will be in the run; None when there is none, it is the new one, or it fails (it is not on
+        trial here)."""
+        from opalctl.opal.programs import load_program
+
+        if not (running and running.get("updater.py") and running["updater.py"] != new_source):
+            return None
+        try:
+            old = load_program("updater", running["updater.py"], label="running-updater")
+            previous = old.module.build(self.params, None, self.spec)
+            self.random_grads()
+            self._step(previous)
+            return previous
+        except Exception:
+            return None
+
+    def step(self, updater) -> tuple[dict[str, Any], str | None]:
+        """One step on random gradients: the parameters before it, and what is wrong after it (None: nothing)."""
+        import torch
+
+        self.random_grads()
+        before = {name: p.detach().clone() for name, p in self.params.items()}
+        layout = {name: (p.dtype, tuple(p.shape)) for name, p in self.params.items()}
+        self._step(updater)
+        for name, p in self.params.items():
+            if (p.dtype, tuple(p.shape)) != layout[name]:
+                return before, (f"step() changed parameter {name} from {layout[name][0]} {list(layout[name][1])} to "
+                                f"{p.dtype} {list(p.shape)}; keep dtype and shape")
+            if not bool(torch.isfinite(p.detach()).all()):
+                return before, f"step() left non-finite values in parameter {name}"
+        return before, None
+
+    def analyse(self, analyze, every: int, updater, before: dict[str, Any]) -> str | None:
+        """One ``analyze()`` on what the run would observe; what is wrong with its result (None: nothing)."""
+        import torch
+
+        from opalctl.opal.roles import role_of
+
+        params, optimizer = self.params, self.optimizer
+        obs = {"update": self.update + 1, "progress": self.progress, "losses": [2.0 - 0.01 * i for i in range(every)],
+               "params": dict(params), "before": before, "grads": dict(self.grads.items()),
+               "state": {name: optimizer.state.get(p, {}) for name, p in params.items()},
+               "roles": {name: role_of(name, tuple(p.shape)) for name, p in params.items()},
+               "lrs": [float(g["lr"]) for g in (getattr(updater, "param_groups", None) or optimizer.param_groups)]}
+        memory: dict[str, Any] = {}
+        with torch.no_grad():
+            result = analyze(obs, memory)
+        if not isinstance(result, dict):
+            return f"analyze() returned {type(result).__name__}, not a dict"
+        try:
+            json.dumps(result.get("report"), default=float)
+            json.dumps(memory)
+        except (TypeError, ValueError) as error:
+            return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
+        return None
