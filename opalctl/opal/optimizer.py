@@ -182,26 +182,6 @@ class AgentOptimizer(torch.optim.Optimizer):
         return self.slots.current
 
     @property
-    def fallback(self) -> Version:
-        return self.slots.fallback
-
-    @property
-    def versions(self) -> list[Version]:
-        return self.slots.versions
-
-    @property
-    def errors(self) -> list[dict[str, Any]]:
-        return self.observer.errors
-
-    @property
-    def schedule(self) -> DecisionSchedule:
-        return self.decisions.schedule
-
-    @property
-    def inflight(self):
-        return self.decisions.state.inflight
-
-    @property
     def max_cost_usd(self) -> float | None:
         """The cost cap (USD): no decision is asked once what is left is below its expected cost."""
         return self.decisions.max_cost_usd

@@ -176,7 +176,7 @@ def test_one_decision_in_flight_at_a_time(opal, run_dir):
     assert kinds == ["requested", "kept"] * (len(kinds) // 2), kinds  # never a second request before an answer
     # the points passed while one was in flight were folded into one queued decision
     assert figures["decisions_asked"] == 2
-    assert optimizer.schedule.remaining == 0
+    assert optimizer.decisions.schedule.remaining == 0
     assert decisions[2]["update"] == decisions[1]["update"] > 10
 
 
@@ -193,7 +193,7 @@ def test_close_leaves_no_decision_in_flight(opal, run_dir):
     ended = {e["decision"] for e in opal.of_kind(log, "kept", "applied", "rejected", "load_failed",
                                                  "decision_failed", "abandoned", "late")}
     assert asked == ended
-    assert optimizer.inflight is None
+    assert optimizer.decisions.state.inflight is None
 
 
 def test_manual_boundaries_step_never_asks(opal, tmp_path):

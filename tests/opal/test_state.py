@@ -99,7 +99,7 @@ def test_resume_from_state_dict_continues_exactly(opal, tmp_path, kind, after):
     assert version_at_cut >= 1
     assert opal.mismatches(reference, model) == []
     assert optimizer.current.number == reference_optimizer.current.number
-    assert optimizer.fallback.number == reference_optimizer.fallback.number
+    assert optimizer.slots.fallback.number == reference_optimizer.slots.fallback.number
     assert optimizer.figures() == {**reference_optimizer.figures(),
                                    "waiting_seconds": optimizer.figures()["waiting_seconds"],
                                    "agent_seconds": optimizer.figures()["agent_seconds"]}
