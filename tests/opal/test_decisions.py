@@ -1,4 +1,4 @@
-"""SPEC 6.4: when the agent is asked (schedules, wake-ups within a cap, non-finite losses) and whether training waits
+"""When the agent is asked (schedules, wake-ups within a cap, non-finite losses) and whether training waits
 for it (blocking True / False / "auto", one decision in flight at a time, manual boundaries)."""
 
 import json

@@ -1,4 +1,4 @@
-"""SPEC 6.5: a failing program never ends training. Each test hands the optimizer one bad ``updater.py`` through a
+"""A failing program never ends training. Each test hands the optimizer one bad ``updater.py`` through a
 callable backend at a known update, runs every update, finds the right event in ``events.jsonl``, and checks that
 the parameters are exactly where the fallback program's path leads.
 

@@ -1,4 +1,4 @@
-"""SPEC 6.7, evaluation integrity: the sample, the ring (sampled correctly whatever the memory layout, without a host
+"""Evaluation integrity: the sample, the ring (sampled correctly whatever the memory layout, without a host
 synchronisation), and the rules: a round trip around an evaluation is flagged, a lasting move is information only,
 and what ordinary training does (a sustained learning-rate change, a warm-up, an oscillation, a frozen tensor, plain
 SGD and AdamW) is not flagged."""

@@ -1,4 +1,4 @@
-"""SPEC 6.1 / 6.6: ``state_dict()`` / ``load_state_dict()`` resume a run exactly, and the records under the run folder
+"""``state_dict()`` / ``load_state_dict()`` resume a run exactly, and the records under the run folder
 (events, programs, decisions) are complete and never hold a secret."""
 
 import json
