@@ -2,10 +2,11 @@
 trial of a new version, and the snapshots a failed step is restored from.
 
 A ``Snapshot`` holds the parameters, their gradients, the user's optimizer state and the scheduler state, and
-``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a snapshot is
-restored only when a step failed, and the version that was running when it was taken is then either the one
-that failed (it never runs again) or, for the state from before a swap, the previous version, whose ``build``
-of its successor is only handed the previous updater to read from (docs/architecture.md).
+``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a trial's or a
+rollback's snapshot is restored only when the version that was running when it was taken failed, and a failed
+version never runs again, so that state would never be read back. The state from before a swap is the one case
+where the version it was taken under runs on (after its successor was rejected or failed its first step); what
+the successor's ``build(params, previous, spec)`` did to ``previous`` is not undone, as it never was.
 """
 
 from __future__ import annotations

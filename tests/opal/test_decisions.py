@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opalctl.formats import Event
 from opalctl.opal import wrap
 from opalctl.opal.schedule import DecisionSchedule, decision_fractions
 
@@ -190,8 +191,7 @@ def test_close_leaves_no_decision_in_flight(opal, run_dir):
 
     log = opal.events(run_dir)
     asked = {e["decision"] for e in opal.of_kind(log, "requested")}
-    ended = {e["decision"] for e in opal.of_kind(log, "kept", "applied", "rejected", "load_failed",
-                                                 "decision_failed", "abandoned", "late")}
+    ended = {e["decision"] for e in opal.of_kind(log, *Event.OUTCOMES, Event.ABANDONED)}
     assert asked == ended
     assert optimizer.decisions.state.inflight is None
 
