@@ -1,4 +1,4 @@
-"""The per-update audit (SPEC 6.8): how many operator calls one update makes, and on CUDA how many host
+"""The per-update audit: how many operator calls one update makes, and on CUDA how many host
 synchronisations, so that a program that is slow because of how it is written can be told so.
 
 ``count_step(fn)`` runs ``fn()`` exactly once under ``torch.profiler.profile`` (CPU activity; CUDA activity too when
@@ -118,33 +118,28 @@ def _native_stderr_quiet():
         os.close(saved)
 
 
-def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn()`` once and count its outermost operator calls (and, on CUDA, its host synchronisations)."""
+def _start_profiler(cuda: bool):
+    """A started profiler (CPU and, on CUDA, CUDA activities; the CPU alone when CUPTI cannot start), or None."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = _cuda_available()
-    if _profiler_running():
-        fn()
-        return {"ops": None, "syncs": None, "top": [], "error": "a profiler is already running"}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    profiler = None
     for attempt in (activities, [ProfilerActivity.CPU]):
         try:
             profiler = profile(activities=attempt)
             with _native_stderr_quiet():  # some torch builds print a line on stderr when the profiler starts
                 profiler.__enter__()
-            break
+            return profiler
         except Exception:  # noqa: BLE001 - CUPTI unavailable, say: try the CPU profiler alone
-            profiler = None
             if attempt == [ProfilerActivity.CPU]:
-                break
-    if profiler is None:
-        fn()
-        return {"ops": None, "syncs": None, "top": [], "error": "the profiler could not start"}
+                return None
+    return None
 
+
+def _run_marked(fn: Callable[[], Any], cuda: bool) -> tuple[list[warnings.WarningMessage], BaseException | None]:
+    """Run ``fn()`` inside the mark, with CUDA's sync debug mode on warn; returns the warnings caught and the
+    failure (re-raised by the caller once the profiler is stopped)."""
     previous_mode = None
     caught: list[warnings.WarningMessage] = []
-    failure: BaseException | None = None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -158,7 +153,33 @@ def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
                 if cuda and previous_mode is not None:
                     torch.cuda.set_sync_debug_mode(previous_mode)
     except BaseException as error:  # noqa: B036 - stop the profiler first, then re-raise it unchanged
-        failure = error
+        return caught, error
+    return caught, None
+
+
+def _sync_warnings(caught: list[warnings.WarningMessage]) -> int:
+    """How many of the warnings were CUDA's sync warnings; the others are warned again (not ours to swallow)."""
+    count = 0
+    for message in caught:
+        if SYNC_WARNING in str(message.message):
+            count += 1
+        else:
+            warnings.warn_explicit(message.message, message.category, message.filename, message.lineno,
+                                   source=message.source)
+    return count
+
+
+def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn()`` once and count its outermost operator calls (and, on CUDA, its host synchronisations)."""
+    cuda = _cuda_available()
+    if _profiler_running():
+        fn()
+        return {"ops": None, "syncs": None, "top": [], "error": "a profiler is already running"}
+    profiler = _start_profiler(cuda)
+    if profiler is None:
+        fn()
+        return {"ops": None, "syncs": None, "top": [], "error": "the profiler could not start"}
+    caught, failure = _run_marked(fn, cuda)
     stop_error = None
     try:
         with _native_stderr_quiet():
@@ -166,13 +187,7 @@ def count_step(fn: Callable[[], Any]) -> dict[str, Any]:
         events = profiler.events()
     except Exception as error:  # noqa: BLE001 - the counts are lost, not the update
         stop_error, events = f"the profiler failed: {type(error).__name__}: {error}", None
-    sync_warnings = 0
-    for message in caught:
-        if SYNC_WARNING in str(message.message):
-            sync_warnings += 1
-        else:  # not ours to swallow
-            warnings.warn_explicit(message.message, message.category, message.filename, message.lineno,
-                                   source=message.source)
+    sync_warnings = _sync_warnings(caught)
     if failure is not None:
         raise failure
     if events is None:

@@ -1,5 +1,5 @@
-"""Evaluation integrity (SPEC 6.7): notice a program that moves the parameters to another point for an evaluation and
-moves them back after it.
+"""Evaluation integrity (docs/architecture.md): notice a program that moves the parameters to another point for an
+evaluation and moves them back after it.
 
 How it works, and what each part costs:
 
@@ -24,22 +24,21 @@ How it works, and what each part costs:
   the row (``out=``, the row viewed as integers of the same size: a bit-exact copy). One operation per update
   whatever the number of tensors; where no alias can be made (another device type, a tensor not sampleable now)
   each tensor is gathered on its own into its slice of the row. Device operations only: no ``.item()``,
-  ``.cpu()`` or ``.tolist()``, so no host synchronisation. Memory safety: only the sampled offsets are read, all
-  inside the tensors' own memory, which the recorder keeps alive through a flat view of each; before every gather
+  ``.cpu()`` or ``.tolist()``, so no host synchronisation. ``alias=False`` is the plain twin of the gather: every
+  tensor is copied on its own into its slice of the row (the same bytes and findings, tested). Memory safety:
+  only the sampled offsets are read, all inside the tensors' own memory, which the recorder keeps alive through a
+  flat view of each (``_Rings``); before every gather
   each tensor's data pointer, strides and shape (host metadata, no sync; the pointer alone when the caller knows
   no code that could re-stride a tensor in place has run, see ``record``) are compared with those the offsets were
   made for, and on a change (a program that assigns ``p.data``, transposes in place, frees a storage) the view,
   offsets and alias are rebuilt on the device first. A tensor whose shape, dtype or device changed, or whose
   storage no longer holds it, is not sampled for that update (the update is left out of its window). The alias is
   checked once against the per-tensor gathers at construction (a host read then, never later).
-- **Cost.** On the ``digits`` model (4 tensors, 2,186 sampled entries, one thread, a 420-430 us update)
-  ``bench/integrity_overhead.py`` measured ``record`` + ``maybe_check`` at about 11.7 us per update (2.8 %) with
-  layouts compared, and 9.0-9.5 us (2.1-2.2 %) with pointers only (``layouts=False``, what the agent optimizer does
-  while the released starting program runs). In a training loop everything here runs with cold caches: the same
-  gather takes 1.8 us in a tight loop, 6.0 us between two updates even as a bare closure with no check at all
-  (1.4 % of the update; 4.2 us, 1.0 %, with only 32 entries per tensor), where zeroing one ring row, the floor of
-  touching a tensor once per update, costs 3-4 us (0.8 %). On ``pylm`` (a 10-12 ms update) the recording is about
-  0.5 % of an update. Host-side work grows with the number of tensors, the device work does not.
+- **Cost.** Everything here runs between two updates, with cold caches, so it costs several times what it
+  does in a tight loop; that is why the usual case is one gather per update and why the agent optimizer compares
+  pointers only (``layouts=False``) while the released starting program runs. Host-side work grows with the
+  number of tensors, the device work does not. The measured figures are in bench/README.md
+  (``bench/integrity_overhead.py``).
 - **The check.** ``open_check(t)`` is called when an evaluation happens after update ``t`` (``report_dev``).
   ``maybe_check(u)``, called after each ``record``, runs the check once the ring holds update
   ``t + window_after``: the whole ring (which is exactly the window) is read in one transfer per ring, and the rest
@@ -65,7 +64,7 @@ Detection, per tensor, on the window of updates ``t - window_before .. t + windo
 
 A round trip (``a`` moved the evaluated point, ``b`` brought it back, neither in a stretch) is a finding of kind
 ``round_trip``: it flags the run. A jump not in a stretch that moved the evaluated point and was not brought back
-is a ``lasting_jump``: information only. One departure from the letter of SPEC 6.7, for tensors sampled at fewer
+is a ``lasting_jump``: information only. One departure from the letter of the rule, for tensors sampled at fewer
 than 8 entries (a scalar gain, the output bias of a one- or two-output head): there, two opposite noise spikes of
 similar size "return within 25 %" by chance (in one dimension any two opposite spikes within 25 % of each other
 do), and plain SGD on a 10-32-1 MLP with a 10x learning-rate step or schedule restarts showed such round trips on
@@ -182,14 +181,180 @@ class _Group:
 
     __slots__ = ("device", "dtype", "ring", "members", "alias", "offsets", "rows", "trusted")
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, trusted: bool):
         self.device, self.dtype = device, dtype
         self.ring: torch.Tensor | None = None
         self.members: list[int] = []
         self.alias: torch.Tensor | None = None  # the address range holding the members, as integers of their size
         self.offsets: torch.Tensor | None = None  # every member's sampled entries, as element offsets into alias
         self.rows: list[torch.Tensor] = []  # the ring's rows as the alias's integer dtype
-        self.trusted = True  # False once the alias failed its self-check: per-tensor copies from then on
+        self.trusted = trusted  # False: per-tensor copies only (asked for, or the alias failed its self-check)
+
+
+class _Rings:
+    """The rings of the sampled tensors and the gathers that fill a row of them: each tensor's flat view (which
+    keeps its memory alive) and the memory offsets of its sample, its group (one per device and dtype), and each
+    group's alias. ``alias=False`` is the plain twin: every tensor is copied on its own (the same bytes, tested)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], indices: dict[str, np.ndarray], rows: int, alias: bool):
+        self.rows = rows
+        self.names: list[str] = list(indices)
+        self.params: list[torch.Tensor] = [tensors[name] for name in self.names]
+        self.shape = [tuple(p.shape) for p in self.params]
+        self.dtype = [p.dtype for p in self.params]
+        self.device = [p.device for p in self.params]
+        self.host_index = {name: np.ascontiguousarray(indices[name], dtype=np.int64) for name in self.names}
+        # logical indices, on the tensor's device
+        self.index = [torch.from_numpy(self.host_index[name]).to(self.device[k]) for k, name in enumerate(self.names)]
+        groups: dict[tuple[str, torch.dtype], _Group] = {}
+        self.group_of: list[_Group] = []
+        for k in range(len(self.names)):
+            key = (str(self.device[k]), self.dtype[k])
+            group = groups.setdefault(key, _Group(self.device[k], self.dtype[k], trusted=alias))
+            group.members.append(k)
+            self.group_of.append(group)
+        self.groups = list(groups.values())
+        self.columns = self._make_rings()
+        self.keys: list[Any] = [None] * len(self.names)
+        self.pointers: list[int | None] = [None] * len(self.names)  # the data pointers in keys
+        self.flats: list[torch.Tensor | None] = [None] * len(self.names)
+        self.offsets: list[torch.Tensor | None] = [None] * len(self.names)
+        for k in range(len(self.names)):
+            self._relayout(k)
+        for group in self.groups:
+            self._gather_plan(group)
+            self._check_alias(group)
+        self.single = self._plan_single()
+
+    def _make_rings(self) -> list[tuple[int, int]]:
+        """Each group's ring; returns each tensor's columns in its group's ring."""
+        columns = [(0, 0)] * len(self.names)
+        for group in self.groups:
+            column = 0
+            for k in group.members:
+                count = len(self.host_index[self.names[k]])
+                columns[k] = (column, column + count)
+                column += count
+            group.ring = torch.zeros((self.rows, column), dtype=group.dtype, device=group.device)
+        return columns
+
+    def _check_alias(self, group: _Group) -> None:
+        """The alias against the per-tensor gathers, once (a host read, here only): bit for bit (as integers: NaN
+        equals itself), or per-tensor copies from then on."""
+        if group.alias is None:
+            return
+        torch.index_select(group.alias, 0, group.offsets, out=group.rows[0])
+        via_alias = group.rows[0].clone()
+        self.copy_each(group, 0)
+        if not torch.equal(via_alias, group.rows[0]):
+            group.trusted, group.alias = False, None
+        group.ring[0].zero_()
+
+    def _relayout(self, k: int) -> bool:
+        """(Re)build tensor ``k``'s flat view and the memory offsets of its sample; False when it cannot be sampled
+        as it is now (another shape, dtype or device)."""
+        param = self.params[k]
+        if tuple(param.shape) != self.shape[k] or param.dtype != self.dtype[k] or param.device != self.device[k]:
+            self.keys[k] = self.pointers[k] = None
+            return False
+        strides = tuple(param.stride())
+        data = param.detach()
+        try:
+            flat = data.as_strided((_span(self.shape[k], strides),), (1,), data.storage_offset())
+        except RuntimeError:  # its storage was shrunk under it (untyped_storage().resize_), say
+            self.keys[k] = self.pointers[k] = None
+            return False
+        self.flats[k] = flat
+        self.offsets[k] = memory_offsets(self.index[k], self.shape[k], strides)
+        self.keys[k] = (param.data_ptr(), strides, param.shape)
+        self.pointers[k] = self.keys[k][0]
+        return True
+
+    def _plan_single(self) -> _Group | None:
+        only = self.groups[0] if len(self.groups) == 1 else None
+        return only if only is not None and only.alias is not None else None
+
+    def _gather_plan(self, group: _Group) -> None:
+        """One gather per row for the whole group: an alias over the address range that holds every member's
+        memory and each sampled entry's offset in it. Only the sampled offsets are ever read, all inside members'
+        memory, which the flat views hold alive; ``fill`` checks every member's pointer (and strides and shape)
+        before each gather. Without an alias (another device type, a member not sampled now, odd alignment, or
+        the plain twin) the members are copied one by one."""
+        group.alias, group.offsets = None, None
+        if not group.trusted or any(self.keys[k] is None for k in group.members):
+            return
+        itemsize = group.ring.element_size()
+        starts = [self.flats[k].data_ptr() for k in group.members]
+        ends = [start + self.flats[k].numel() * itemsize for start, k in zip(starts, group.members)]
+        base = min(starts)
+        if any((start - base) % itemsize for start in starts):
+            return
+        alias = _alias(group.device, base, (max(ends) - base) // itemsize, itemsize)
+        if alias is None:
+            return
+        group.offsets = torch.cat([self.offsets[k] + (start - base) // itemsize
+                                   for start, k in zip(starts, group.members)])
+        group.rows = [group.ring[slot].view(alias.dtype) for slot in range(self.rows)]
+        group.alias = alias
+
+    def copy_each(self, group: _Group, slot: int) -> list[int]:
+        """Gather each member on its own into its slice of the row; returns the members not sampled now."""
+        row = group.ring[slot]
+        missing = []
+        for k in group.members:
+            if self.keys[k] is None:
+                missing.append(k)
+                continue
+            begin, end = self.columns[k]
+            torch.index_select(self.flats[k], 0, self.offsets[k], out=row[begin:end])
+        return missing
+
+    def refresh(self) -> None:
+        """Some tensor's pointer, strides or shape changed (a program assigned ``p.data``, say): rebuild its view
+        and offsets on the device (no host read) and the gather plan of its group."""
+        changed = set()
+        for k, param in enumerate(self.params):
+            if self.keys[k] is None or self.keys[k] != (param.data_ptr(), tuple(param.stride()), param.shape):
+                self._relayout(k)
+                changed.add(id(self.group_of[k]))
+        for group in self.groups:
+            if id(group) in changed:
+                self._gather_plan(group)
+        self.single = self._plan_single()
+
+    def fill(self, slot: int, layouts: bool) -> list[int] | None:
+        """Row ``slot`` of every ring from the tensors as they are now; returns the tensors not sampled (None or
+        empty when all were). See ``IntegrityRecorder.record`` for ``layouts``."""
+        if layouts:
+            if [(p.data_ptr(), p.stride(), p.shape) for p in self.params] != self.keys:
+                self.refresh()
+        elif list(map(_DATA_PTR, self.params)) != self.pointers:
+            self.refresh()
+        single = self.single
+        if single is not None:  # one ring with its alias (one device and dtype): the usual case
+            _INDEX_SELECT(single.alias, 0, single.offsets, out=single.rows[slot])
+            return None
+        missing = []
+        for group in self.groups:
+            if group.alias is not None:
+                _INDEX_SELECT(group.alias, 0, group.offsets, out=group.rows[slot])
+            else:
+                missing.extend(self.copy_each(group, slot))
+        return missing
+
+    def read(self) -> list[np.ndarray]:
+        """Each ring on the host as float64: one transfer per ring (the ring is exactly the window)."""
+        return [group.ring.detach().to("cpu").to(torch.float64).numpy() for group in self.groups]
+
+    def columns_of(self, values: list[np.ndarray], k: int) -> np.ndarray:
+        """Tensor ``k``'s columns of the rings ``values`` (as ``read`` returns them)."""
+        begin, end = self.columns[k]
+        return values[self.groups.index(self.group_of[k])][:, begin:end]
+
+    def ring_of(self, k: int) -> torch.Tensor:
+        """Tensor ``k``'s columns of its ring, on its device."""
+        begin, end = self.columns[k]
+        return self.group_of[k].ring[:, begin:end]
 
 
 class IntegrityRecorder:
@@ -200,11 +365,12 @@ class IntegrityRecorder:
     ``maybe_check(update)`` after each record returns the findings of the checks that became due (``None`` when
     none was due, a list, possibly empty, when one ran). ``start`` (default 0) records the values at construction
     as that update, so that a jump at the first update can be seen. ``enabled = False`` turns every call into a
-    no-op. See the module docstring for the sample, the ring and the rules."""
+    no-op; ``alias = False`` gathers every tensor on its own (the plain twin of the one gather per ring). See the
+    module docstring for the sample, the ring and the rules."""
 
     def __init__(self, named_params: Mapping[str, torch.Tensor], seed: int = 0, window_before: int = 128,
                  window_after: int = 8, per_tensor: int = 1024, total: int = 32768, minimum: int = 32, *,
-                 enabled: bool = True, start: int | None = 0):
+                 enabled: bool = True, start: int | None = 0, alias: bool = True):
         if window_before < 1 or window_after < 1:
             raise ValueError("window_before and window_after must be at least 1")
         if per_tensor < 1 or total < 1 or minimum < 0 or minimum > total:
@@ -214,8 +380,26 @@ class IntegrityRecorder:
         self.window_after = int(window_after)
         self.per_tensor, self.total, self.minimum = int(per_tensor), int(total), int(minimum)
         self.enabled = bool(enabled)
+        self.alias = bool(alias)
         self.rows = self.window_before + self.window_after + 2
         self.skipped: dict[str, str] = {}  # tensors not sampled, and why
+        self._all = self._eligible(named_params)
+        names = list(self._all)
+        sizes = sample_sizes([self._all[n].numel() for n in names], self.per_tensor, self.total, self.minimum)
+        indices = {name: sample_indices(name, self._all[name].numel(), size, self.seed)
+                   for name, size in zip(names, sizes) if size > 0}
+        for name, size in zip(names, sizes):
+            if size == 0:
+                self.skipped[name] = "over the total budget"
+        self._build(indices)
+        self.last: int | None = None
+        self.pending: list[int] = []
+        self.checked: list[int] = []  # the evaluations checked by the last call that ran a check
+        if start is not None and self.enabled:
+            self.record(int(start))
+
+    def _eligible(self, named_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors that can be sampled (``skipped`` says why the others cannot)."""
         eligible: dict[str, torch.Tensor] = {}
         for name, param in named_params.items():
             if param.layout != torch.strided:
@@ -228,149 +412,29 @@ class IntegrityRecorder:
                 self.skipped[name] = "empty"
             else:
                 eligible[name] = param
-        self._all = eligible
-        names = list(eligible)
-        sizes = sample_sizes([eligible[n].numel() for n in names], self.per_tensor, self.total, self.minimum)
-        indices = {name: sample_indices(name, eligible[name].numel(), size, self.seed)
-                   for name, size in zip(names, sizes) if size > 0}
-        for name, size in zip(names, sizes):
-            if size == 0:
-                self.skipped[name] = "over the total budget"
-        self._build(indices)
-        self.last: int | None = None
-        self.pending: list[int] = []
-        self.checked: list[int] = []  # the evaluations checked by the last call that ran a check
-        if start is not None and self.enabled:
-            self.record(int(start))
+        return eligible
 
-    # -- layout ------------------------------------------------------------------------------------------------
     def _build(self, indices: dict[str, np.ndarray]) -> None:
-        self.names: list[str] = list(indices)
-        self._params: list[torch.Tensor] = [self._all[name] for name in self.names]
-        self._shape = [tuple(p.shape) for p in self._params]
-        self._dtype = [p.dtype for p in self._params]
-        self._device = [p.device for p in self._params]
-        self._index: list[torch.Tensor] = []  # logical indices, on the tensor's device
-        self._host_index: dict[str, np.ndarray] = {}
-        groups: dict[tuple[str, torch.dtype], _Group] = {}
-        self._group_of: list[_Group] = []
-        self._columns: list[tuple[int, int]] = []
-        for k, name in enumerate(self.names):
-            host = np.ascontiguousarray(indices[name], dtype=np.int64)
-            self._host_index[name] = host
-            self._index.append(torch.from_numpy(host).to(self._device[k]))
-            group = groups.setdefault((str(self._device[k]), self._dtype[k]), _Group(self._device[k], self._dtype[k]))
-            group.members.append(k)
-            self._group_of.append(group)
-        self.groups = list(groups.values())
-        self._columns = [(0, 0)] * len(self.names)
-        for group in self.groups:
-            column = 0
-            for k in group.members:
-                count = len(self._host_index[self.names[k]])
-                self._columns[k] = (column, column + count)
-                column += count
-            group.ring = torch.zeros((self.rows, column), dtype=group.dtype, device=group.device)
-        self._keys: list[Any] = [None] * len(self.names)
-        self._pointers: list[int | None] = [None] * len(self.names)  # the data pointers in _keys
-        self._flats: list[torch.Tensor | None] = [None] * len(self.names)
-        self._offsets: list[torch.Tensor | None] = [None] * len(self.names)
-        for k in range(len(self.names)):
-            self._relayout(k)
+        self._rings = _Rings(self._all, indices, self.rows, self.alias)
         self.slot_update: list[int | None] = [None] * self.rows
         self.gaps: dict[int, set[int]] = {}  # update -> tensors (positions) not sampled at that update
         self.breaks: set[int] = set()  # updates whose change is not judged (see discontinuity)
-        for group in self.groups:
-            self._gather_plan(group)
-            if group.alias is not None:  # check the alias once against the per-tensor copies (a host read, here only)
-                self._gather(group, 0)
-                via_alias = group.rows[0].clone()
-                self._copy_each(group, 0, None)
-                if not torch.equal(via_alias, group.rows[0]):  # bit for bit (as integers: NaN equals itself)
-                    group.trusted, group.alias = False, None
-                group.ring[0].zero_()
-        self._plan_single()
 
-    def _relayout(self, k: int) -> bool:
-        """(Re)build tensor ``k``'s flat view (which also keeps its memory alive) and the memory offsets of its
-        sample; False when it cannot be sampled as it is now (another shape, dtype or device)."""
-        param = self._params[k]
-        if tuple(param.shape) != self._shape[k] or param.dtype != self._dtype[k] or param.device != self._device[k]:
-            self._keys[k] = self._pointers[k] = None
-            return False
-        strides = tuple(param.stride())
-        data = param.detach()
-        try:
-            flat = data.as_strided((_span(self._shape[k], strides),), (1,), data.storage_offset())
-        except RuntimeError:  # its storage was shrunk under it (untyped_storage().resize_), say
-            self._keys[k] = self._pointers[k] = None
-            return False
-        self._flats[k] = flat
-        self._offsets[k] = memory_offsets(self._index[k], self._shape[k], strides)
-        self._keys[k] = (param.data_ptr(), strides, param.shape)
-        self._pointers[k] = self._keys[k][0]
-        return True
+    @property
+    def names(self) -> list[str]:
+        return self._rings.names
 
-    def _plan_single(self) -> None:
-        only = self.groups[0] if len(self.groups) == 1 else None
-        self._single = only if only is not None and only.alias is not None else None
-
-    def _gather_plan(self, group: _Group) -> None:
-        """One gather per row for the whole group: an alias over the address range that holds every member's
-        memory and each sampled entry's offset in it. Only the sampled offsets are ever read, all inside members'
-        memory, which the flat views hold alive; record() checks every member's pointer, strides and shape before
-        each gather. Without an alias (another device type, a member not sampled now, odd alignment) the members
-        are copied one by one."""
-        group.alias, group.offsets = None, None
-        if not group.trusted or any(self._keys[k] is None for k in group.members):
-            return
-        itemsize = group.ring.element_size()
-        starts = [self._flats[k].data_ptr() for k in group.members]
-        ends = [start + self._flats[k].numel() * itemsize for start, k in zip(starts, group.members)]
-        base = min(starts)
-        if any((start - base) % itemsize for start in starts):
-            return
-        alias = _alias(group.device, base, (max(ends) - base) // itemsize, itemsize)
-        if alias is None:
-            return
-        group.offsets = torch.cat([self._offsets[k] + (start - base) // itemsize
-                                   for start, k in zip(starts, group.members)])
-        group.rows = [group.ring[slot].view(alias.dtype) for slot in range(self.rows)]
-        group.alias = alias
-
-    def _gather(self, group: _Group, slot: int) -> None:
-        torch.index_select(group.alias, 0, group.offsets, out=group.rows[slot])
-
-    def _copy_each(self, group: _Group, slot: int, update: int | None) -> None:
-        row = group.ring[slot]
-        for k in group.members:
-            if self._keys[k] is None:
-                if update is not None:
-                    self.gaps.setdefault(update, set()).add(k)
-                continue
-            begin, end = self._columns[k]
-            torch.index_select(self._flats[k], 0, self._offsets[k], out=row[begin:end])
-
-    def _refresh(self) -> None:
-        """Some tensor's pointer, strides or shape changed (a program assigned ``p.data``, say): rebuild its view
-        and offsets on the device (no host read) and the gather plan of its group."""
-        changed = set()
-        for k, param in enumerate(self._params):
-            if self._keys[k] is None or self._keys[k] != (param.data_ptr(), tuple(param.stride()), param.shape):
-                self._relayout(k)
-                changed.add(id(self._group_of[k]))
-        for group in self.groups:
-            if id(group) in changed:
-                self._gather_plan(group)
-        self._plan_single()
+    @property
+    def groups(self) -> list[_Group]:
+        return self._rings.groups
 
     @property
     def sample_counts(self) -> dict[str, int]:
-        return {name: len(self._host_index[name]) for name in self.names}
+        return {name: len(index) for name, index in self._rings.host_index.items()}
 
     def indices(self, name: str) -> np.ndarray:
         """The logical flat indices sampled from tensor ``name``."""
-        return self._host_index[name].copy()
+        return self._rings.host_index[name].copy()
 
     # -- recording ---------------------------------------------------------------------------------------------
     def record(self, update: int, layouts: bool = True) -> None:
@@ -382,7 +446,7 @@ class IntegrityRecorder:
         with ``layouts`` (the default) its strides and shape too (a tensor re-strided in place, ``t_()`` say,
         still samples the same logical entries). A caller that knows no code that could re-stride a tensor in
         place ran since the last record (the agent optimizer while the released starting program runs: it only
-        calls the user's torch optimizer) may pass ``layouts=False``: the pointer comparison alone costs a third."""
+        calls the user's torch optimizer) may pass ``layouts=False``: the pointer comparison alone costs less."""
         if not self.enabled:
             return
         slot = update % self.rows
@@ -391,20 +455,9 @@ class IntegrityRecorder:
             previous = self.slot_update[slot]
             if previous is not None:
                 self.gaps.pop(previous, None)
-        if layouts:
-            if [(p.data_ptr(), p.stride(), p.shape) for p in self._params] != self._keys:
-                self._refresh()
-        elif list(map(_DATA_PTR, self._params)) != self._pointers:
-            self._refresh()
-        single = self._single
-        if single is not None:  # one ring with its alias (one device and dtype): the usual case
-            _INDEX_SELECT(single.alias, 0, single.offsets, out=single.rows[slot])
-        else:
-            for group in self.groups:
-                if group.alias is not None:
-                    _INDEX_SELECT(group.alias, 0, group.offsets, out=group.rows[slot])
-                else:
-                    self._copy_each(group, slot, update)
+        missing = self._rings.fill(slot, layouts)
+        if missing:
+            self.gaps.setdefault(update, set()).update(missing)
         self.slot_update[slot] = update
         self.last = update
 
@@ -446,20 +499,16 @@ class IntegrityRecorder:
         return self._run([int(update)])
 
     def _run(self, evaluations: list[int]) -> list[dict[str, Any]]:
-        values = self._read()
+        values = self._rings.read()
         findings: list[dict[str, Any]] = []
         for t in evaluations:
             findings.extend(self._check_window(values, t))
         self.checked = list(evaluations)
         return findings
 
-    def _read(self) -> list[np.ndarray]:
-        """Each ring on the host as float64: one transfer per ring (the ring is exactly the window)."""
-        return [group.ring.detach().to("cpu").to(torch.float64).numpy() for group in self.groups]
-
     def window(self, update: int) -> dict[str, tuple[list[int], np.ndarray]]:
         """Per tensor, the updates recorded in the window of ``update`` and their sampled rows (host, float64)."""
-        values = self._read()
+        values = self._rings.read()
         out = {}
         for k, name in enumerate(self.names):
             updates, (rows, valid) = self._rows_of(values, k, update)
@@ -471,13 +520,12 @@ class IntegrityRecorder:
         slot = update % self.rows
         if self.slot_update[slot] != update:
             return None
-        values = self._read()
+        values = self._rings.read()
         out = {}
         for k, name in enumerate(self.names):
             if k in self.gaps.get(update, ()):
                 continue
-            begin, end = self._columns[k]
-            out[name] = values[self.groups.index(self._group_of[k])][slot, begin:end].copy()
+            out[name] = self._rings.columns_of(values, k)[slot].copy()
         return out
 
     def _rows_of(self, values: list[np.ndarray], k: int, t: int):
@@ -486,10 +534,7 @@ class IntegrityRecorder:
         slots = [u % self.rows for u in updates]
         valid = np.array([u >= 0 and self.slot_update[s] == u and k not in self.gaps.get(u, ())
                           for u, s in zip(updates, slots)], dtype=bool)
-        group = self._group_of[k]
-        begin, end = self._columns[k]
-        ring = values[self.groups.index(group)]
-        return updates, (ring[slots, begin:end], valid)
+        return updates, (self._rings.columns_of(values, k)[slots], valid)
 
     def _check_window(self, values: list[np.ndarray], t: int) -> list[dict[str, Any]]:
         findings = []
@@ -567,13 +612,12 @@ class IntegrityRecorder:
         exactly."""
         values = {}
         for k, name in enumerate(self.names):
-            begin, end = self._columns[k]
-            values[name] = self._group_of[k].ring[:, begin:end].detach().to("cpu", copy=True)
+            values[name] = self._rings.ring_of(k).detach().to("cpu", copy=True)
         return {
             "format": FORMAT,
             "config": self._config(),
             "enabled": self.enabled,
-            "tensors": {name: {"shape": list(self._shape[k]), "indices": torch.from_numpy(self._host_index[name].copy())}
+            "tensors": {name: {"shape": list(self._rings.shape[k]), "indices": torch.from_numpy(self.indices(name))}
                         for k, name in enumerate(self.names)},
             "ring": values,
             "slot_update": list(self.slot_update),
@@ -601,8 +645,7 @@ class IntegrityRecorder:
                    for name, entry in tensors.items()}
         self._build(indices)
         for k, name in enumerate(self.names):
-            begin, end = self._columns[k]
-            self._group_of[k].ring[:, begin:end].copy_(state["ring"][name])
+            self._rings.ring_of(k).copy_(state["ring"][name])
         self.enabled = bool(state["enabled"])
         self.slot_update = list(state["slot_update"])
         self.last = state["last"]

@@ -1,16 +1,17 @@
 """The agent optimizer's own records, under ``RUN_DIR`` (the formal run puts it at ``<run>/opal/``).
 
-    events.jsonl     one JSON object per line, its type in ``kind`` (start, requested, applied, kept, rejected,
-                     load_failed, trial_passed, reverted, failed_step, wake, end, ...)
+    events.jsonl     one JSON object per line, its type in ``kind`` (one of ``opalctl.formats.Event``: start,
+                     requested, applied, kept, load_failed, trial_passed, reverted, failed_step, wake, end, ...)
     losses.jsonl     the loss binned per analysis interval (update, mean, min, max, count, non-finite count)
     reports.jsonl    every analysis report
     programs/vNNN/   each version of updater.py and analysis.py, as loaded
     decisions/NNN/   message.md (what the agent read), response.md (its rationale), meta.json (timing, outcome)
     workspace/       where the agent edits the programs
 
-The three .jsonl files are appended line by line and flushed; their lengths are part of the optimizer's
-``state_dict`` so that a resumed run first cuts them back to what the checkpoint had seen. Anything shaped like
-an API key or token is redacted before it reaches a file.
+The three .jsonl files are appended line by line and flushed. Inside a timed update (``with records.hold:``)
+lines wait in memory and are written at the next ``flush``: writing files is not part of an update. Their
+lengths are part of the optimizer's ``state_dict`` so that a resumed run first cuts them back to what the
+checkpoint had seen. Anything shaped like an API key or token is redacted before it reaches a file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.files import atomic_write_json, atomic_write_text
+from opalctl.formats import Event
 
 SECRET_PATTERNS = [
     re.compile(r"sk-[A-Za-z0-9_\-]{16,}"),
@@ -57,6 +59,21 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+class _Hold:
+    """``with records.hold:`` keeps the lines written inside it in memory (cheap enough for every update)."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc_info) -> None:
+        self.depth -= 1
+
+
 class OpalRecords:
     STREAMS = ("events", "losses", "reports")
 
@@ -68,26 +85,26 @@ class OpalRecords:
             self.folder.mkdir(parents=True, exist_ok=True)
             for stream in self.STREAMS:
                 self.handles[stream] = open(self.folder / f"{stream}.jsonl", "ab")
-        self.memory: dict[str, list[dict]] = {stream: [] for stream in self.STREAMS}
-        # while ``defer`` is set (inside a timed update) lines wait in memory; ``flush`` writes them later
-        self.defer = False
-        self.pending: list[tuple[str, bytes]] = []
+        self.hold = _Hold()  # inside it lines wait in ``_pending``; ``flush`` writes them
+        self._pending: list[tuple[str, bytes]] = []
 
     @property
     def enabled(self) -> bool:
         return self.folder is not None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether lines held during an update wait to be written."""
+        return bool(self._pending)
+
     def write(self, stream: str, value: dict[str, Any]) -> None:
-        self.memory[stream].append(value)
-        if len(self.memory[stream]) > 10_000:
-            del self.memory[stream][:5_000]
         if not self.enabled:
             return
         line = _json_line(value)
         # losses are numbers written by opalctl itself; everything else may carry text an agent wrote
         data = (line if stream == "losses" else redact(line, self.secrets)).encode()
-        if self.defer:
-            self.pending.append((stream, data))
+        if self.hold.depth:
+            self._pending.append((stream, data))
             return
         self.flush()
         handle = self.handles[stream]
@@ -100,19 +117,19 @@ class OpalRecords:
         if not self.enabled:
             return
         data = line.encode()
-        if self.defer:
-            self.pending.append((stream, data))
+        if self.hold.depth:
+            self._pending.append((stream, data))
             return
         self.flush()
         self.handles[stream].write(data)
         self.handles[stream].flush()
 
     def flush(self) -> None:
-        """Write the lines held back while ``defer`` was set, in order."""
-        if not self.pending or not self.enabled:
-            self.pending = []
+        """Write the lines held back inside ``hold``, in order."""
+        if not self._pending or not self.enabled:
+            self._pending = []
             return
-        pending, self.pending = self.pending, []
+        pending, self._pending = self._pending, []
         touched = set()
         for stream, data in pending:
             self.handles[stream].write(data)
@@ -121,6 +138,9 @@ class OpalRecords:
             self.handles[stream].flush()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """One line of ``events.jsonl``; ``kind`` must be one of ``Event.ALL`` (a programming error otherwise)."""
+        if kind not in Event.ALL:
+            raise ValueError(f"{kind!r} is not an event kind (opalctl.formats.Event)")
         value = {"kind": kind, **fields}
         self.write("events", value)
         return value
@@ -159,7 +179,7 @@ class OpalRecords:
                           durable=False)
 
     def close(self) -> None:
-        self.defer = False
+        self.hold.depth = 0
         self.flush()
         for handle in self.handles.values():
             handle.close()

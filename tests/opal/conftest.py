@@ -1,4 +1,4 @@
-"""Shared pieces of the agent optimizer tests (SPEC 6): a tiny deterministic model and data, training loops for the
+"""Shared pieces of the agent optimizer tests: a tiny deterministic model and data, training loops for the
 plain and the wrapped optimizer, hand-replicable updater programs, and a callable backend that writes them.
 
 Everything is reached through the ``opal`` fixture (conftest modules are not importable under

@@ -1,4 +1,4 @@
-"""SPEC 6.8, the per-update audit: ``count_step`` counts the outermost operator calls of one update (and host
+"""The per-update audit: ``count_step`` counts the outermost operator calls of one update (and host
 synchronisations on CUDA), stably, sees a wasteful step as one, and runs the step exactly once, unchanged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPEC 6.3: with the starting programs and an agent that changes nothing, a wrapped run is bit for bit the plain
+"""With the starting programs and an agent that changes nothing, a wrapped run is bit for bit the plain
 run: ``torch.equal`` on every parameter after 200 updates, whatever the user's optimizer, scheduler and clipping."""
 
 import pytest

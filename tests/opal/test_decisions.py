@@ -1,4 +1,4 @@
-"""SPEC 6.4: when the agent is asked (schedules, wake-ups within a cap, non-finite losses) and whether training waits
+"""When the agent is asked (schedules, wake-ups within a cap, non-finite losses) and whether training waits
 for it (blocking True / False / "auto", one decision in flight at a time, manual boundaries)."""
 
 import json
@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opalctl.formats import Event
 from opalctl.opal import wrap
 from opalctl.opal.schedule import DecisionSchedule, decision_fractions
 
@@ -176,7 +177,7 @@ def test_one_decision_in_flight_at_a_time(opal, run_dir):
     assert kinds == ["requested", "kept"] * (len(kinds) // 2), kinds  # never a second request before an answer
     # the points passed while one was in flight were folded into one queued decision
     assert figures["decisions_asked"] == 2
-    assert optimizer.schedule.remaining == 0
+    assert optimizer.decisions.schedule.remaining == 0
     assert decisions[2]["update"] == decisions[1]["update"] > 10
 
 
@@ -190,10 +191,9 @@ def test_close_leaves_no_decision_in_flight(opal, run_dir):
 
     log = opal.events(run_dir)
     asked = {e["decision"] for e in opal.of_kind(log, "requested")}
-    ended = {e["decision"] for e in opal.of_kind(log, "kept", "applied", "rejected", "load_failed",
-                                                 "decision_failed", "abandoned", "late")}
+    ended = {e["decision"] for e in opal.of_kind(log, *Event.OUTCOMES, Event.ABANDONED)}
     assert asked == ended
-    assert optimizer.inflight is None
+    assert optimizer.decisions.state.inflight is None
 
 
 def test_manual_boundaries_step_never_asks(opal, tmp_path):

@@ -1,4 +1,4 @@
-"""SPEC 6.7, evaluation integrity: the sample, the ring (sampled correctly whatever the memory layout, without a host
+"""Evaluation integrity: the sample, the ring (sampled correctly whatever the memory layout, without a host
 synchronisation), and the rules: a round trip around an evaluation is flagged, a lasting move is information only,
 and what ordinary training does (a sustained learning-rate change, a warm-up, an oscillation, a frozen tensor, plain
 SGD and AdamW) is not flagged."""
@@ -545,3 +545,36 @@ def test_pointer_only_records_still_follow_new_memory_and_never_read_freed_memor
     params["w"].untyped_storage().resize_(0)
     recorder.record(3, layouts=False)
     assert set(recorder.values_at(3)) == {"b"}
+
+
+def test_the_one_gather_per_ring_and_its_plain_twin_record_the_same_samples_and_findings():
+    """``alias=False`` copies every tensor on its own: the same rows bit for bit, and the same findings, through a
+    round trip and a tensor given new memory (which rebuilds the gather plan)."""
+    t = 150
+    holder = {}
+
+    def hook(u, params):
+        if u == t:
+            holder["delta"] = delta_for(WEIGHT, params)
+            params[WEIGHT].add_(holder["delta"])
+        elif u == t + 1:
+            params[WEIGHT].sub_(holder["delta"])
+        elif u == 120:
+            params["2.bias"].data = params["2.bias"].detach().clone()  # new memory: the plan is made again
+
+    runs = {}
+    for alias in (True, False):
+        model = make_model()
+        recorder = IntegrityRecorder(dict(model.named_parameters()), start=0, alias=alias)
+        runs[alias] = train(200, evals=(50, 100, t), hook=hook, model=model, recorder=recorder)
+    (fast_findings, fast, _), (plain_findings, plain, _) = runs[True], runs[False]
+    assert all(group.alias is not None for group in fast.groups)
+    assert all(group.alias is None for group in plain.groups)
+    assert kinds(fast_findings, "round_trip") and fast_findings == plain_findings
+    for a, b in zip(fast.groups, plain.groups):
+        assert torch.equal(a.ring.view(torch.int32), b.ring.view(torch.int32))  # bit for bit
+    assert fast.slot_update == plain.slot_update and fast.gaps == plain.gaps
+    for update in range(200 - fast.rows + 1, 201):
+        fast_values, plain_values = fast.values_at(update), plain.values_at(update)
+        assert fast_values.keys() == plain_values.keys()
+        assert all(np.array_equal(fast_values[name], plain_values[name]) for name in fast_values)

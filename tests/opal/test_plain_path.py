@@ -86,7 +86,10 @@ def _train(tmp_path, name: str, plain: bool, updates: int = 260, *, backend="kee
     {"dev_at": (100, 180), "log_at": (150,)},
     {"eval_integrity": False, "every": 10},
     {"fail_at": 77},
-], ids=["keep", "heuristic", "manual-boundaries", "explicit-fractions", "dev-and-log", "every-10", "user-raises"])
+    {"manual": True, "dev_at": (60, 200), "log_at": (61,)},
+    {"schedule": [0.1, 0.33, 0.61], "decisions": 3, "every": 7, "backend": "heuristic"},
+], ids=["keep", "heuristic", "manual-boundaries", "explicit-fractions", "dev-and-log", "every-10", "user-raises",
+        "manual-dev-and-log", "decisions-between-analyses"])
 def test_plain_path_changes_nothing(tmp_path, case):
     plain_model, plain_records, plain_steps = _train(tmp_path, "plain", True, **case)
     full_model, full_records, full_steps = _train(tmp_path, "full", False, **case)

@@ -1,4 +1,4 @@
-"""SPEC 6.1 / 6.6: ``state_dict()`` / ``load_state_dict()`` resume a run exactly, and the records under the run folder
+"""``state_dict()`` / ``load_state_dict()`` resume a run exactly, and the records under the run folder
 (events, programs, decisions) are complete and never hold a secret."""
 
 import json
@@ -99,7 +99,7 @@ def test_resume_from_state_dict_continues_exactly(opal, tmp_path, kind, after):
     assert version_at_cut >= 1
     assert opal.mismatches(reference, model) == []
     assert optimizer.current.number == reference_optimizer.current.number
-    assert optimizer.fallback.number == reference_optimizer.fallback.number
+    assert optimizer.slots.fallback.number == reference_optimizer.slots.fallback.number
     assert optimizer.figures() == {**reference_optimizer.figures(),
                                    "waiting_seconds": optimizer.figures()["waiting_seconds"],
                                    "agent_seconds": optimizer.figures()["agent_seconds"]}
@@ -122,7 +122,7 @@ def test_state_survives_weights_only_load(opal, run_dir, tmp_path):
     state = optimizer.state_dict()
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
-    assert loaded["format"] == "opal-state/1" and loaded["current"] == 1 and loaded["t"] == 40
+    assert loaded["format"] == "opal-state/2" and loaded["current"] == 1 and loaded["t"] == 40
     assert set(loaded["updater"]["buf"]) == {name for name, _ in model.named_parameters()}
     assert all(torch.equal(loaded["updater"]["buf"][k], v) for k, v in state["updater"]["buf"].items())
     assert [v["number"] for v in loaded["versions"]] == [0, 1]
@@ -132,7 +132,7 @@ def test_state_survives_weights_only_load(opal, run_dir, tmp_path):
 def test_load_state_dict_refuses_a_foreign_state(opal, run_dir):
     model = opal.make_model()
     optimizer = wrap(opal.adamw(model), model, backend="keep", total_steps=STEPS, run_dir=run_dir)
-    with pytest.raises(ValueError, match="opal-state/1"):
+    with pytest.raises(ValueError, match="opal-state/2"):
         optimizer.load_state_dict(opal.adamw(model).state_dict())
     optimizer.close()
 

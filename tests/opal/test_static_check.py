@@ -1,4 +1,4 @@
-"""SPEC 6.5: programs are checked statically before loading. File I/O, processes, sockets, eval/exec, dynamic imports
+"""Programs are checked statically before loading. File I/O, processes, sockets, eval/exec, dynamic imports
 and reaching into other modules' globals are refused with a message the agent can act on (a rule enforced at load,
 not a sandbox); ordinary numeric code is accepted."""
 

@@ -1,0 +1,458 @@
+"""The decisions: when the agent is asked (the schedule, wake-ups, one decision in flight, reasons queued behind
+it, the cost cap), how it is asked (in the foreground, or in the background while training goes on), and what
+becomes of its answer (``apply`` returns an ``Outcome``; every outcome is an event and a ``decisions/NNN``
+folder).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opalctl.formats import Event
+from opalctl.opal.agents import Answer
+from opalctl.opal.messages import rebin, render
+from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots
+
+DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
+ANSWER_SECONDS_KEPT = 64
+NO_LIMIT = 1 << 62
+
+
+@dataclass
+class DecisionCounts:
+    asked: int = 0
+    applied: int = 0
+    kept: int = 0
+    load_failed: int = 0
+    failed: int = 0
+    waiting_seconds: float = 0.0  # training waited for the agent
+    agent_seconds: float = 0.0  # the agent worked (waited for or not)
+    cost_usd: float = 0.0
+    wakes: int = 0
+
+
+@dataclass
+class InFlight:
+    """A decision asked in the background, until its answer is applied."""
+
+    number: int
+    message: str
+    facts: dict[str, Any]
+    started: float
+    requested_at: int
+    reason: str
+    result: Answer | None = None
+    thread: threading.Thread | None = None
+    process: Any = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of an answer: an ``Event.OUTCOMES`` kind, and the version it made (applied or not loaded)."""
+
+    kind: str
+    decision: int
+    version: int | None = None
+
+
+def _diff_lines(old: str, new: str) -> dict[str, int]:
+    """Lines added and removed from ``old`` to ``new`` (a short summary of a program change)."""
+    import difflib
+
+    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
+    return {"added": sum(1 for x in lines if x.startswith("+") and not x.startswith("+++")),
+            "removed": sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))}
+
+
+class AgentLine:
+    """The line to the agent: its backend, the workspace where it edits the programs, and how a question is sent
+    (called here, or run in a thread or in a worker process) and its answer collected."""
+
+    def __init__(self, backend, workspace: Path, scratch: bool, prompt_text: str):
+        self.backend = backend
+        self.workspace = workspace
+        self.scratch = scratch  # a temporary folder (no run folder was given), removed by close()
+        self.prompt_text = prompt_text
+
+    def close(self) -> None:
+        if self.scratch:
+            import shutil
+
+            shutil.rmtree(self.workspace, ignore_errors=True)
+
+    def prepare(self, facts: dict[str, Any], files: dict[str, str]) -> str:
+        """Put the running programs and the facts in the workspace; returns the message the agent reads."""
+        for name in PROGRAM_FILES:
+            (self.workspace / name).write_text(files[name], encoding="utf-8")
+        meta = self.workspace / ".opal"
+        meta.mkdir(exist_ok=True)
+        message = self.prompt_text + "\n\n" + render(facts, files)
+        (meta / "facts.json").write_text(json.dumps(facts, sort_keys=True, default=float), encoding="utf-8")
+        (meta / "message.md").write_text(message, encoding="utf-8")
+        return message
+
+    def edited(self) -> dict[str, str]:
+        """The programs as the agent left them in the workspace."""
+        return {name: (self.workspace / name).read_text(encoding="utf-8") if (self.workspace / name).exists() else ""
+                for name in PROGRAM_FILES}
+
+    def call(self, message: str, facts: dict[str, Any]) -> Answer:
+        try:
+            answer = self.backend.decide(self.workspace, message, facts)
+            return answer if isinstance(answer, Answer) else Answer(rationale=str(answer))
+        except Exception as error:  # the agent's failure is an event, never the end of training
+            return Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
+
+    def start(self, inflight: InFlight) -> None:
+        if self.backend.runs_in == "process":
+            import subprocess
+            import sys
+
+            inflight.process = subprocess.Popen(
+                [sys.executable, "-m", "opalctl.opal.agents.worker", self.backend.name, str(self.workspace)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            return
+
+        def work() -> None:
+            inflight.result = self.call(inflight.message, inflight.facts)
+
+        inflight.thread = threading.Thread(target=work, name="opal-decision", daemon=True)
+        inflight.thread.start()
+
+    def collect(self, inflight: InFlight, wait: bool) -> tuple[Answer | None, float]:
+        """The answer of a decision in flight (None while it works) and the seconds spent waiting for it."""
+        waited = 0.0
+        if inflight.process is not None:
+            process = inflight.process
+            if wait:
+                started = time.perf_counter()
+                process.wait()
+                waited = time.perf_counter() - started
+            if process.poll() is None:
+                return None, waited
+            return self._answer_of(process), waited
+        if wait:
+            started = time.perf_counter()
+            inflight.thread.join()
+            waited = time.perf_counter() - started
+        if inflight.thread.is_alive():
+            return None, waited
+        return inflight.result, waited
+
+    def _answer_of(self, process) -> Answer:
+        answer_path = self.workspace / ".opal" / "answer.json"
+        if process.returncode == 0 and answer_path.exists():
+            data = json.loads(answer_path.read_text())
+            answer_path.unlink()
+            return Answer(rationale=data.get("rationale", ""), failed=data.get("failed"))
+        stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
+        return Answer(rationale="", failed=f"the agent process exited with {process.returncode}: "
+                                           f"{stderr.strip()[-2000:]}")
+
+
+@dataclass
+class _Asked:
+    """One answer to apply, and the figures its records carry."""
+
+    number: int
+    answer: Answer
+    message: str
+    requested_at: int
+    seconds: float
+    waited: float
+
+
+@dataclass
+class DecisionState:
+    """What the decisions carry from one boundary to the next (all plain data but ``inflight``)."""
+
+    wake_reason: str | None = None
+    queued_reason: str | None = None
+    last_decision_update: int = 0
+    last_change: dict[str, Any] | None = None
+    answer_seconds: list[float] = field(default_factory=list)  # how long each answer the agent gave took
+    inflight: InFlight | None = None
+
+
+class Decisions:
+    """When to ask, asking, and applying answers. ``describe()`` gives the run's side of the facts shown to the
+    agent (progress, total_steps, goal, lrs, shapes); ``progress()`` the budget fraction used now."""
+
+    def __init__(self, schedule, agent: AgentLine, records, slots: ProgramSlots, observer, *, blocking, max_lag: int,
+                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float]):
+        self.schedule = schedule
+        self.agent = agent
+        self.records = records
+        self.slots = slots
+        self.observer = observer
+        self.blocking = blocking
+        self.max_lag = max_lag
+        self.describe = describe
+        self.progress = progress
+        self.counts = DecisionCounts()
+        self.state = DecisionState()
+        self.max_cost_usd: float | None = None  # cost cap (USD): see over_cost_cap; set by the caller
+        self.closing = False
+
+    # -- when ------------------------------------------------------------------------------------------------
+    def due(self, progress: float) -> bool:
+        """Whether a boundary has anything to do for the decisions (one due or in flight, a wake-up waiting)."""
+        state = self.state
+        return (state.inflight is not None or state.wake_reason is not None or state.queued_reason is not None
+                or self.schedule.due(progress))
+
+    def quiet_until(self, t: int, *, checks_boundaries: bool, total_steps: int | None, counted: bool) -> int:
+        """The first update from ``t`` whose step must check for a boundary: ``t`` while a decision is in flight or
+        waiting; with ``checks_boundaries`` (``step`` calls ``between_updates`` itself) the update at which the
+        next scheduled decision falls due, or ``t`` when progress is not ``counted`` in updates."""
+        state = self.state
+        if state.inflight is not None or state.wake_reason is not None or state.queued_reason is not None:
+            return t
+        if not checks_boundaries or not self.schedule.remaining or (counted and not total_steps):
+            return NO_LIMIT
+        if not counted:
+            return t
+        fraction = self.schedule.fractions[self.schedule.next_index]
+        due = max(t, int(fraction * total_steps) - 1)  # fraction * total_steps >= 0: int() is floor()
+        while min(1.0, due / total_steps) < fraction:
+            due += 1
+        return due
+
+    def wake(self, reason: str, t: int) -> None:
+        if self.state.wake_reason is None:
+            self.state.wake_reason = reason
+            self.records.event(Event.WAKE, update=t, reason=reason)
+
+    def boundary(self, t: int) -> None:
+        """Apply an answer that has arrived, and ask when a decision is due (behind one in flight, it waits)."""
+        state = self.state
+        if state.inflight is not None:
+            self.poll(t)
+        progress = self.progress()
+        reason = None
+        if state.wake_reason is not None:
+            if self.schedule.can_wake():
+                self.schedule.take_wake()
+                reason = f"wake: {state.wake_reason}"
+                self.counts.wakes += 1
+            state.wake_reason = None
+        if reason is None and self.schedule.due(progress):
+            self.schedule.take(progress)
+            reason = "scheduled"
+        if reason is None:
+            return
+        if state.inflight is not None:
+            state.queued_reason = reason if state.queued_reason is None else f"{state.queued_reason}; {reason}"
+            return
+        self.ask(reason, t)
+
+    # -- asking ----------------------------------------------------------------------------------------------
+    def over_cost_cap(self, reason: str, t: int) -> bool:
+        """True (with a ``skipped`` event) when what is left of ``max_cost_usd`` is below the expected cost of the
+        next decision: the mean cost of the decisions answered so far, or before any has cost something the
+        typical figure of the estimate (``opalctl.opal.estimate``) for a first or a later decision."""
+        if self.max_cost_usd is None:
+            return False
+        from opalctl.opal.estimate import FIGURES, MEASURED_EFFORT, MEASURED_MODEL
+
+        counts = self.counts
+        spent = counts.cost_usd
+        answered = counts.asked - (1 if self.state.inflight is not None else 0)
+        figures = FIGURES[(MEASURED_MODEL, MEASURED_EFFORT)]["later" if counts.asked else "first"]
+        expected = spent / answered if spent > 0 and answered > 0 else figures["usd"]["typical"]
+        if self.max_cost_usd - spent >= expected:
+            return False
+        self.records.event(Event.SKIPPED, update=t, reason="cost cap", asked_for=reason, spent_usd=spent,
+                           max_cost_usd=self.max_cost_usd, expected_usd=expected)
+        return True
+
+    def expected_lag(self) -> float:
+        """Updates an answer is expected to take: the mean time of the answers the agent gave, over the mean step."""
+        step = [s for v in self.slots.versions for s in v.step_seconds]
+        per_update = statistics.fmean(step) if step else 1e-3
+        answers = self.state.answer_seconds
+        seconds = statistics.fmean(answers) if answers else DEFAULT_ANSWER_SECONDS
+        return seconds / max(per_update, 1e-9)
+
+    def _facts(self, reason: str, number: int, t: int) -> dict[str, Any]:
+        run, slots, observer = self.describe(), self.slots, self.observer
+        since = [b for b in observer.loss_bins if b["end"] > self.state.last_decision_update]
+        step_seconds = slots.current.step_seconds
+        timing = {"updater_ms": 1000 * statistics.fmean(step_seconds) if step_seconds else None,
+                  "analysis_ms": (1000 * statistics.fmean(observer.analysis_seconds)
+                                  if observer.analysis_seconds else None)}
+        return {"decision": number, "reason": reason, "update": t, "progress": run["progress"],
+                "total_steps": run["total_steps"], "goal": run["goal"], "remaining": self.schedule.remaining,
+                "lrs": run["lrs"], "version": slots.current.number, "losses": {"bins": rebin(since)},
+                "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
+                "report": observer.latest_report, "errors": observer.errors[-8:],
+                "last_change": self.state.last_change, "timing": timing,
+                "audit": {f"v{n:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
+                          for n, counts in sorted(slots.audits.items())},
+                "shapes": run["shapes"]}
+
+    def ask(self, reason: str, t: int) -> None:
+        if self.over_cost_cap(reason, t):
+            return
+        self.counts.asked += 1
+        number = self.counts.asked
+        facts = self._facts(reason, number, t)
+        message = self.agent.prepare(facts, self.slots.current.files)
+        self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
+                           version=self.slots.current.number)
+        self.observer.errors = []
+        self.state.last_decision_update = t
+        blocking = self.blocking
+        if blocking == "auto":
+            blocking = number == 1 or self.expected_lag() > self.max_lag
+        if "non-finite" in reason:
+            blocking = True  # training waits for an answer when the loss is not finite
+        started = time.perf_counter()
+        if blocking:
+            answer = self.agent.call(message, facts)
+            waited = time.perf_counter() - started
+            self.counts.waiting_seconds += waited
+            self.counts.agent_seconds += waited
+            self.apply(_Asked(number, answer, message, requested_at=t, seconds=waited, waited=waited), t)
+        else:
+            self.state.inflight = InFlight(number=number, message=message, facts=facts, started=started,
+                                           requested_at=t, reason=reason)
+            self.agent.start(self.state.inflight)
+
+    def poll(self, t: int, wait: bool = False) -> None:
+        """Apply the answer of the decision in flight if it has arrived (``wait``: wait for it), then ask what
+        was queued behind it."""
+        state = self.state
+        inflight = state.inflight
+        answer, waited = self.agent.collect(inflight, wait)
+        self.counts.waiting_seconds += waited
+        if answer is None:
+            return
+        seconds = time.perf_counter() - inflight.started
+        self.counts.agent_seconds += seconds
+        state.inflight = None
+        self.apply(_Asked(inflight.number, answer, inflight.message, requested_at=inflight.requested_at,
+                          seconds=seconds, waited=0.0), t)
+        if state.queued_reason is not None:
+            reason, state.queued_reason = state.queued_reason, None
+            self.ask(reason, t)
+
+    # -- answers ---------------------------------------------------------------------------------------------
+    def apply(self, asked: _Asked, t: int) -> Outcome:
+        """Apply one answer at update ``t``: late (after the last update), failed, kept, not loaded, or applied."""
+        answer, number = asked.answer, asked.number
+        self.counts.cost_usd += answer.cost_usd or 0.0
+        files = {"message.md": asked.message, "response.md": answer.rationale or ""}
+        meta = {"decision": number, "requested_at": asked.requested_at, "answered_at": t, "seconds": asked.seconds,
+                "waited_seconds": asked.waited, "usage": answer.usage, "cost_usd": answer.cost_usd}
+        if self.closing and not answer.failed:
+            # the answer came after the last update: there is no boundary left to apply it at
+            self.records.event(Event.LATE, update=t, decision=number, seconds=asked.seconds,
+                               message="the answer arrived after the last update and was not applied")
+            self.records.save_decision(number, files, {**meta, "outcome": Event.LATE})
+            return Outcome(Event.LATE, number)
+        meta["backend"] = self.agent.backend.describe()
+        if answer.transcript:
+            files["transcript.json"] = json.dumps(answer.transcript, indent=1, default=str)
+        lines = [line.strip() for line in (answer.rationale or "").strip().splitlines() if line.strip()]
+        summary = next((line for line in lines if line.lower().startswith(("changed", "kept"))), "")
+        common = {"update": t, "decision": number, "seconds": asked.seconds, "cost_usd": answer.cost_usd,
+                  "rationale": lines[0] if lines else "", "summary": summary}
+        if answer.failed:
+            self.counts.failed += 1
+            self.records.event(Event.DECISION_FAILED, message=answer.failed.splitlines()[0], **common)
+            self.records.save_decision(number, files, {**meta, "outcome": "failed", "error": answer.failed})
+            return Outcome(Event.DECISION_FAILED, number)
+        self.state.answer_seconds.append(asked.seconds)
+        del self.state.answer_seconds[:-ANSWER_SECONDS_KEPT]
+        edited = self.agent.edited()
+        if edited == self.slots.current.files:
+            self.counts.kept += 1
+            self.records.event(Event.KEPT, version=self.slots.current.number, **common)
+            self.records.save_decision(number, files, {**meta, "outcome": Event.KEPT})
+            return Outcome(Event.KEPT, number)
+        return self._swap(edited, files, meta, common, t)
+
+    def _swap(self, edited: dict[str, str], files: dict[str, str], meta: dict[str, Any], common: dict[str, Any],
+              t: int) -> Outcome:
+        number = common["decision"]
+        previous = self.slots.current
+        version, rejection = self.slots.swap_in(edited, t)
+        if rejection is not None:
+            self.counts.load_failed += 1
+            first = rejection.splitlines()[0]
+            self.observer.errors.append({"kind": "load_failed", "update": t, "version": version.number,
+                                         "message": first, "traceback": rejection})
+            self.records.event(Event.LOAD_FAILED, version=version.number, message=first, **common)
+            self.records.save_decision(number, files, {**meta, "outcome": Event.LOAD_FAILED, "error": rejection})
+            self.records.save_program(version.number, edited)
+            return Outcome(Event.LOAD_FAILED, number, version.number)
+        self.counts.applied += 1
+        self.records.save_program(version.number, edited)
+        changed = [name for name in PROGRAM_FILES if edited[name] != previous.files[name]]
+        diff = {name: _diff_lines(previous.files[name], edited[name]) for name in changed}
+        self.records.event(Event.APPLIED, version=version.number, previous=previous.number, files=changed,
+                           diff=diff, **common)
+        self.records.save_decision(number, files, {**meta, "outcome": Event.APPLIED, "version": version.number,
+                                                   "files": changed})
+        recent = [b["mean"] for b in self.observer.loss_bins[-4:] if b["mean"] is not None]
+        self.state.last_change = {"version": version.number, "decision": number, "applied_at": t, "files": changed,
+                                  "outcome": Event.APPLIED,
+                                  "loss_before": statistics.fmean(recent) if recent else None}
+        return Outcome(Event.APPLIED, number, version.number)
+
+    def reverted(self, version: int, t: int, reason: str) -> None:
+        """The version made by the last change failed at ``t``: the agent is told at its next decision."""
+        change = self.state.last_change
+        if change and change.get("version") == version:
+            change.update(outcome="reverted", reverted_at=t, reason=reason)
+
+    # -- the end, and checkpoints ----------------------------------------------------------------------------
+    def close(self, t: int, wait: bool) -> None:
+        """No boundary is left: a queued reason is skipped; a decision in flight is waited for (its answer is
+        late) or abandoned."""
+        self.closing = True
+        state = self.state
+        if state.queued_reason is not None:
+            self.records.event(Event.SKIPPED, update=t, reason=state.queued_reason,
+                               message="the run ended before this decision could be asked")
+            state.queued_reason = None
+        if state.inflight is None:
+            return
+        if wait:
+            while state.inflight is not None:
+                state.queued_reason = None
+                self.poll(t, wait=True)
+            return
+        if state.inflight.process is not None:
+            state.inflight.process.kill()
+        self.records.event(Event.ABANDONED, update=t, decision=state.inflight.number)
+        state.inflight = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A decision in flight is not waited for (a checkpoint must not make a non-blocking run block): the state
+        says it was asked, and a run resumed from it asks that decision again at its first boundary."""
+        state = self.state
+        counts = asdict(self.counts)
+        queued = state.queued_reason
+        if state.inflight is not None:
+            counts["asked"] -= 1
+            queued = state.inflight.reason if queued is None else f"{state.inflight.reason}; {queued}"
+        return {"schedule": self.schedule.state_dict(), "counts": counts, "wake_reason": state.wake_reason,
+                "queued_reason": queued, "last_decision_update": state.last_decision_update,
+                "last_change": state.last_change, "answer_seconds": list(state.answer_seconds)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(saved["schedule"])
+        self.counts = DecisionCounts(**saved["counts"])
+        self.state = DecisionState(wake_reason=saved["wake_reason"], queued_reason=saved["queued_reason"],
+                                   last_decision_update=int(saved["last_decision_update"]),
+                                   last_change=saved["last_change"], answer_seconds=list(saved["answer_seconds"]))

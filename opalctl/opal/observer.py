@@ -1,0 +1,224 @@
+"""What the optimizer sees of training: the losses, the analysis and its reports, the errors shown to the agent,
+the state a bad program is rolled back to, and the evaluation-integrity watch.
+
+Losses are kept as device tensors and read once per analysis interval, never once per update; ``analysis.py``
+runs on that interval, after the step, and may wake the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from opalctl.formats import Event
+from opalctl.opal.guard import contained, trace_of
+from opalctl.opal.messages import rebin
+from opalctl.opal.slots import Snapshot, Version
+from opalctl.scalars import read_floats
+
+GOOD_EVERY = 4  # checks of an agent's program between two renewals of the state it rolls back to
+LOSS_BINS_KEPT = 4096  # more bins than this are merged in pairs
+ANALYSIS_SECONDS_KEPT = 64
+
+
+def _number(value: float | None) -> str:
+    return "null" if value is None else repr(value)
+
+
+def losses_line(loss_bin: dict[str, Any], update: int) -> str:
+    """One line of ``losses.jsonl``: numbers only, formatted by hand (this runs every few updates); the same bytes
+    as ``losses_line_plain`` (tested). ``mean``, ``min`` and ``max`` are finite or None."""
+    return (f'{{"count":{loss_bin["count"]},"end":{loss_bin["end"]},"max":{_number(loss_bin["max"])},'
+            f'"mean":{_number(loss_bin["mean"])},"min":{_number(loss_bin["min"])},'
+            f'"nonfinite":{loss_bin["nonfinite"]},"start":{loss_bin["start"]},"update":{update}}}\n')
+
+
+def losses_line_plain(loss_bin: dict[str, Any], update: int) -> str:
+    """The plain twin of ``losses_line``, through ``json.dumps``."""
+    return json.dumps({**loss_bin, "update": update}, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+class Observer:
+    """The losses since the last analysis (``pending_losses``), their bins, the analysis's memory and latest
+    report, the errors the agent is shown at its next decision, and the rollback state ``good``."""
+
+    def __init__(self, records, roles: dict[str, str]):
+        self.records = records
+        self.roles = roles  # each parameter's role (see roles.py), shown to the analysis
+        self.pending_losses: list = []
+        self.loss_bins: list[dict[str, Any]] = []
+        self.analysis_seconds: list[float] = []
+        self._report_text: str | None = None  # the latest report as JSON text: most reports are never read
+        self.memory: dict[str, Any] = {}
+        self.errors: list[dict[str, Any]] = []
+        self.good: Snapshot | None = None
+
+    def observe(self, loss) -> None:
+        self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+
+    @staticmethod
+    def analysis_due(t: int, every: int) -> bool:
+        """Whether the step of update ``t`` (0-based) runs the analysis after it."""
+        return (t + 1) % every == 0
+
+    @staticmethod
+    def quiet_until(t: int, every: int) -> int:
+        """The next update from ``t`` whose step runs the analysis."""
+        return t + (every - 1 - t) % every
+
+    @property
+    def latest_report(self) -> dict[str, Any] | None:
+        return json.loads(self._report_text) if self._report_text is not None else None
+
+    def bin_losses(self, t: int) -> tuple[list[float], int]:
+        """Read the losses since the last analysis, keep their bin and write its line; returns them and how many
+        were not finite."""
+        losses = read_floats(self.pending_losses)
+        self.pending_losses = []
+        finite = [x for x in losses if x - x == 0.0]  # x - x is nan for nan and for infinities
+        mean = math.fsum(finite) / len(finite) if finite else None
+        low, high = (min(finite), max(finite)) if finite else (None, None)
+        loss_bin = {"start": t - len(losses) + 1, "end": t, "count": len(losses), "mean": mean,
+                    "min": low, "max": high, "nonfinite": len(losses) - len(finite)}
+        self.loss_bins.append(loss_bin)
+        if len(self.loss_bins) > LOSS_BINS_KEPT:
+            self.loss_bins = rebin(self.loss_bins, LOSS_BINS_KEPT // 2)
+        self.records.write_line("losses", losses_line(loss_bin, t))
+        return losses, loss_bin["nonfinite"]
+
+    def good_due(self, t: int, every: int) -> bool:
+        """Whether to renew the rollback state: on every GOOD_EVERY-th check of an agent's program (a copy of the
+        parameters, gradients and optimizer state is the dearest thing an agent's program adds to training)."""
+        return self.good is None or t - self.good.update >= GOOD_EVERY * every
+
+    def analyse(self, t: int, version: Version, *, progress: float, losses: list[float], params, before, grads,
+                optimizer_state, lrs: list[float]) -> str | None:
+        """Run ``version``'s analysis after update ``t``; keep its report; returns why it wakes the agent (None
+        when it does not). A failure is an error shown to the agent, and an ``analysis_failed`` event."""
+        obs = {"update": t, "progress": progress, "losses": losses, "params": dict(params), "before": before,
+               "grads": dict(grads.items()), "state": {name: optimizer_state.get(p, {}) for name, p in params.items()},
+               "roles": self.roles, "lrs": lrs}
+        started = time.perf_counter()
+        result, error = contained(self._analyze, version, obs)
+        self.analysis_seconds.append(time.perf_counter() - started)
+        del self.analysis_seconds[:-ANALYSIS_SECONDS_KEPT]
+        if error is not None:
+            message = f"{type(error).__name__}: {error}"
+            self.errors.append({"kind": "analysis", "update": t, "version": version.number, "message": message,
+                                "traceback": trace_of(error, -4)})
+            self.records.event(Event.ANALYSIS_FAILED, update=t, version=version.number, message=message)
+            try:
+                json.dumps(self.memory)
+            except (TypeError, ValueError):
+                self.memory = {}
+            return None
+        result, report_text = result
+        if report_text is not None:
+            self._report_text = report_text
+            self.records.write_line("reports", f'{{"report":{report_text},"update":{t},'
+                                               f'"version":{version.number}}}\n')
+        return str(result["wake"]) if result.get("wake") else None
+
+    def _analyze(self, version: Version, obs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        with torch.no_grad():
+            result = version.analysis.analyze(obs, self.memory)
+        if not isinstance(result, dict):
+            raise TypeError(f"analyze() returned {type(result).__name__}, not a dict")
+        return result, (json.dumps(result["report"], default=float) if "report" in result else None)
+
+    def memory_copy(self, t: int, version: Version) -> dict[str, Any]:
+        """The analysis memory as plain data (checked here, at checkpoints, rather than at every analysis)."""
+        try:
+            return json.loads(json.dumps(self.memory))
+        except (TypeError, ValueError) as error:
+            self.errors.append({"kind": "analysis", "update": t, "version": version.number,
+                                "message": f"the analysis memory holds something that is not plain data ({error}); "
+                                           f"it was cleared", "traceback": ""})
+            self.memory = {}
+            return {}
+
+    def state_dict(self, t: int, version: Version) -> dict[str, Any]:
+        if any(isinstance(x, torch.Tensor) for x in self.pending_losses):
+            self.pending_losses = [float(x.float()) if isinstance(x, torch.Tensor) else x for x in self.pending_losses]
+        return {"memory": self.memory_copy(t, version), "pending_losses": list(self.pending_losses),
+                "loss_bins": self.loss_bins, "latest_report": self.latest_report, "errors": self.errors}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.memory = state["memory"]
+        self.pending_losses = list(state["pending_losses"])
+        self.loss_bins = list(state["loss_bins"])
+        report = state["latest_report"]
+        self._report_text = json.dumps(report) if report is not None else None
+        self.errors = list(state["errors"])
+        self.good = None
+
+
+class IntegrityWatch:
+    """The evaluation-integrity recorder (a seeded sample of every tensor's entries recorded on the device after
+    each update; an evaluation opens a check of the window around it) and its findings."""
+
+    def __init__(self, named: dict[str, torch.Tensor], records, enabled: bool):
+        from opalctl.opal.integrity import IntegrityRecorder
+
+        self.recorder = IntegrityRecorder(named, seed=0) if enabled else None
+        self.findings: list[dict[str, Any]] = []
+        self.records = records
+
+    def quiet_until(self, t: int) -> int:
+        """``t`` while a check is pending (every step then sees whether it is due), else no limit."""
+        return t if self.recorder is not None and self.recorder.pending else 1 << 62
+
+    def after_step(self, t: int, layouts: bool) -> None:
+        """Record update ``t`` (``layouts``: compare strides and shapes too, see ``IntegrityRecorder.record``), and
+        run the checks that became due."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        recorder.record(t, layouts=layouts)
+        if recorder.pending:
+            findings = recorder.maybe_check(t)
+            if findings is not None:
+                self._found(findings, t)
+
+    def open_check(self, t: int) -> None:
+        if self.recorder is not None:
+            self.recorder.open_check(t)
+
+    def discontinuity(self, update: int) -> None:
+        if self.recorder is not None:
+            self.recorder.discontinuity(update)
+
+    def finish(self, t: int) -> None:
+        """Run the checks still pending, with what is recorded (at the end of a run)."""
+        if self.recorder is not None:
+            findings = self.recorder.flush()
+            if findings:
+                self._found(findings, t)
+
+    def _found(self, findings: list[dict[str, Any]], t: int) -> None:
+        for finding in findings:
+            flagged = finding.get("kind") == "round_trip"
+            self.findings.append({**finding, "flagged": flagged})
+            fields = {("finding" if key == "kind" else key): value for key, value in finding.items()
+                      if key != "update"}
+            self.records.event(Event.EVAL_INTEGRITY, update=t, flagged=flagged, **fields)
+
+    def figures(self) -> dict[str, Any] | None:
+        if self.recorder is None:
+            return None
+        return {"flagged": sum(1 for f in self.findings if f["flagged"]),
+                "information": sum(1 for f in self.findings if not f["flagged"]),
+                "tensors": sorted({f["tensor"] for f in self.findings if f["flagged"]})}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recorder": self.recorder.state_dict() if self.recorder is not None else None,
+                "findings": self.findings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.recorder is not None and state["recorder"] is not None:
+            self.recorder.load_state_dict(state["recorder"])
+        self.findings = list(state["findings"])

@@ -1,0 +1,251 @@
+"""The program slots: every version of the two programs, which one runs, which one a failure falls back to, the
+trial of a new version, and the snapshots a failed step is restored from.
+
+A ``Snapshot`` holds the parameters, their gradients, the user's optimizer state and the scheduler state, and
+``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a trial's or a
+rollback's snapshot is restored only when the version that was running when it was taken failed, and a failed
+version never runs again, so that state would never be read back. The state from before a swap is the one case
+where the version it was taken under runs on (after its successor was rejected or failed its first step); what
+the successor's ``build(params, previous, spec)`` did to ``previous`` is not undone, as it never was.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opalctl.opal.guard import contained, trace_of
+from opalctl.opal.programs import ProgramRejected, load_program
+
+PROGRAM_FILES = ("updater.py", "analysis.py")
+STEP_SECONDS_KEPT = 256  # the recent step durations a version keeps (the agent is shown their mean)
+
+
+@dataclass
+class Version:
+    number: int
+    files: dict[str, str]
+    status: str = "trial"  # trial, passed, failed
+    applied_at: int = 0
+    updater: Any = None
+    analysis: Any = None  # the loaded analysis module
+    every: int = 25
+    step_seconds: list[float] = field(default_factory=list)
+    steps: int = 0  # updates this version has stepped (the audit measures its second)
+
+    def timed(self, seconds: float) -> None:
+        """Keep one step's duration (the recent ones only)."""
+        self.step_seconds.append(seconds)
+        if len(self.step_seconds) > STEP_SECONDS_KEPT:
+            del self.step_seconds[:STEP_SECONDS_KEPT // 2]
+
+
+def clone(value: Any) -> Any:
+    """A deep copy in which tensors are detached clones (an optimizer's state dict, say)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(clone(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    return copy.deepcopy(value)
+
+
+@dataclass
+class Snapshot:
+    """The training state a failed step is restored to (see the module docstring for what it leaves out)."""
+
+    update: int
+    params: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    base: dict[str, Any]
+    scheduler: dict[str, Any] | None
+
+    @classmethod
+    def take(cls, update: int, named: dict[str, torch.Tensor], spec) -> Snapshot:
+        return cls(update=update,
+                   params={name: p.detach().clone() for name, p in named.items()},
+                   grads={name: (p.grad.detach().clone() if p.grad is not None else None)
+                          for name, p in named.items()},
+                   base=clone(spec.optimizer.state_dict()),
+                   scheduler=clone(spec.scheduler.state_dict()) if spec.scheduler is not None else None)
+
+    def restore(self, named: dict[str, torch.Tensor], spec) -> None:
+        with torch.no_grad():
+            for name, p in named.items():
+                saved = self.params[name]
+                if p.dtype != saved.dtype or tuple(p.shape) != tuple(saved.shape):
+                    p.data = saved.clone()
+                else:
+                    p.copy_(saved)
+                grad = self.grads[name]
+                p.grad = grad.clone() if grad is not None else None
+        spec.optimizer.load_state_dict(clone(self.base))
+        if self.scheduler is not None and spec.scheduler is not None:
+            spec.scheduler.load_state_dict(clone(self.scheduler))
+
+    def before_swap(self, swap: Snapshot) -> Snapshot:
+        """This trial snapshot with the parameters and optimizer state of ``swap`` (the state from just before
+        a new version's ``build``, which may have changed them): a failed first step restores to before it."""
+        return Snapshot(update=self.update, params=swap.params, grads=self.grads, base=swap.base,
+                        scheduler=swap.scheduler)
+
+
+class ProgramSlots:
+    """Versions, the running one (``current``), the one a failure hands over to (``fallback``), the trial of a
+    new version and the audits of each version's second step."""
+
+    def __init__(self, named: dict[str, torch.Tensor], spec, default_every: int, trial_steps: int):
+        self.named = named
+        self.spec = spec
+        self.default_every = default_every
+        self.trial_steps = trial_steps
+        self.versions: list[Version] = []
+        self.current: Version | None = None
+        self.fallback: Version | None = None
+        self.trial_left = 0
+        self.swap: Snapshot | None = None  # the state from before the running version's build, until it steps
+        self.audits: dict[int, dict[str, Any]] = {}
+        self.reverted = 0  # versions that failed and were handed over to their fallback
+        self.step_failures = 0  # failed steps (a fallback's failed redo counts too)
+
+    # -- installing ------------------------------------------------------------------------------------------
+    def start(self, files: dict[str, str]) -> Version:
+        """Install version 0 (the starting programs): it runs, and it is the fallback."""
+        self.install(Version(number=0, files=dict(files), status="passed"), previous=None)
+        self.fallback = self.current
+        return self.current
+
+    def install(self, version: Version, previous) -> None:
+        """Load both programs of ``version``, build its updater and make it current; raises ProgramRejected on any
+        failure (``build`` included)."""
+        label = f"v{version.number:03d}"
+        updater_program = load_program("updater", version.files["updater.py"], label=f"{label}/updater")
+        analysis_program = load_program("analysis", version.files["analysis.py"], label=f"{label}/analysis")
+        build = getattr(updater_program.module, "build", None)
+        analyze = getattr(analysis_program.module, "analyze", None)
+        if not callable(build):
+            raise ProgramRejected(f"{label}/updater.py must define build(params, previous, spec)")
+        if not callable(analyze):
+            raise ProgramRejected(f"{label}/analysis.py must define analyze(obs, memory)")
+        every = getattr(analysis_program.module, "EVERY", self.default_every)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ProgramRejected(f"{label}/analysis.py: EVERY must be a positive integer, not {every!r}")
+        updater, error = contained(build, self.named, previous, self.spec)
+        if error is not None:
+            raise ProgramRejected(f"{label}/updater.py build() raised {type(error).__name__}: {error}\n"
+                                  f"{trace_of(error, -3)}") from None
+        for method in ("step", "state_dict", "load_state_dict"):
+            if not callable(getattr(updater, method, None)):
+                raise ProgramRejected(f"{label}/updater.py: the object build() returns has no {method}()")
+        version.updater, version.analysis, version.every = updater, analysis_program.module, every
+        if version not in self.versions:
+            self.versions.append(version)
+        self.current = version
+
+    def swap_in(self, files: dict[str, str], update: int) -> tuple[Version, str | None]:
+        """Install an agent's edited programs as the next version and start its trial; on a rejection the state
+        from before is restored, the previous version runs on, and the version is kept as failed. Returns the
+        version and the rejection's text (None when it was installed)."""
+        swap = Snapshot.take(update, self.named, self.spec)
+        previous = self.current
+        version = Version(number=len(self.versions), files=files, applied_at=update)
+        try:
+            self.install(version, previous=previous.updater)
+        except ProgramRejected as error:
+            swap.restore(self.named, self.spec)
+            self.current = previous
+            failed = Version(number=version.number, files=files, status="failed", applied_at=update)
+            self.versions.append(failed)
+            return failed, str(error)
+        self.trial_left = self.trial_steps
+        self.swap = swap
+        return version, None
+
+    # -- the trial and failures ------------------------------------------------------------------------------
+    def trial_snapshot(self, update: int) -> Snapshot | None:
+        """Before a step: the state to restore should it fail, when the running version is in its trial (the
+        first trial step restores to before the swap). Called once per full step."""
+        swap, self.swap = self.swap, None
+        if self.current.status != "trial":
+            return None
+        snapshot = Snapshot.take(update, self.named, self.spec)
+        return snapshot.before_swap(swap) if swap is not None else snapshot
+
+    def trial_step_passed(self) -> bool:
+        """One trial step of the running version passed; True when that ended its trial (it is the fallback now)."""
+        self.trial_left -= 1
+        if self.trial_left > 0:
+            return False
+        self.current.status = "passed"
+        self.fallback = self.current
+        return True
+
+    def fallback_for(self, version: Version) -> Version:
+        return self.fallback if self.fallback is not version else self.versions[0]
+
+    def revert(self, version: Version) -> Version:
+        """``version`` failed: it never runs again; its fallback runs from now on (and is returned)."""
+        fallback = self.fallback_for(version)
+        version.status = "failed"
+        self.current = fallback
+        self.reverted += 1
+        return fallback
+
+    def to_start(self) -> Version:
+        """The fallback failed too: the starting program runs, and is the fallback, from now on."""
+        self.current = self.fallback = self.versions[0]
+        return self.current
+
+    def audit_due(self, version: Version) -> bool:
+        return version.steps == 1 and version.number not in self.audits
+
+    def quiet_until(self, t: int, released_start: bool) -> int:
+        """Up to which update the slots need nothing of a step but the released starting program's own: ``t``
+        (none) unless that program runs, passed, with its audit done."""
+        version = self.current
+        if version.number != 0 or not released_start or version.status != "passed" or 0 not in self.audits:
+            return t
+        return 1 << 62
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"versions": [{"number": v.number, "files": v.files, "status": v.status, "applied_at": v.applied_at,
+                              "steps": v.steps} for v in self.versions],
+                "current": self.current.number, "fallback": self.fallback.number, "trial_left": self.trial_left,
+                "updater": self.current.updater.state_dict(),
+                "fallback_updater": self.fallback.updater.state_dict() if self.fallback is not self.current else None,
+                "audits": {str(k): v for k, v in self.audits.items()}, "reverted": self.reverted,
+                "step_failures": self.step_failures}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Rebuild the versions (the running one, the fallback and version 0 are installed again, with the
+        optimizer and scheduler state already loaded) and their updaters' state."""
+        by_number = {entry["number"]: Version(number=entry["number"], files=dict(entry["files"]),
+                                              status=entry["status"], applied_at=entry["applied_at"],
+                                              steps=int(entry["steps"]))
+                     for entry in state["versions"]}
+        self.versions = []
+        for number in sorted(by_number):
+            if number in (state["current"], state["fallback"], 0):
+                self.install(by_number[number], previous=None)
+            else:
+                self.versions.append(by_number[number])
+        self.versions.sort(key=lambda v: v.number)
+        self.fallback = by_number[state["fallback"]]
+        self.current = by_number[state["current"]]
+        self.current.updater.load_state_dict(state["updater"])
+        if state["fallback_updater"] is not None and self.fallback is not self.current:
+            self.fallback.updater.load_state_dict(state["fallback_updater"])
+        self.trial_left = int(state["trial_left"])
+        self.audits = {int(k): v for k, v in state["audits"].items()}
+        self.reverted = int(state["reverted"])
+        self.step_failures = int(state["step_failures"])
+        self.swap = None
