@@ -121,7 +121,8 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
                                                           directions[primary], seconds_key)
         rows.append(entry)
     return {"lock": str(lock.path), "lock_sha256": lock.sha256, "runs": str(base), "baseline": baseline,
-            "clock": clock, "seconds_key": seconds_key, "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
+            "clock": clock, "seconds_key": seconds_key,
+            "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
             "primary": primary, "arms": rows}
 
 

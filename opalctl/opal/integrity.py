@@ -81,6 +81,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from opalctl.formats import RecordDamaged
+
 FORMAT = "opal-integrity/1"
 
 JUMP_FACTOR = 5.0  # a jump's change exceeds this many times the window's median non-zero change ...
@@ -629,17 +631,20 @@ class IntegrityRecorder:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("format") != FORMAT:
-            raise ValueError(f"this is not an integrity recorder state ({FORMAT})")
+            raise RecordDamaged(f"the saved state is not an integrity recorder state ({FORMAT}); resume from a "
+                                f"checkpoint this opalctl wrote")
         if dict(state["config"]) != self._config():
-            raise ValueError(f"the integrity recorder was saved with {dict(state['config'])}, not {self._config()}")
+            raise RecordDamaged(f"the integrity recorder was saved with {dict(state['config'])}, not {self._config()}; "
+                                f"resume with the settings the run started with")
         tensors = state["tensors"]
         unknown = [name for name in tensors if name not in self._all]
         if unknown:
-            raise ValueError(f"the integrity state samples tensors this model does not have: {unknown[:3]}")
+            raise RecordDamaged(f"the saved integrity state samples tensors this model does not have ({unknown[:3]}); "
+                                f"resume with the model the run started with")
         for name, entry in tensors.items():
             if tuple(entry["shape"]) != tuple(self._all[name].shape):
-                raise ValueError(f"tensor {name} has shape {tuple(self._all[name].shape)}, "
-                                 f"the integrity state {tuple(entry['shape'])}")
+                raise RecordDamaged(f"tensor {name} has shape {tuple(self._all[name].shape)}, the saved integrity "
+                                    f"state {tuple(entry['shape'])}; resume with the model the run started with")
         indices = {name: np.asarray(entry["indices"].cpu().numpy() if isinstance(entry["indices"], torch.Tensor)
                                     else entry["indices"], dtype=np.int64)
                    for name, entry in tensors.items()}

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from opalctl.formats import AgentFigures, Event
+from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
 from opalctl.opal.decisions import AgentLine, Decisions
 from opalctl.opal.guard import StepFailure, StepGuard, StepTimeout, contained, trace_of
@@ -460,7 +460,8 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"this is not an agent optimizer state ({FORMAT})")
+            raise RecordDamaged(f"the saved state is not an agent optimizer state ({FORMAT}); resume from a checkpoint "
+                                f"this opalctl wrote")
         self.records.truncate(state["records"])
         # the optimizer and scheduler first: the programs installed again are built on them
         self.spec.optimizer.load_state_dict(state["base"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from opalctl.formats import RecordDamaged
 from opalctl.opal import integrity
 from opalctl.opal.integrity import IntegrityRecorder, sample_indices, sample_sizes
 
@@ -512,9 +513,9 @@ def test_state_dict_resumes_the_ring_and_the_pending_checks():
     findings, _, _ = train(26, start=105, hook=hook, model=model, recorder=resumed)
     assert findings == whole
 
-    with pytest.raises(ValueError):
+    with pytest.raises(RecordDamaged):
         IntegrityRecorder(params, window_before=64).load_state_dict(saved)
-    with pytest.raises(ValueError):
+    with pytest.raises(RecordDamaged):
         IntegrityRecorder({"other": torch.nn.Parameter(torch.zeros(3))}).load_state_dict(saved)
 
 

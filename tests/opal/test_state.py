@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from opalctl.formats import RecordDamaged
 from opalctl.opal import wrap
 
 STEPS = 200
@@ -132,7 +133,7 @@ def test_state_survives_weights_only_load(opal, run_dir, tmp_path):
 def test_load_state_dict_refuses_a_foreign_state(opal, run_dir):
     model = opal.make_model()
     optimizer = wrap(opal.adamw(model), model, backend="keep", total_steps=STEPS, run_dir=run_dir)
-    with pytest.raises(ValueError, match="opal-state/2"):
+    with pytest.raises(RecordDamaged, match="opal-state/2"):
         optimizer.load_state_dict(opal.adamw(model).state_dict())
     optimizer.close()
 
