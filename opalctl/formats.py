@@ -128,10 +128,25 @@ def _from_json(cls, data: Any, what: str):
     return cls(**{key: value for key, value in data.items() if key in known})
 
 
+class _Record:
+    """A record's JSON form: its fields as a dict, and back (``WHAT`` names it in a refusal)."""
+
+    WHAT = "a record"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, what: str | None = None):
+        return _from_json(cls, data, what or cls.WHAT)
+
+
 @dataclass
-class StageRecord:
+class StageRecord(_Record):
     """``stage-NN.json``: one budget fraction's checkpoint, its metrics and the promotion decision about it.
     ``report.json`` lists the same records under ``stages``."""
+
+    WHAT = "a stage record"
 
     stage: int
     fraction: float
@@ -152,17 +167,12 @@ class StageRecord:
     loss: float | None  # the last update's training loss before this stage
     format: int = FORMAT_VERSION
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any, what: str = "a stage record") -> StageRecord:
-        return _from_json(cls, data, what)
-
 
 @dataclass
-class AgentFigures:
+class AgentFigures(_Record):
     """What an agent optimizer reports at its end (``close()``): its decisions, waiting, cost and checks."""
+
+    WHAT = "the agent figures"
 
     decisions_asked: int
     decisions_applied: int
@@ -180,17 +190,12 @@ class AgentFigures:
     eval_integrity: dict[str, Any] | None  # flagged, information, tensors; None when the check is off
     format: int = FORMAT_VERSION
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any, what: str = "the agent figures") -> AgentFigures:
-        return _from_json(cls, data, what)
-
 
 @dataclass
-class RunReport:
+class RunReport(_Record):
     """``report.json``: the figures of a finished run (written once, at its end)."""
+
+    WHAT = "a run report"
 
     lock_sha256: str
     protocol: str
@@ -220,10 +225,6 @@ class RunReport:
         if data["peak_device_memory_bytes"] is None:
             del data["peak_device_memory_bytes"]  # only a CUDA run has one
         return data
-
-    @classmethod
-    def from_json(cls, data: Any, what: str = "a run report") -> RunReport:
-        return _from_json(cls, data, what)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ incumbent, the anchor's metrics), so it can later move to a process of its own (
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,8 @@ class Incumbent:
 
 @dataclass(frozen=True)
 class StageFacts:
-    """What training knows when an update reaches one or more stages (the same for each of them)."""
+    """What training knows when an update reaches one or more stages (the same for each of them): these fields
+    are ``StageRecord``'s of the same names, passed on as they are."""
 
     update: int
     budget_used: float
@@ -131,12 +132,9 @@ class Judge:
             if decision.promoted:
                 incumbent = Incumbent(stage=stage.index + 1, metrics=metrics, checkpoint=checkpoint)
             records.append(StageRecord(
-                stage=stage.index + 1, fraction=self.fractions[stage.index], update=facts.update,
-                budget_used=facts.budget_used, budget_fraction_used=facts.budget_fraction_used,
-                examples=facts.examples, train_cpu_seconds=facts.train_cpu_seconds,
-                train_wall_seconds=facts.train_wall_seconds, checkpoint={**checkpoint, "bytes": stage.bytes},
-                metrics=metrics, eval_seconds=eval_seconds, incumbent_before=before,
-                decision=decision.to_json(), promoted=decision.promoted, incumbent_after=incumbent.label,
-                shared_state_with=[other.index + 1 for other in saved if other.index != stage.index],
-                loss=facts.loss))
+                stage=stage.index + 1, fraction=self.fractions[stage.index], **asdict(facts),
+                checkpoint={**checkpoint, "bytes": stage.bytes}, metrics=metrics, eval_seconds=eval_seconds,
+                incumbent_before=before, decision=decision.to_json(), promoted=decision.promoted,
+                incumbent_after=incumbent.label,
+                shared_state_with=[other.index + 1 for other in saved if other.index != stage.index]))
         return records, incumbent
