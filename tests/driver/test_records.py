@@ -160,8 +160,9 @@ def test_the_helper_ends_with_the_training_process_and_writes_nothing_more(tmp_p
     assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1, 2, 3]
 
 
-def test_a_closed_writer_refuses_more_lines_in_one_sentence_and_closes_twice_quietly(tmp_path):
-    writer = StepsWriter(tmp_path / "steps.jsonl.gz")
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+def test_a_closed_writer_refuses_more_lines_in_one_sentence_and_closes_twice_quietly(tmp_path, in_process):
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz", in_process=in_process)
     writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(2))
     writer.close()
     writer.close()

@@ -262,9 +262,8 @@ def test_record_makes_no_host_synchronisation(monkeypatch):
     assert_sampled(recorder, params, 6)
 
 
-# -- the rules -----------------------------------------------------------------------------------------------------
-def test_a_round_trip_around_an_evaluation_is_flagged_naming_the_tensor_and_both_updates():
-    t = 150
+def round_trip_hook(t: int, also=None):
+    """A hook that moves WEIGHT away at update ``t`` and back at ``t + 1`` (``also(u, params)`` runs too)."""
     holder = {}
 
     def hook(u, params):
@@ -273,7 +272,16 @@ def test_a_round_trip_around_an_evaluation_is_flagged_naming_the_tensor_and_both
             params[WEIGHT].add_(holder["delta"])
         elif u == t + 1:
             params[WEIGHT].sub_(holder["delta"])
+        elif also is not None:
+            also(u, params)
 
+    return hook
+
+
+# -- the rules -----------------------------------------------------------------------------------------------------
+def test_a_round_trip_around_an_evaluation_is_flagged_naming_the_tensor_and_both_updates():
+    t = 150
+    hook = round_trip_hook(t)
     findings, recorder, _ = train(200, evals=(50, 100, t), hook=hook)
     trips = kinds(findings, "round_trip")
     assert len(trips) == 1, findings
@@ -472,15 +480,6 @@ def test_the_check_runs_once_the_window_after_is_recorded():
     assert recorder.flush() is None
 
 
-def round_trip_hook(t):
-    def hook(u, params):
-        if u == t:
-            params[WEIGHT].add_(delta_for(WEIGHT, params))
-        elif u == t + 1:
-            params[WEIGHT].sub_(delta_for(WEIGHT, params))
-    return hook
-
-
 def test_state_dict_resumes_the_ring_and_the_pending_checks():
     t = 100
     whole, _, _ = train(130, evals=(t,), hook=round_trip_hook(t))
@@ -552,16 +551,12 @@ def test_the_one_gather_per_ring_and_its_plain_twin_record_the_same_samples_and_
     """``alias=False`` copies every tensor on its own: the same rows bit for bit, and the same findings, through a
     round trip and a tensor given new memory (which rebuilds the gather plan)."""
     t = 150
-    holder = {}
 
-    def hook(u, params):
-        if u == t:
-            holder["delta"] = delta_for(WEIGHT, params)
-            params[WEIGHT].add_(holder["delta"])
-        elif u == t + 1:
-            params[WEIGHT].sub_(holder["delta"])
-        elif u == 120:
+    def new_memory(u, params):
+        if u == 120:
             params["2.bias"].data = params["2.bias"].detach().clone()  # new memory: the plan is made again
+
+    hook = round_trip_hook(t, also=new_memory)
 
     runs = {}
     for alias in (True, False):
