@@ -4,6 +4,10 @@
 session (once per xdist worker) into a folder that no test touches; ``digits_project`` hands each test its own
 copy to break as it likes. ``run_cli`` runs the real command in a subprocess (what a user types); ``call_cli``
 runs ``opalctl.cli.main`` in this process, which is much faster and is what the fuzz test uses.
+
+A test that needs a system component (Landlock, chromium, Slurm, ...) skips with a reason that starts with
+``SYSTEM_SKIP`` where the component is missing (a user's laptop). CI installs every such component and sets
+``OPALCTL_REQUIRE_SYSTEM=1``, under which such a skip is a failure: CI never passes by skipping them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = [1, 2]
+SYSTEM_SKIP = "needs a system component:"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("OPALCTL_REQUIRE_SYSTEM") == "1" and SYSTEM_SKIP in str(report.longrepr):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under OPALCTL_REQUIRE_SYSTEM=1 (CI must run it): {report.longrepr}"
 
 
 @dataclass
@@ -131,6 +145,7 @@ def helpers():
         flip_byte = staticmethod(flip_byte)
         sha256_of = staticmethod(sha256_of)
         tree = staticmethod(tree)
+        SYSTEM_SKIP = SYSTEM_SKIP
         SEEDS = tuple(SEEDS)
         REPO = REPO
 
