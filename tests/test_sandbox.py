@@ -55,6 +55,18 @@ def udp():
         sender.sendto(b"probe", ("127.0.0.1", given["udp_port"]))
 
 
+def abstract_unix():
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(given["abstract"].encode("latin-1"))
+
+
+def run_written(when):
+    script = run / f"written-{when}.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    subprocess.run([str(script)], check=True)
+
+
 def mknod(when):
     os.mknod(run / f"null-{when}", 0o600 | 0o020000, os.makedev(1, 3))  # a character device like /dev/null
 
@@ -86,6 +98,8 @@ def probes(when):
     probe(f"{when}.connect", connect)
     probe(f"{when}.bind", bind)
     probe(f"{when}.udp", udp)
+    probe(f"{when}.abstract_unix", abstract_unix)
+    probe(f"{when}.run_written", lambda: run_written(when))
     probe(f"{when}.write_outside", lambda: (outside / f"{when}.txt").write_text("x"))
     probe(f"{when}.read_data", data.read_bytes)
     probe(f"{when}.read_beside_package", lambda: Path(given["beside_package"]).read_bytes())
@@ -128,14 +142,18 @@ def probed(tmp_path_factory):
     data.write_bytes(b"the evaluation split the training process must not read")
     import_root = Path(opalctl.__file__).resolve().parent.parent
     beside = next((p for p in sorted(import_root.iterdir()) if p.is_file()), data)
-    with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+    abstract = f"\0opalctl-sandbox-test-{os.getpid()}"
+    with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, \
+            socket.socket(socket.AF_UNIX) as unix:
         tcp.bind(("127.0.0.1", 0))
         tcp.listen(8)
         udp.bind(("127.0.0.1", 0))
+        unix.bind(abstract.encode("latin-1"))
+        unix.listen(8)
         elder = subprocess.Popen(["sleep", "120"], env={**os.environ, "OPALCTL_TEST_SECRET": "sk-elder-secret"})
         try:
             given = {"run": str(run), "outside": str(outside), "data": str(data), "beside_package": str(beside),
-                     "tcp_port": tcp.getsockname()[1], "udp_port": udp.getsockname()[1], "elder": elder.pid,
+                     "abstract": abstract, "tcp_port": tcp.getsockname()[1], "udp_port": udp.getsockname()[1], "elder": elder.pid,
                      "source": SCENARIO}
             child = subprocess.run([sys.executable, "-c", SCENARIO, json.dumps(given)], cwd=project,
                                    capture_output=True, text=True, timeout=180,
@@ -182,6 +200,16 @@ def test_udp_reaches_nothing_once_the_process_has_its_own_network_namespace(prob
     if probed["confinement"]["reason"] and "UDP" in probed["confinement"]["reason"]:
         pytest.skip(f"not stopped here, and recorded so: {probed['confinement']['reason']}")
     assert_refused_only_after(probed, "udp", ("ENETUNREACH",))
+
+
+def test_an_abstract_unix_socket_of_another_process_is_refused(probed):
+    if probed["confinement"]["abi"] < 6 and probed["confinement"]["reason"]:
+        pytest.skip("abstract unix sockets are scoped from Landlock ABI 6 (or left with the network namespace)")
+    assert_refused_only_after(probed, "abstract_unix", ("EPERM", "ECONNREFUSED"))
+
+
+def test_a_program_written_into_the_run_folder_cannot_be_executed(probed):
+    assert_refused_only_after(probed, "run_written")
 
 
 def test_a_write_outside_the_writable_folders_is_refused(probed):
