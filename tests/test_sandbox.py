@@ -288,3 +288,45 @@ def test_confining_from_another_thread_is_refused_before_anything_is_applied():
     thread.join()
     assert errors == ["confine_process must run on the main thread: Landlock confines only the calling thread"]
     assert Path(__file__).read_bytes()  # this process stays unconfined: a file outside every allowlist reads
+
+
+WITHOUT_LANDLOCK = r'''
+import ctypes, json, sys
+from pathlib import Path
+
+# A seccomp filter answers ENOSYS to landlock_create_ruleset (444), as a kernel without Landlock does.
+class Instruction(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+LOAD_NR, JUMP_IF_EQUAL, RETURN = 0x20, 0x15, 0x06
+filter_ = (Instruction * 4)(Instruction(LOAD_NR, 0, 0, 0), Instruction(JUMP_IF_EQUAL, 0, 1, 444),
+                            Instruction(RETURN, 0, 0, 0x00050000 | 38), Instruction(RETURN, 0, 0, 0x7FFF0000))
+program = Program(4, filter_)
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, which a filter needs
+assert libc.prctl(22, 2, ctypes.byref(program), 0, 0) == 0, ctypes.get_errno()  # PR_SET_SECCOMP, FILTER
+
+from opalctl.sandbox import confine_process, training_paths
+
+outside = Path(sys.argv[1])
+confinement = confine_process(writable=[outside / "run"], readable=training_paths())
+(outside / "written-after.txt").write_text("nothing was applied")
+print(json.dumps(confinement.to_json()))
+'''
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
+                    reason="the seccomp filter that hides Landlock is written for x86_64 Linux")
+def test_without_landlock_nothing_is_applied_and_the_reason_is_recorded(tmp_path):
+    (tmp_path / "run").mkdir()
+    child = subprocess.run([sys.executable, "-c", WITHOUT_LANDLOCK, str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr
+    confinement = json.loads(child.stdout)
+    assert confinement == {"mechanism": "none", "abi": None, "network_denied": False, "writable": [], "readable": [],
+                           "listable": [],
+                           "reason": "this kernel has no Landlock (Linux 5.13 or later has it); nothing applied"}
+    assert (tmp_path / "written-after.txt").read_text() == "nothing was applied"
