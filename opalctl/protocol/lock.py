@@ -4,6 +4,10 @@ A lock is canonical JSON (sorted keys), so its sha256 is a stable identity: run 
 first 12 hex digits, and ``compare`` refuses runs of another lock. Paths inside it are relative to the lock's
 own folder, so a project folder can be moved or cloned whole. ``protocol_sha256`` is the digest of the resolved
 protocol as written in the lock, so a hand edit of the lock itself is caught by ``verify`` as well.
+
+A lock is checked again where it is used, never trusted because it parses: ``validated_protocol`` runs the checks
+``freeze`` runs on a protocol file (sealed data, the task, the optimizers, the backends), so a lock edited by hand
+with its records and digest recomputed is refused by ``verify`` and by ``run`` as its protocol file would be.
 """
 
 from __future__ import annotations
@@ -50,10 +54,25 @@ class Lock:
         return self.data["protocol"]
 
     def protocol(self):
-        """The resolved protocol as a validated ``Protocol`` (lax types: JSON keys are strings)."""
-        from opalctl.protocol.schema import Protocol
+        """The resolved protocol as a ``Protocol``, parsed by the schema's own strict rules; a value the schema
+        refuses is a ``ProtocolError`` naming this lock and the key (exit 2), never a traceback."""
+        from opalctl.protocol.schema import ProtocolError, parse
 
-        return Protocol.model_validate(self.resolved, strict=False)
+        try:
+            return parse(_seed_keys(self.resolved), {}, f"lock {self.path}")
+        except ProtocolError as error:
+            raise _refreeze(error) from None
+
+    def validated_protocol(self):
+        """The protocol checked as ``freeze`` checks a protocol file (its paths relative to the lock's folder)."""
+        from opalctl.protocol.schema import ProtocolError, validate
+
+        protocol = self.protocol()
+        try:
+            validate(protocol, {}, f"lock {self.path}", self.folder)
+        except ProtocolError as error:
+            raise _refreeze(error) from None
+        return protocol
 
     def resolve(self, relative: str) -> Path:
         return (self.folder / relative).resolve() if not Path(relative).is_absolute() else Path(relative)
@@ -82,6 +101,22 @@ class Lock:
 
     def parent_path(self, seed: int) -> Path:
         return self.resolve(self.resolved["parents"][str(seed)])
+
+
+def _seed_keys(resolved: dict) -> dict:
+    """The protocol as a protocol file gives it: JSON made the seeds of ``parents`` strings, the schema wants ints."""
+    parents = resolved.get("parents")
+    if isinstance(parents, dict):
+        parents = {int(key) if isinstance(key, str) and key.isdigit() else key: value
+                   for key, value in parents.items()}
+        return {**resolved, "parents": parents}
+    return resolved
+
+
+def _refreeze(error):
+    """The schema's sentence, with what to do about a lock: it is written by freeze only, never edited."""
+    error.details.append("`opalctl freeze` never writes such a lock: correct the protocol file and freeze it again")
+    return error
 
 
 def read_lock(path: str | Path) -> Lock:

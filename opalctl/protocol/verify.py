@@ -3,6 +3,13 @@
 Like ``dvc status``: each record is ``ok``, ``changed`` (same size, other bytes), ``resized`` or ``missing``.
 The formal run calls the same function before it trains anything, so a run can never start on inputs that are
 not the ones that were frozen.
+
+When every record matches, the lock's protocol is validated as ``freeze`` validates a protocol file
+(``Lock.validated_protocol``): matching records prove only that the lock agrees with itself, and a lock edited by
+hand (a split pointed at sealed data, its record and digest recomputed) agrees with itself too. Such a lock is
+bad input (exit 2, the sentence ``freeze`` would give naming the lock and the key), not a changed input (exit 3):
+no file can be restored to fix it, only a new freeze of a valid protocol. A changed record is reported first,
+because restoring it may be the whole fix (a task module that is importable again).
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ def added_package_files(lock: Lock) -> list[dict[str, Any]]:
 
 
 def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
-    """Check every record (or only ``roles``); never raises for a difference, it reports it."""
+    """Check every record (or only ``roles``); never raises for a difference, it reports it. With no difference,
+    raises ``ProtocolError`` (exit 2) when the lock's protocol is one ``freeze`` refuses."""
     results = [check_record(lock, role, record) for role, record in sorted(lock.records.items())
                if roles is None or role in roles]
     problems = [r for r in results if r["status"] != "ok"]
@@ -54,6 +62,8 @@ def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
         problems += added_package_files(lock)
     if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
         problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
+    if not problems:
+        lock.validated_protocol()
     return {
         "lock": str(lock.path),
         "sha256": lock.sha256,
@@ -70,7 +80,8 @@ def describe(problems: list[dict]) -> str:
 
 
 def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
-    """Raise InputChanged (exit 3) naming every changed file; used by ``run`` and ``pilot`` before any work."""
+    """Raise InputChanged (exit 3) naming every changed file, or ProtocolError (exit 2) for a lock whose protocol
+    ``freeze`` refuses; used by ``run`` and ``pilot`` before any work."""
     report = verify_lock(lock, roles)
     if not report["ok"]:
         count = len(report["problems"])

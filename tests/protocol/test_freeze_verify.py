@@ -454,3 +454,103 @@ def test_freeze_of_a_missing_protocol_is_bad_input(tmp_path, cli_inprocess):
     assert result.code == 2
     assert result.stderr == f"opalctl: error: protocol {tmp_path / 'absent.yaml'} does not exist; check the path " \
                             f"(or write one with `opalctl init`)\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the lock's protocol is validated again where the lock is used, as freeze validates a protocol file
+
+
+def forge_lock(project: Path, edit) -> Path:
+    """A lock edited by hand the way a forger would: ``edit(lock)`` changes its protocol (and may move a file),
+    then every data record and the protocol's digest are recomputed, so the lock agrees with itself."""
+    from opalctl.files import file_record
+    from opalctl.protocol.lock import protocol_digest
+
+    lock = read_lock(project)
+    edit(lock)
+    for split, relative in lock["protocol"]["data"].items():
+        lock["records"][f"data.{split}"] = file_record(project / relative, project)
+    lock["protocol_sha256"] = protocol_digest(lock["protocol"])
+    return write_lock(project / LOCK_NAME, lock)
+
+
+def point_selection_at_sealed_data(project: Path):
+    def edit(lock: dict) -> None:
+        (project / "sealed").mkdir()
+        shutil.copy(project / "data/digits/selection.npz", project / "sealed/selection.npz")
+        lock["protocol"]["data"]["selection"] = "sealed/selection.npz"
+    return edit
+
+
+def assert_refused_naming_the_lock(result, lock: Path, key: str, text: str):
+    assert result.code == 2, result.output
+    first, *details = result.stderr.splitlines()
+    assert first.startswith(f"opalctl: error: lock {lock}: {key}: "), result.stderr
+    assert text in first, first
+    assert details == ["  `opalctl freeze` never writes such a lock: correct the protocol file and freeze it again"]
+    assert "Traceback" not in result.output
+
+
+def test_a_forged_lock_naming_sealed_data_is_refused_by_verify_with_exit_2(digits_project, cli_inprocess, cli):
+    freeze(cli_inprocess, digits_project)
+    lock = forge_lock(digits_project, point_selection_at_sealed_data(digits_project))
+    assert load_lock(lock).records["data.selection"]["path"] == "sealed/selection.npz"
+    for result in (verify(cli_inprocess, lock), verify(cli_inprocess, lock, "--json"), cli("verify", lock)):
+        assert_refused_naming_the_lock(result, lock, "data.selection", "names sealed data ('sealed')")
+
+
+def test_a_forged_lock_naming_sealed_data_is_refused_by_run_before_any_work(digits_project, cli_inprocess,
+                                                                            tmp_path):
+    freeze(cli_inprocess, digits_project)
+    lock = forge_lock(digits_project, point_selection_at_sealed_data(digits_project))
+    runs = tmp_path / "runs"
+    result = cli_inprocess("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)
+    assert_refused_naming_the_lock(result, lock, "data.selection", "names sealed data ('sealed')")
+    assert not runs.exists() or not any(runs.rglob("*.json"))
+
+
+def test_a_forged_lock_whose_parent_is_sealed_is_refused(digits_project, cli_inprocess):
+    freeze(cli_inprocess, digits_project)
+
+    def edit(lock: dict) -> None:
+        (digits_project / "final-test").mkdir()
+        shutil.copy(digits_project / "parents/digits/seed-1.pt", digits_project / "final-test/seed-1.pt")
+        lock["protocol"]["parents"]["1"] = "final-test/seed-1.pt"
+        lock["records"]["parent.seed-1"]["path"] = "final-test/seed-1.pt"
+
+    lock = forge_lock(digits_project, edit)
+    assert_refused_naming_the_lock(verify(cli_inprocess, lock), lock, "parents", "names sealed data ('final-test')")
+
+
+@pytest.mark.parametrize("key, value, named, text", [
+    (("budget", "fractions"), [0.5, 0.25, 1.0], "budget.fractions", "fractions must increase strictly"),
+    (("budget", "amount"), "twenty", "budget.amount", "valid number"),
+    (("arms", "adamw", "optimizer", "lr"), -1.0, "arms.adamw.optimizer.name", "AdamW refuses these arguments"),
+    (("task", "config", "hidden"), 0, "task.config.hidden", "greater than"),
+], ids=["fractions", "amount-type", "optimizer-value", "task-config"])
+def test_a_lock_whose_protocol_is_edited_to_an_invalid_value_is_refused(digits_project, cli_inprocess, tmp_path,
+                                                                        key, value, named, text):
+    freeze(cli_inprocess, digits_project)
+
+    def edit(lock: dict) -> None:
+        node = lock["protocol"]
+        for part in key[:-1]:
+            node = node[part]
+        node[key[-1]] = value
+
+    lock = forge_lock(digits_project, edit)
+    assert_refused_naming_the_lock(verify(cli_inprocess, lock), lock, named, text)
+    result = cli_inprocess("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "runs")
+    assert_refused_naming_the_lock(result, lock, named, text)
+
+
+def test_an_edited_invalid_lock_whose_digest_was_not_recomputed_is_a_change_with_exit_3(digits_project,
+                                                                                        cli_inprocess):
+    """A changed record is named first: the edit shows as a change, which restoring the lock undoes."""
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    lock["protocol"]["budget"]["fractions"] = [0.5, 0.25, 1.0]
+    write_lock(digits_project / LOCK_NAME, lock)
+    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    assert result.code == 3, result.output
+    assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
