@@ -2,6 +2,11 @@
 it, the cost cap), how it is asked (in the foreground, or in the background while training goes on), and what
 becomes of its answer (``apply`` returns an ``Outcome``; every outcome is an event and a ``decisions/NNN``
 folder).
+
+Where the work happens is the ``AgentLine``'s: a backend that runs agent code or talks to the network answers in
+the agent host (``opalctl.opal.agents.host``), blocking or not, the same answers either way; the training process
+only writes the question into the workspace and reads the programs back, never following a link and refusing a
+program that is no regular UTF-8 file (a load failure with the sentence).
 """
 
 from __future__ import annotations

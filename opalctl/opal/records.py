@@ -102,11 +102,6 @@ class Redaction:
         return "".join(parts)
 
 
-def redact(text: str, extra: list[str] | None = None) -> str:
-    """``text`` through a redaction of ``extra`` and the secret-looking variables of this process's environment."""
-    return Redaction(extra or [], environ=os.environ)(text)
-
-
 def _json_line(value: dict[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain) + "\n"
 
