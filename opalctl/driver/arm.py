@@ -41,21 +41,19 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
 
 def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
     """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates."""
-    import os
-
     from opalctl.opal import wrap
     from opalctl.opal.agents import registry
 
     agent = arm.agent
     backend = registry.from_protocol(agent)
-    # the key never reaches a file: the records redact it wherever it would appear
-    secrets = [os.environ.get("ANTHROPIC_API_KEY", ""), os.environ.get("ANTHROPIC_AUTH_TOKEN", "")]
-    secrets += [backend.secret()] if hasattr(backend, "secret") else []
+    # the key never reaches a file: the records' one redaction catches it, and any piece of it, together with
+    # every secret-looking variable of the environment (opalctl.opal.records.Redaction)
+    secrets = backend.secrets()
     decisions, _ = agent_decisions(arm, budget)
     wrapped = wrap(optimizer, model, goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend,
                    decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
                    trial_steps=agent.trial_steps, run_dir=run_dir, prompt=agent.prompt, clip=clip,
-                   max_lag=agent.max_lag, manual_boundaries=True, secrets=[s for s in secrets if len(s) >= 8])
+                   max_lag=agent.max_lag, manual_boundaries=True, secrets=secrets)
     wrapped.max_cost_usd = agent.max_cost_usd  # no decision is asked once the rest is below its expected cost
     return wrapped
 

@@ -2,11 +2,17 @@
 it, the cost cap), how it is asked (in the foreground, or in the background while training goes on), and what
 becomes of its answer (``apply`` returns an ``Outcome``; every outcome is an event and a ``decisions/NNN``
 folder).
+
+Where the work happens is the ``AgentLine``'s: a backend that runs agent code or talks to the network answers in
+the agent host (``opalctl.opal.agents.host``), blocking or not, the same answers either way; the training process
+only writes the question into the workspace and reads the programs back, never following a link and refusing a
+program that is no regular UTF-8 file (a load failure with the sentence).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -18,8 +24,10 @@ from typing import Any
 
 from opalctl.formats import Event
 from opalctl.opal.agents import Answer
+from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
+from opalctl.opal.agents.workspace import META_FOLDER, read_program, real_folder, write_file_here
 from opalctl.opal.messages import rebin, render
-from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots
+from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Version
 
 DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
 ANSWER_SECONDS_KEPT = 64
@@ -50,8 +58,7 @@ class InFlight:
     requested_at: int
     reason: str
     result: Answer | None = None
-    thread: threading.Thread | None = None
-    process: Any = None
+    thread: threading.Thread | None = None  # a backend that answers here, in the background
 
 
 @dataclass(frozen=True)
@@ -72,39 +79,80 @@ def _diff_lines(old: str, new: str) -> dict[str, int]:
             "removed": sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))}
 
 
+class HostedBackend:
+    """What the training process keeps of a backend whose decisions run in the agent host: its name, its
+    description and its time limit (the backend itself, and any key it holds, stay out of this process)."""
+
+    runs_in = "host"
+
+    def __init__(self, backend):
+        self.name = backend.name
+        self.description = backend.describe()
+        self.seconds_per_decision = backend.seconds_per_decision
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.description)
+
+
 class AgentLine:
     """The line to the agent: its backend, the workspace where it edits the programs, and how a question is sent
-    (called here, or run in a thread or in a worker process) and its answer collected."""
+    (to the agent host, or, for a backend that runs no agent code and talks to no one, called here or in a
+    thread) and its answer collected. Everything it writes goes through the records' redaction."""
 
-    def __init__(self, backend, workspace: Path, scratch: bool, prompt_text: str):
-        self.backend = backend
-        self.workspace = workspace
+    def __init__(self, backend, workspace: Path, scratch: bool, prompt_text: str,
+                 redaction: Callable[[str], str] | None = None):
+        from opalctl.opal.records import Redaction
+
+        self.workspace = real_folder(workspace)
         self.scratch = scratch  # a temporary folder (no run folder was given), removed by close()
         self.prompt_text = prompt_text
+        self.redaction = redaction or Redaction(environ=os.environ)
+        self.host: AgentHost | None = None
+        self.backend = backend
+        if backend.runs_in == "host":
+            self.host = AgentHost(backend.recipe())
+            self.backend = HostedBackend(backend)
+            scrub_environment()  # the host holds the keys now; neither programs nor later children see them
+        self.limit = limit_of(self.backend)
 
     def close(self) -> None:
+        if self.host is not None:
+            for name, value in self.host.environment().items():  # the agent is done: the keys come back
+                os.environ.setdefault(name, value)
+            self.host.stop()
         if self.scratch:
             import shutil
 
             shutil.rmtree(self.workspace, ignore_errors=True)
 
-    def prepare(self, facts: dict[str, Any], files: dict[str, str]) -> str:
-        """Put the running programs and the facts in the workspace; returns the message the agent reads."""
+    def prepare(self, facts: dict[str, Any], files: dict[str, str]) -> tuple[str, dict[str, Any]]:
+        """Put the running programs and the facts in the workspace (a link left in the place of one is
+        replaced, never followed); returns the message the agent reads and the facts, both redacted."""
+        root = real_folder(self.workspace)
         for name in PROGRAM_FILES:
-            (self.workspace / name).write_text(files[name], encoding="utf-8")
-        meta = self.workspace / ".opal"
-        meta.mkdir(exist_ok=True)
-        message = self.prompt_text + "\n\n" + render(facts, files)
-        (meta / "facts.json").write_text(json.dumps(facts, sort_keys=True, default=float), encoding="utf-8")
-        (meta / "message.md").write_text(message, encoding="utf-8")
-        return message
+            write_file_here(root / name, files[name].encode("utf-8"))
+        meta = real_folder(root / META_FOLDER)
+        message = self.redaction(self.prompt_text + "\n\n" + render(facts, files))
+        facts_text = self.redaction(json.dumps(facts, sort_keys=True, default=float))
+        write_file_here(meta / "facts.json", facts_text.encode("utf-8"))
+        write_file_here(meta / "message.md", message.encode("utf-8"))
+        return message, json.loads(facts_text)
 
-    def edited(self) -> dict[str, str]:
-        """The programs as the agent left them in the workspace."""
-        return {name: (self.workspace / name).read_text(encoding="utf-8") if (self.workspace / name).exists() else ""
-                for name in PROGRAM_FILES}
+    def edited(self) -> tuple[dict[str, str], str | None]:
+        """The programs as the agent left them in the workspace, and why they cannot be loaded (None: they can
+        be tried; see ``workspace.read_program``)."""
+        files, problems = {}, []
+        for name in PROGRAM_FILES:
+            files[name], problem = read_program(self.workspace, name)
+            if problem is not None:
+                problems.append(problem)
+        return files, "; ".join(problems) or None
 
-    def call(self, message: str, facts: dict[str, Any]) -> Answer:
+    def call(self, number: int, message: str, facts: dict[str, Any]) -> Answer:
+        """Decision ``number``, waited for."""
+        if self.host is not None:
+            self.host.ask(number, self.workspace, message, facts, self.limit)
+            return self.host.answer(number, wait=True, seconds=self.limit)
         try:
             answer = self.backend.decide(self.workspace, message, facts)
             return answer if isinstance(answer, Answer) else Answer(rationale=str(answer))
@@ -112,50 +160,33 @@ class AgentLine:
             return Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
 
     def start(self, inflight: InFlight) -> None:
-        if self.backend.runs_in == "process":
-            import subprocess
-            import sys
-
-            inflight.process = subprocess.Popen(
-                [sys.executable, "-m", "opalctl.opal.agents.worker", self.backend.name, str(self.workspace)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if self.host is not None:
+            self.host.ask(inflight.number, self.workspace, inflight.message, inflight.facts, self.limit)
             return
 
         def work() -> None:
-            inflight.result = self.call(inflight.message, inflight.facts)
+            inflight.result = self.call(inflight.number, inflight.message, inflight.facts)
 
         inflight.thread = threading.Thread(target=work, name="opal-decision", daemon=True)
         inflight.thread.start()
 
     def collect(self, inflight: InFlight, wait: bool) -> tuple[Answer | None, float]:
         """The answer of a decision in flight (None while it works) and the seconds spent waiting for it."""
-        waited = 0.0
-        if inflight.process is not None:
-            process = inflight.process
-            if wait:
-                started = time.perf_counter()
-                process.wait()
-                waited = time.perf_counter() - started
-            if process.poll() is None:
-                return None, waited
-            return self._answer_of(process), waited
+        started = time.perf_counter()
+        if self.host is not None:
+            answer = self.host.answer(inflight.number, wait=wait, seconds=self.limit)
+            return answer, (time.perf_counter() - started if wait else 0.0)
         if wait:
-            started = time.perf_counter()
             inflight.thread.join()
-            waited = time.perf_counter() - started
+        waited = time.perf_counter() - started if wait else 0.0
         if inflight.thread.is_alive():
             return None, waited
         return inflight.result, waited
 
-    def _answer_of(self, process) -> Answer:
-        answer_path = self.workspace / ".opal" / "answer.json"
-        if process.returncode == 0 and answer_path.exists():
-            data = json.loads(answer_path.read_text())
-            answer_path.unlink()
-            return Answer(rationale=data.get("rationale", ""), failed=data.get("failed"))
-        stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
-        return Answer(rationale="", failed=f"the agent process exited with {process.returncode}: "
-                                           f"{stderr.strip()[-2000:]}")
+    def abandon(self, inflight: InFlight) -> None:
+        """Stop working on a decision in flight (a thread is left to finish; its answer is never read)."""
+        if self.host is not None:
+            self.host.cancel(inflight.number)
 
 
 @dataclass
@@ -305,7 +336,7 @@ class Decisions:
         self.counts.asked += 1
         number = self.counts.asked
         facts = self._facts(reason, number, t)
-        message = self.agent.prepare(facts, self.slots.current.files)
+        message, facts = self.agent.prepare(facts, self.slots.current.files)
         self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
                            version=self.slots.current.number)
         self.observer.errors = []
@@ -317,7 +348,7 @@ class Decisions:
             blocking = True  # training waits for an answer when the loss is not finite
         started = time.perf_counter()
         if blocking:
-            answer = self.agent.call(message, facts)
+            answer = self.agent.call(number, message, facts)
             waited = time.perf_counter() - started
             self.counts.waiting_seconds += waited
             self.counts.agent_seconds += waited
@@ -373,7 +404,9 @@ class Decisions:
             return Outcome(Event.DECISION_FAILED, number)
         self.state.answer_seconds.append(asked.seconds)
         del self.state.answer_seconds[:-ANSWER_SECONDS_KEPT]
-        edited = self.agent.edited()
+        edited, unreadable = self.agent.edited()
+        if unreadable is not None:
+            return self._refuse(edited, unreadable, files, meta, common, t)
         if edited == self.slots.current.files:
             self.counts.kept += 1
             self.records.event(Event.KEPT, version=self.slots.current.number, **common)
@@ -381,20 +414,33 @@ class Decisions:
             return Outcome(Event.KEPT, number)
         return self._swap(edited, files, meta, common, t)
 
+    def _refuse(self, edited: dict[str, str], problem: str, files: dict[str, str], meta: dict[str, Any],
+                common: dict[str, Any], t: int) -> Outcome:
+        """A program the workspace cannot give as a regular UTF-8 file (a link, a folder, a fifo, other bytes):
+        a load failure with the sentence, and a failed version, as a program the check refused."""
+        version = Version(number=len(self.slots.versions), files=edited, status="failed", applied_at=t)
+        self.slots.versions.append(version)
+        return self._load_failed(version, problem, edited, files, meta, common, t)
+
+    def _load_failed(self, version: Version, rejection: str, edited: dict[str, str], files: dict[str, str],
+                     meta: dict[str, Any], common: dict[str, Any], t: int) -> Outcome:
+        number = common["decision"]
+        self.counts.load_failed += 1
+        first = rejection.splitlines()[0]
+        self.observer.errors.append({"kind": "load_failed", "update": t, "version": version.number,
+                                     "message": first, "traceback": rejection})
+        self.records.event(Event.LOAD_FAILED, version=version.number, message=first, **common)
+        self.records.save_decision(number, files, {**meta, "outcome": Event.LOAD_FAILED, "error": rejection})
+        self.records.save_program(version.number, edited)
+        return Outcome(Event.LOAD_FAILED, number, version.number)
+
     def _swap(self, edited: dict[str, str], files: dict[str, str], meta: dict[str, Any], common: dict[str, Any],
               t: int) -> Outcome:
         number = common["decision"]
         previous = self.slots.current
         version, rejection = self.slots.swap_in(edited, t)
         if rejection is not None:
-            self.counts.load_failed += 1
-            first = rejection.splitlines()[0]
-            self.observer.errors.append({"kind": "load_failed", "update": t, "version": version.number,
-                                         "message": first, "traceback": rejection})
-            self.records.event(Event.LOAD_FAILED, version=version.number, message=first, **common)
-            self.records.save_decision(number, files, {**meta, "outcome": Event.LOAD_FAILED, "error": rejection})
-            self.records.save_program(version.number, edited)
-            return Outcome(Event.LOAD_FAILED, number, version.number)
+            return self._load_failed(version, rejection, edited, files, meta, common, t)
         self.counts.applied += 1
         self.records.save_program(version.number, edited)
         changed = [name for name in PROGRAM_FILES if edited[name] != previous.files[name]]
@@ -432,8 +478,7 @@ class Decisions:
                 state.queued_reason = None
                 self.poll(t, wait=True)
             return
-        if state.inflight.process is not None:
-            state.inflight.process.kill()
+        self.agent.abandon(state.inflight)
         self.records.event(Event.ABANDONED, update=t, decision=state.inflight.number)
         state.inflight = None
 

@@ -123,14 +123,15 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._plain_until = 0  # see _plan: the only writer
         self.guard = StepGuard(step_time_limit, self.named)
         run_dir = Path(run_dir) if run_dir is not None else None
-        self.records = OpalRecords(run_dir, secrets)
+        self.records = OpalRecords(run_dir, [*(secrets or []), *backend.secrets()])
         self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()})
         self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
         self.slots = ProgramSlots(self.named, self.spec, every, trial_steps)
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
                              max_wakes if max_wakes is not None else max(1, decisions // 2)),
-            AgentLine(backend, *_workspace(run_dir), prompt_text(prompt)), self.records, self.slots,
+            AgentLine(backend, *_workspace(run_dir), prompt_text(prompt), self.records.redaction), self.records,
+            self.slots,
             self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress)
         self._released_start = self._start(sources, decisions=decisions, blocking=blocking,
                                            trial_steps=trial_steps, prompt=prompt)

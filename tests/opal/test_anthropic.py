@@ -31,7 +31,8 @@ import yaml
 from opalctl.driver.records import read_steps
 from opalctl.driver.run import run
 from opalctl.errors import BadInput
-from opalctl.opal.agents.anthropic import DEFAULT_PRICES, Workspace, cost_of, default_prices, dry_run
+from opalctl.opal.agents.anthropic import DEFAULT_PRICES, Workspace, cost_of, default_prices
+from opalctl.opal.agents.dry_run import dry_run
 from opalctl.opal.messages import prompt_text
 from opalctl.protocol.freeze import freeze
 
@@ -258,7 +259,7 @@ def test_paths_out_of_the_workspace_are_refused_and_the_agent_sees_it(project, k
     assert events(run_dir, "kept") and not events(run_dir, "applied")
 
 
-def test_a_symlink_out_of_the_workspace_is_refused(tmp_path):
+def test_a_symlink_out_of_the_workspace_is_refused_for_reading_and_replaced_for_writing(tmp_path):
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (tmp_path / "secret.txt").write_text("outside")
@@ -267,13 +268,15 @@ def test_a_symlink_out_of_the_workspace_is_refused(tmp_path):
     os.symlink(tmp_path, workspace / "up")
     space = Workspace(workspace)
     assert space.read("updater.py") == "x = 1\n"
+    assert "link.txt (a link)" in space.list_files() and "up (a link)" in space.list_files()
     for path in ("link.txt", "up/secret.txt"):
         with pytest.raises(Exception, match="outside the workspace"):
             space.read(path)
-        with pytest.raises(Exception, match="outside the workspace"):
-            space.write(path, "changed")
+    with pytest.raises(Exception, match="outside the workspace"):
+        space.write("up/secret.txt", "changed")  # a link on the way: refused
+    space.write("link.txt", "changed")  # the link itself is replaced by a file, never followed
+    assert not (workspace / "link.txt").is_symlink() and (workspace / "link.txt").read_text() == "changed"
     assert (tmp_path / "secret.txt").read_text() == "outside"
-    assert "link.txt (a link)" in space.list_files()
 
 
 BROKEN_STEP = "        self.optimizer.step()\n"

@@ -14,7 +14,8 @@ act on the workspace only:
                      (``opalctl.opal.agents.dry_run``)
 
 Paths are confined to the workspace (``opalctl.opal.agents.workspace``): an absolute path, a ``..`` part, or a
-symlink that leads out is refused, and the refusal is the tool's result (the agent reads it and goes on). The
+symlink on the way is refused (a write replaces a link, never follows it), and so is a write past the files or
+bytes one decision may write; the refusal is the tool's result (the agent reads it and goes on). The
 optimizer's own folder ``.opal`` is read-only. The loop ends when the agent answers without a tool call; that final text is the rationale. Each
 decision has at most ``turns`` requests and ``seconds_per_decision`` seconds; the last turn is sent with tools
 switched off, so the agent must end with its rationale.
@@ -25,8 +26,9 @@ decision goes on. *Failed* (400, 401, 403, 404 and every other 4xx) ends the dec
 message: the optimizer records a ``decision_failed`` event and training goes on with the programs it has.
 
 Cost of a decision = its summed token usage times the model's prices (USD per million tokens). The API key comes
-from ``ANTHROPIC_API_KEY`` (or ``api_key=``) and is only ever handed to the SDK; ``secret()`` gives it to the
-records so that anything that would carry it is redacted. ``base_url=`` or ``ANTHROPIC_BASE_URL`` points the
+from ``ANTHROPIC_API_KEY`` (or ``api_key=``) and is only ever handed to the SDK; ``secrets()`` gives it to the
+redaction so that anything that would carry it is redacted. The whole decision runs in a worker of the agent
+host (``opalctl.opal.agents.host``), and each ``check_programs`` in a child of its own without the key. ``base_url=`` or ``ANTHROPIC_BASE_URL`` points the
 client at another server (the tests use a loopback one).
 """
 
@@ -45,9 +47,9 @@ from pydantic import Field
 from opalctl.errors import BadInput
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
-from opalctl.opal.agents.dry_run import dry_run
+from opalctl.opal.agents.dry_run import DRY_RUN_SECONDS, check_in_child
 from opalctl.opal.agents.options import ModelOptions, Strict
-from opalctl.opal.agents.workspace import Refused, Workspace
+from opalctl.opal.agents.workspace import PROGRAM_FILES, Refused, Workspace, read_program
 
 # Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
 # are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
@@ -168,7 +170,7 @@ def cost_of(usage: dict[str, Any], prices: dict[str, float]) -> float:
 
 class AnthropicBackend(Backend):
     name = "anthropic"
-    runs_in = "thread"  # it only waits on the network (and runs a tiny dry run)
+    runs_in = "host"  # it talks to the network and dry-runs the agent's programs
     backoff_seconds = 2.0  # the first wait after an unavailable answer without retry-after; doubles each time
 
     def __init__(self, model: str | None = None, max_tokens: int = OPTION_DEFAULTS.max_tokens,
@@ -187,6 +189,7 @@ class AnthropicBackend(Backend):
                            f"arms.NAME.agent.prices (input, output, cache_read, cache_write in USD per million tokens)")
         self.prompt_text = prompt_text
         self.effort = effort if self.model in EFFORT_MODELS else None
+        self._key_given = bool(api_key)  # a key from the environment is not passed on: the host holds it
         self._api_key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
         if not self._api_key:
             raise BadInput("agent backend 'anthropic' needs an API key: set ANTHROPIC_API_KEY in the environment of "
@@ -202,9 +205,18 @@ class AnthropicBackend(Backend):
         self.client = anthropic.Anthropic(api_key=self._api_key, base_url=self.base_url, max_retries=0,
                                           open_telemetry=False)
 
-    def secret(self) -> str:
-        """The API key, for the records' redaction list (never for a file)."""
-        return self._api_key
+    def secrets(self) -> list[str]:
+        """The API key, for the redaction (never for a file)."""
+        return [self._api_key]
+
+    def recipe(self) -> dict[str, Any]:
+        options = {"model": self.model, "max_tokens": self.max_tokens, "turns": self.turns,
+                   "seconds_per_decision": self.seconds_per_decision, "retries": self.retries,
+                   "prices": self.prices, "prompt_text": self.prompt_text, "base_url": self.base_url,
+                   "effort": self.effort}
+        if self._key_given:
+            options["api_key"] = self._api_key
+        return {"backend": self.name, "options": options}
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "model": self.model, "max_tokens": self.max_tokens, "turns": self.turns,
@@ -213,12 +225,11 @@ class AnthropicBackend(Backend):
 
     # -- one decision ------------------------------------------------------------------------------------------
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
+        from opalctl.opal.records import Redaction
+
         deadline = time.monotonic() + self.seconds_per_decision
-        space = Workspace(workspace)
-        running = {}
-        for name in ("updater.py", "analysis.py"):
-            path = Path(workspace) / name
-            running[name] = path.read_text(encoding="utf-8") if path.is_file() else ""
+        space = Workspace(workspace, redaction=Redaction(self.secrets(), environ=os.environ))
+        running = {name: read_program(Path(workspace), name)[0] for name in PROGRAM_FILES}
         prompt = self._prompt_for(message)
         system = (prompt.rstrip() + "\n\n" + TOOL_INSTRUCTIONS) if prompt else TOOL_INSTRUCTIONS
         user = message[len(prompt):].lstrip() if prompt and message.startswith(prompt) else message
@@ -259,7 +270,8 @@ class AnthropicBackend(Backend):
             results: list[dict[str, Any]] = []
             for call in calls:
                 started = time.monotonic()
-                result, is_error = self._tool(space, call["name"], call.get("input") or {}, facts, running)
+                result, is_error = self._tool(space, call["name"], call.get("input") or {}, facts, running,
+                                              deadline)
                 transcript.append({"event": "tool", "turn": turn, "name": call["name"],
                                    "input": _shorten(call.get("input")), "result": _shorten(result),
                                    "is_error": is_error, "seconds": time.monotonic() - started})
@@ -327,7 +339,7 @@ class AnthropicBackend(Backend):
             attempt += 1
 
     def _tool(self, space: Workspace, name: str, arguments: dict[str, Any], facts: dict[str, Any],
-              running: dict[str, str]) -> tuple[str, bool]:
+              running: dict[str, str], deadline: float) -> tuple[str, bool]:
         if not isinstance(arguments, dict):
             return "the tool's input must be an object", True
         try:
@@ -340,7 +352,8 @@ class AnthropicBackend(Backend):
             if name == "replace_text":
                 return space.replace(arguments.get("path"), arguments.get("old"), arguments.get("new")), False
             if name == "check_programs":
-                problem = dry_run(space.root, facts, running)
+                seconds = min(DRY_RUN_SECONDS, deadline - time.monotonic())
+                problem = check_in_child(space.root, facts, running, seconds)
                 return ("ok: both programs load, build, step and analyse on stand-in tensors of the run's shapes"
                         if problem is None else problem), problem is not None
         except Refused as refusal:

@@ -2,9 +2,13 @@
 module declares itself to the registry (``opalctl.opal.agents.registry``).
 
 A backend may only change files in the workspace (``updater.py``, ``analysis.py``); the optimizer reads them
-back, checks and loads them. ``runs_in`` says how a non-blocking decision is run: ``"process"`` for backends that
-compute (their CPU time must not land on the training process's clock), ``"thread"`` for backends that only
-wait on I/O.
+back, checks and loads them. ``runs_in`` says where a decision's work runs: ``"host"`` for every backend that
+runs agent-authored code or talks to the network (a worker process of the agent host,
+``opalctl.opal.agents.host``, with a time limit of ``seconds_per_decision`` and then some), ``"here"`` for the
+ones that do neither (``keep``, and a user's own callable given to ``wrap()``: the user's code, not an agent's),
+which answer in the training process (a non-blocking one in a thread). A hosted backend says how the worker
+builds it again (``recipe``: plain JSON), which keys it uses (``secrets``), and what one decision hands to the
+next (``carry`` / ``resume``: a session to continue, say).
 
 This module imports nothing heavy: a decision's worker process loads it.
 """
@@ -20,18 +24,34 @@ if TYPE_CHECKING:
     from opalctl.opal.agents.options import Options
 
 
+DEFAULT_DECISION_SECONDS = 120.0  # the time limit of a hosted decision whose backend sets none
+
+
 @dataclass
 class Answer:
+    """A decision's answer; it crosses from the agent host's worker to the training process as ``to_json()``."""
+
     rationale: str
     usage: dict[str, Any] = field(default_factory=dict)
     cost_usd: float = 0.0
     transcript: list[dict[str, Any]] = field(default_factory=list)
     failed: str | None = None  # set when the backend could not answer (the decision fails, training goes on)
 
+    def to_json(self) -> dict[str, Any]:
+        return {"rationale": self.rationale, "usage": self.usage, "cost_usd": self.cost_usd,
+                "transcript": self.transcript, "failed": self.failed}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Answer:
+        return cls(rationale=str(data.get("rationale") or ""), usage=dict(data.get("usage") or {}),
+                   cost_usd=float(data.get("cost_usd") or 0.0), transcript=list(data.get("transcript") or []),
+                   failed=data.get("failed"))
+
 
 class Backend:
     name = "backend"
-    runs_in = "thread"
+    runs_in = "here"
+    seconds_per_decision = DEFAULT_DECISION_SECONDS
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:  # pragma: no cover
         raise NotImplementedError
@@ -39,12 +59,28 @@ class Backend:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 
+    def recipe(self) -> dict[str, Any]:
+        """How a worker builds this backend again: ``{"backend": <a protocol's backend value>, "options": {...}}``
+        (plain JSON, given to ``registry.create``). Only a backend that runs in the host needs one."""
+        raise TypeError(f"backend {self.name!r} runs in the agent host but says no recipe() to build it there")
+
+    def secrets(self) -> list[str]:
+        """The keys this backend uses, for the redaction (never for a file)."""
+        return []
+
+    def carry(self) -> dict[str, Any]:
+        """What the next decision's backend needs of this one (plain JSON; the host hands it on)."""
+        return {}
+
+    def resume(self, carried: dict[str, Any]) -> None:
+        """Take what the previous decision's backend carried."""
+
 
 class FunctionBackend(Backend):
     """A Python callable ``fn(workspace: Path, message: str) -> str`` that edits files and returns its rationale."""
 
     name = "callable"
-    runs_in = "thread"
+    runs_in = "here"  # the user's own code, not an agent's
 
     def __init__(self, function: Callable[[Path, str], str]):
         self.function = function

@@ -55,7 +55,7 @@ nothing. When you are done, answer with your rationale only: that text is record
 
 class ClaudeCodeBackend(Backend):
     name = "claude-code"
-    runs_in = "thread"  # it only waits on a child process
+    runs_in = "host"  # the CLI talks to the network and edits the workspace
 
     def __init__(self, model: str | None = None, turns: int | None = None,
                  seconds_per_decision: float = ModelOptions().seconds_per_decision,
@@ -78,6 +78,19 @@ class ClaudeCodeBackend(Backend):
         return {"backend": self.name, "binary": self.binary, "model": self.model, "turns": self.turns,
                 "seconds_per_decision": self.seconds_per_decision, "allowed_tools": ALLOWED_TOOLS,
                 "disallowed_tools": DISALLOWED_TOOLS}
+
+    def recipe(self) -> dict[str, Any]:
+        return {"backend": self.name, "options": {"model": self.model, "turns": self.turns,
+                                                  "seconds_per_decision": self.seconds_per_decision,
+                                                  "prompt_text": self.prompt_text, "binary": self.binary,
+                                                  "env": self.env}}
+
+    def carry(self) -> dict[str, Any]:
+        """The session the next decision resumes."""
+        return {"session_id": self.session_id}
+
+    def resume(self, carried: dict[str, Any]) -> None:
+        self.session_id = carried.get("session_id")
 
     def command(self) -> list[str]:
         argv = [self.binary, "-p", "--output-format", "json", "--allowedTools", ALLOWED_TOOLS,

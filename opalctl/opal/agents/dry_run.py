@@ -3,15 +3,75 @@
 The static check, ``build()`` on stand-in tensors of the run's real parameter shapes and dtypes wrapped in a fresh
 AdamW, one step on random gradients, ``state_dict()`` / ``load_state_dict()``, one ``analyze()``; the answer is the
 error text, or None when the programs pass. torch is imported when a dry run starts, not with this module.
+
+A dry run executes the agent's code, so the backends run it in a child process of its own (``check_in_child``:
+``python -m opalctl.opal.agents.dry_run``), with the secret-looking variables taken out of its environment, a
+time limit, and, where ``opalctl.sandbox`` is there, no network and no writes; whatever the programs do to
+torch or to the process ends with it. ``dry_run`` is the check itself, as the child runs it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import traceback
 from pathlib import Path
 from typing import Any
+
+DRY_RUN_SECONDS = 60.0  # one check's limit (and never past the decision's own)
+STDERR_CHARS = 2000
+
+
+def check_in_child(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None,
+                   seconds: float = DRY_RUN_SECONDS) -> str | None:
+    """``dry_run`` in a child process without the secrets, stopped after ``seconds``: its error text, or None."""
+    from opalctl.opal.records import secret_names
+
+    environment = {name: value for name, value in os.environ.items() if name not in secret_names(os.environ)}
+    question = json.dumps({"workspace": str(workspace), "facts": facts, "running": running}).encode()
+    child = subprocess.Popen([sys.executable, "-m", "opalctl.opal.agents.dry_run"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
+    try:
+        out, err = child.communicate(question, timeout=max(seconds, 0.1))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return (f"the check ran past its limit of {seconds:g} s and was stopped: a program that never returns (a "
+                f"loop at its top level, in build(), step() or analyze()) would stop the run the same way; make "
+                f"every part return quickly")
+    try:
+        return json.loads(out)["problem"]
+    except (ValueError, KeyError, TypeError):
+        tail = err.decode(errors="replace").strip()[-STDERR_CHARS:]
+        return f"the check's process ended with exit code {child.returncode} before it answered: {tail}"
+
+
+def _confine_if_possible(workspace: Path) -> None:
+    """No network and no writes for the programs on trial, where the OS layer (``opalctl.sandbox``) exists."""
+    try:
+        from opalctl.sandbox import confine_process, training_paths
+    except ImportError:
+        return
+    import tempfile
+
+    confine_process(writable=[Path(tempfile.gettempdir())], readable=[*training_paths(), Path(workspace)],
+                    deny_network=True)
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # what the programs print goes to standard error
+    question = json.loads(sys.stdin.read())
+    import torch  # noqa: F401 - loaded before the confinement, as the training process loads it
+
+    _confine_if_possible(Path(question["workspace"]))
+    problem = dry_run(Path(question["workspace"]), question["facts"], question["running"])
+    out.write(json.dumps({"problem": problem}))
+    out.close()
+    return 0
 
 
 def _stand_ins(facts: dict[str, Any]):
@@ -46,14 +106,15 @@ def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | No
 
 
 def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
-    from opalctl.opal.optimizer import PROGRAM_FILES
+    from opalctl.opal.agents.workspace import PROGRAM_FILES, read_program
 
     sources = {}
     for name in PROGRAM_FILES:
-        path = Path(workspace) / name
-        if not path.is_file():
+        if not os.path.lexists(Path(workspace) / name):
             return f"{name} is missing from the workspace; write it"
-        sources[name] = path.read_text(encoding="utf-8")
+        sources[name], problem = read_program(Path(workspace), name)
+        if problem is not None:
+            return problem
     loaded = _loaded_programs(sources)
     if isinstance(loaded, str):
         return loaded
@@ -188,3 +249,7 @@ class _Trial:
         except (TypeError, ValueError) as error:
             return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
         return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,7 +68,10 @@ def _fmt(value: float | None) -> str:
 
 class HeuristicBackend(Backend):
     name = "heuristic"
-    runs_in = "process"
+    runs_in = "host"  # it computes: its CPU time must not land on the training process's clock
+
+    def recipe(self) -> dict[str, Any]:
+        return {"backend": self.name, "options": {}}
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
         if not facts:

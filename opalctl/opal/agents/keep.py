@@ -10,7 +10,7 @@ from opalctl.opal.agents.base import Answer, Backend, BackendKind
 
 class KeepBackend(Backend):
     name = "keep"
-    runs_in = "thread"
+    runs_in = "here"  # it runs no code and talks to no one
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
         return Answer(rationale="Observed: nothing was examined (the keep backend never changes anything).\n"

@@ -34,7 +34,7 @@ WITH_VERSION = (Event.APPLIED, Event.LOAD_FAILED)
 
 class ReplayBackend(Backend):
     name = "replay"
-    runs_in = "thread"  # it copies two files
+    runs_in = "host"  # it reads another run's folder, which a confined training process may not read
 
     def __init__(self, source: str | Path):
         given = str(source)
@@ -65,6 +65,9 @@ class ReplayBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "source": str(self.source), "decisions": len(self.plan)}
+
+    def recipe(self) -> dict[str, Any]:
+        return {"backend": f"{self.name}:{self.source}", "options": {}}
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
         number = int(facts.get("decision") or 0)

@@ -1,35 +1,79 @@
-"""A decision answered in a child process: ``python -m opalctl.opal.agents.worker BACKEND WORKSPACE``.
+"""One decision, answered in a worker process of the agent host: ``python -m opalctl.opal.agents.worker [BACKEND]``.
 
-Non-blocking decisions of backends that compute (the heuristic) run here, so that their CPU time never lands on
-the training process's clock (``time.process_time`` counts every thread of a process, and no child). The worker
-reads the message and facts the optimizer left in ``WORKSPACE/.opal/``, edits the programs in the workspace, and
-writes ``.opal/answer.json`` with the rationale (or the failure).
+The host starts a worker before its decision (``BACKEND`` names the backend whose module it imports while it
+waits), then writes the question on its standard input as one JSON object: the backend's ``recipe``, what the
+previous decision's backend ``carry``-ed, the ``workspace``, the ``message`` and the ``facts``. The worker builds
+the backend, lets it decide, sweeps the workspace (links and special files removed, the limits on what a
+decision leaves, every file through the redaction: ``workspace.sweep``) and writes ``{"answer", "carry"}`` on
+its standard output. Anything the backend prints goes to standard error, which the host keeps for a failure's
+message. The worker holds the host's environment (the key), and runs no agent program itself: the dry run of
+a program is a child of its own (``opalctl.opal.agents.dry_run``) without the secrets.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
 
+MAX_TRANSCRIPT_CHARS = 1_000_000  # what one decision's transcript may hold once written out
+
+
+def _capped(transcript: list) -> list:
+    """The transcript's entries while they fit in ``MAX_TRANSCRIPT_CHARS``, then one entry saying what was left
+    out (the last entry, the end of the decision, is always kept)."""
+    sizes = [len(json.dumps(entry, default=str)) for entry in transcript]
+    if sum(sizes) <= MAX_TRANSCRIPT_CHARS:
+        return transcript
+    kept, used = [], len(json.dumps(transcript[-1], default=str)) if transcript else 0
+    for entry, size in zip(transcript[:-1], sizes):
+        if used + size > MAX_TRANSCRIPT_CHARS:
+            break
+        kept.append(entry)
+        used += size
+    left_out = len(transcript) - 1 - len(kept)
+    return kept + [{"event": "cut", "entries_left_out": left_out,
+                    "reason": f"the transcript is cut at {MAX_TRANSCRIPT_CHARS} characters"}] + transcript[-1:]
+
+
+def answer(question: dict) -> dict:
+    """The worker's answer to one question (``{"answer": ..., "carry": ...}``); a failure is a failed answer."""
+    from opalctl.opal.agents import Answer, registry
+    from opalctl.opal.agents.workspace import PROGRAM_FILES, sweep
+    from opalctl.opal.records import Redaction
+
+    recipe = question["recipe"]
+    workspace = Path(question["workspace"])
+    carry: dict = {}
+    try:
+        backend = registry.create(recipe["backend"], **(recipe.get("options") or {}))
+        backend.resume(question.get("carry") or {})
+        result = backend.decide(workspace, question["message"], question["facts"])
+        result = result if isinstance(result, Answer) else Answer(rationale=str(result))
+        carry = backend.carry()
+        secrets = backend.secrets()
+    except Exception as error:  # the agent's failure is a failed decision, never the end of training
+        result = Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
+        secrets = []
+    swept = sweep(workspace, Redaction(secrets, environ=os.environ), keep=PROGRAM_FILES)
+    if swept:
+        result.transcript.append({"event": "sweep", "done": swept})
+    result.transcript = _capped(result.transcript)
+    return {"answer": result.to_json(), "carry": carry}
+
 
 def main(argv: list[str]) -> int:
-    backend_name, workspace = argv[0], Path(argv[1])
-    from opalctl.opal.agents import make_backend
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # whatever the backend prints goes to standard error, not into the answer
+    if argv and argv[0]:
+        from opalctl.opal.agents import registry
 
-    meta = workspace / ".opal"
-    message = (meta / "message.md").read_text(encoding="utf-8")
-    facts = json.loads((meta / "facts.json").read_text(encoding="utf-8"))
-    try:
-        answer = make_backend(backend_name).decide(workspace, message, facts)
-        result = {"rationale": answer.rationale, "failed": answer.failed, "usage": answer.usage,
-                  "cost_usd": answer.cost_usd}
-    except Exception as error:
-        result = {"rationale": "", "failed": f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}"}
-    temporary = meta / "answer.json.tmp"
-    temporary.write_text(json.dumps(result), encoding="utf-8")
-    temporary.replace(meta / "answer.json")
+        registry.find(argv[0])  # import the backend's module while the decision is not yet asked
+    question = json.loads(sys.stdin.read())
+    out.write(json.dumps(answer(question), default=str))
+    out.close()
     return 0
 
 
