@@ -54,7 +54,7 @@ import signal
 import torch
 import torch.nn.functional as F
 
-from opalctl.opal.agents.heuristic import HeuristicBackend
+from opalctl.opal.decisions import AgentLine
 from opalctl.tasks.digits import Digits
 
 CALLS = {"loss": 0, "evaluate": 0, "decide": 0}
@@ -67,14 +67,14 @@ def _maybe_die(kind):
 
 
 if os.environ.get("KILL_DECIDE_AT"):  # only in the child that is to die so
-    _decide = HeuristicBackend.decide
+    _call = AgentLine.call  # the heuristic answers in the agent host; this process dies once it has the answer
 
-    def _decide_then_maybe_die(self, workspace, message, facts):
-        answer = _decide(self, workspace, message, facts)
+    def _call_then_maybe_die(self, number, message, facts):
+        answer = _call(self, number, message, facts)
         _maybe_die("decide")
         return answer
 
-    HeuristicBackend.decide = _decide_then_maybe_die
+    AgentLine.call = _call_then_maybe_die
 
 
 class CrashDigits(Digits):
@@ -449,19 +449,19 @@ SLEEP = 0.1
 def fake_clock_runs(project, monkeypatch, watch=None):
     """The plain and the agent arm on a cpu budget of 1.0 under the same scripted charges; the agent sleeps
     ``SLEEP`` seconds per decision and notes whether a timed interval was open meanwhile."""
-    from opalctl.opal.agents.heuristic import HeuristicBackend
+    from opalctl.opal.decisions import AgentLine
 
     freeze_agent_protocol(project, budget={"clock": "cpu", "amount": 1.0})
     clocks: dict[str, FakeClock] = {}
     decided: list[bool] = []
-    decide = HeuristicBackend.decide
+    call = AgentLine.call  # the heuristic answers in the agent host; the training process waits for it here
 
-    def slow_decide(self, workspace, message, facts):
+    def slow_call(self, number, message, facts):
         decided.append(clocks["agent"].open)
         time.sleep(SLEEP)
-        return decide(self, workspace, message, facts)
+        return call(self, number, message, facts)
 
-    monkeypatch.setattr(HeuristicBackend, "decide", slow_decide)
+    monkeypatch.setattr(AgentLine, "call", slow_call)
     reports = {}
     for arm in ("adamw", "agent"):
         def factory(name, arm=arm):
