@@ -140,8 +140,10 @@ def _unreadable(error: ValueError) -> str:
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     """Return the document and a map from key path (strings for keys, ints for list items) to line number."""
     where = str(path)
-    loader = ProtocolLoader(_read(path))
+    text = _read(path)
+    loader = None
     try:
+        loader = ProtocolLoader(text)  # its reader refuses control characters here already
         node = loader.get_single_node()
         if node is None:
             raise BadInput(f"protocol {where} is empty; start from `opalctl init digits`")
@@ -164,7 +166,8 @@ def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     except RecursionError:
         raise BadInput(f"{where}: the YAML nests too deeply; a protocol is a few levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if not isinstance(data, dict):
         raise BadInput(f"protocol {where} must be a mapping of keys (name, task, data, ...), not a "
                        f"{type(data).__name__}")
