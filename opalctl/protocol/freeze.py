@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import opalctl
-from opalctl.errors import BadInput
+from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_text, canonical_json, file_record, sha256_bytes
 from opalctl.protocol.lock import FORMAT, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
@@ -204,6 +204,26 @@ def lock_path_for(protocol: Protocol, protocol_path: Path) -> Path:
     return protocol_path.parent / f"{protocol.name}.lock.json"
 
 
+def write_lock(lock_path: Path, text: str, force: bool) -> str:
+    """Write the lock unless the same one is there: ``written``, ``unchanged`` or ``replaced`` (with ``force``)."""
+    outcome = "written"
+    try:
+        if lock_path.is_dir():
+            raise BadInput(f"{lock_path} is a folder where the lock goes; move it, or rename the protocol")
+        if lock_path.exists():
+            if lock_path.read_bytes() == text.encode("utf-8"):
+                return "unchanged"
+            if not force:
+                raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
+                               f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
+            outcome = "replaced"
+        atomic_write_text(lock_path, text)
+    except OSError as error:
+        raise OpalctlError(f"the lock {lock_path} cannot be written ({error.strerror or type(error).__name__}); "
+                           f"make its folder writable or free space, then freeze again") from None
+    return outcome
+
+
 def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
     protocol_path = Path(protocol_path)
     protocol = load_protocol(protocol_path)
@@ -219,17 +239,7 @@ def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
         "environment": environment(protocol, protocol_path.parent.resolve()),
     }
     text = canonical_json(lock)
-    outcome = "written"
-    if lock_path.exists():
-        if lock_path.read_text(encoding="utf-8") == text:
-            outcome = "unchanged"
-        elif not force:
-            raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
-                           f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
-        else:
-            outcome = "replaced"
-    if outcome != "unchanged":
-        atomic_write_text(lock_path, text)
+    outcome = write_lock(lock_path, text, force)
     return {
         "lock": str(lock_path),
         "sha256": sha256_bytes(text.encode("utf-8")),

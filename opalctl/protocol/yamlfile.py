@@ -9,7 +9,8 @@ Three things a plain ``safe_load`` gets wrong for a protocol are settled before 
 - size. A file over ``MAX_BYTES`` is refused unread, and the composed document is measured as it would be once
   every alias is expanded (``MAX_NODES`` nodes, ``MAX_DEPTH`` levels): a few hundred bytes of nested aliases
   expand to billions of nodes, and walking them would take minutes and gigabytes. The measure visits each node
-  once (aliases share their node), so it costs no more than the text itself;
+  once (aliases share their node), so it costs no more than the text itself; the nesting is counted from the
+  parser's events before the (recursive) composer runs;
 - numbers. YAML 1.1 reads ``1e-3``, ``4e1`` and ``1E5`` as strings (its floats need a dot and a signed
   exponent); the protocol's reader also takes them as numbers, as YAML 1.2 and every person does;
 - huge integers. Python refuses to convert an integer of more than a few thousand digits; that is refused here
@@ -19,6 +20,7 @@ Three things a plain ``safe_load`` gets wrong for a protocol are settled before 
 from __future__ import annotations
 
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,21 @@ def measure(root: yaml.Node) -> None:
         stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
 
 
+def shallow(text: str) -> None:
+    """Raise ``TooLarge`` when the text nests over ``MAX_DEPTH`` levels. PyYAML's parser is a loop but its
+    composer recurses once per level, so three thousand ``[`` took seconds to end in a RecursionError; the
+    events are counted first, which costs a fraction of composing."""
+    depth = 0
+    for event in yaml.parse(text, Loader=ProtocolLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise TooLarge(f"the document nests more than {MAX_DEPTH} levels deep; a protocol is a few levels "
+                               f"deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
 def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.MappingNode):
         return [part for pair in node.value for part in pair]
@@ -112,21 +129,28 @@ def _shown(text: str) -> str:
 
 
 def _read(path: Path) -> str:
+    """The protocol's text, read only when it is a regular file within ``MAX_BYTES`` (a device or a pipe given by
+    mistake would never end)."""
     where = str(path)
     try:
-        if path.stat().st_size > MAX_BYTES:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise BadInput(f"protocol {where} is a folder; give the path of a .yaml file")
+        if not stat.S_ISREG(mode):
+            raise BadInput(f"protocol {where} is not a regular file; give the path of a .yaml file")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
             raise BadInput(f"protocol {where} is over {MAX_BYTES >> 20} MiB; a protocol is a few kilobytes, so give "
                            f"the right file")
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise BadInput(f"protocol {where} does not exist; check the path (or write one with `opalctl init`)") from None
-    except IsADirectoryError:
-        raise BadInput(f"protocol {where} is a folder; give the path of a .yaml file") from None
     except UnicodeDecodeError:
         raise BadInput(f"protocol {where} is not UTF-8 text; save it as UTF-8") from None
-    except OSError as error:
-        raise BadInput(f"protocol {where} cannot be read ({error.strerror or type(error).__name__}); check the path "
-                       f"and its permissions") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:80]
+        raise BadInput(f"protocol {where!r} cannot be read ({reason}); check the path and its permissions") from None
 
 
 def _unreadable(error: ValueError) -> str:
@@ -143,6 +167,7 @@ def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     text = _read(path)
     loader = None
     try:
+        shallow(text)
         loader = ProtocolLoader(text)  # its reader refuses control characters here already
         node = loader.get_single_node()
         if node is None:
