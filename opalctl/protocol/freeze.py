@@ -13,11 +13,12 @@ import os
 import platform
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import opalctl
-from opalctl.errors import BadInput
+from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_text, canonical_json, file_record, sha256_bytes
 from opalctl.protocol.lock import FORMAT, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
@@ -101,14 +102,16 @@ def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[
     missing = []
     for split, relative in protocol.data.items():
         path = folder / relative
-        if not path.is_file():
+        if problem := input_file_problem(path):
+            _refuse_unless_missing(protocol_path, f"data.{split} ({relative})", problem, "the split's file")
             missing.append(f"data.{split} ({relative})")
             continue
         out[f"data.{split}"] = file_record(path, lock_folder)
     for seed in protocol.seeds:
         relative = protocol.parent_for(seed)
         path = folder / relative
-        if not path.is_file():
+        if problem := input_file_problem(path):
+            _refuse_unless_missing(protocol_path, f"parent of seed {seed} ({relative})", problem, "a checkpoint")
             missing.append(f"parent of seed {seed} ({relative})")
             continue
         out[f"parent.seed-{seed}"] = file_record(path, lock_folder)
@@ -116,10 +119,63 @@ def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise BadInput(f"{protocol_path}: cannot freeze, missing {shown}; paths are relative to the protocol's "
                        f"folder (for a built-in task, `opalctl init` writes them)")
+    check_parents(protocol, protocol_path)
     out["source.task"] = source_record(task_source_file(protocol.task.entry), protocol.task.entry, lock_folder)
     for path in package_files():
         out[package_role(path)] = package_record(path)
     return out
+
+
+def input_file_problem(path: Path) -> str | None:
+    """None when ``path`` is a file freeze can read, else ``missing``, ``a folder`` or why it cannot be read."""
+    try:
+        if path.is_file():
+            with path.open("rb"):
+                return None
+        return "a folder" if path.is_dir() else "missing"
+    except OSError as error:
+        return f"unreadable ({error.strerror or type(error).__name__})"
+
+
+def _refuse_unless_missing(protocol_path: Path, what: str, problem: str, expected: str) -> None:
+    """Missing inputs are listed together (a fresh folder misses them all); anything else is refused now."""
+    if problem == "missing":
+        return
+    if problem == "a folder":
+        raise BadInput(f"{protocol_path}: {what} is a folder; give the path of {expected} (paths are relative to "
+                       f"the protocol's folder)")
+    raise BadInput(f"{protocol_path}: {what} is {problem}; check the file and its permissions")
+
+
+def check_parents(protocol: Protocol, protocol_path: Path) -> None:
+    """Open each distinct parent as the run will, as a checkpoint within ``limits.checkpoint_bytes``: a file
+    that is not one (torch's own weights, random bytes) or is larger is refused here, not after a budget of
+    training (every stage checkpoint is about the parent's size, and each is held to the same limit)."""
+    from opalctl import checkpoints
+
+    limit = protocol.limits.checkpoint_bytes
+    opened: set[Path] = set()
+    for seed in protocol.seeds:
+        relative = protocol.parent_for(seed)
+        path = (protocol_path.parent / relative).resolve()
+        if path in opened:
+            continue
+        opened.add(path)
+        size = path.stat().st_size
+        if size > limit:
+            raise BadInput(f"{protocol_path}: the parent of seed {seed} ({relative}) is {size} bytes, over "
+                           f"limits.checkpoint_bytes ({limit}); raise that limit, since every stage checkpoint "
+                           f"is about as large as the parent")
+        if not zipfile.is_zipfile(path):  # what torch.save writes; torch's own message for other bytes misleads
+            raise BadInput(f"{protocol_path}: the parent of seed {seed} ({relative}) is not a checkpoint (torch "
+                           f"writes them as zip archives); a parent is a checkpoint written by opalctl (`opalctl "
+                           f"init` writes one per seed)")
+        try:
+            checkpoints.load(path, limit_bytes=limit)
+        except checkpoints.CheckpointRefused as error:
+            raise BadInput(f"{protocol_path}: the parent of seed {seed} ({relative}) is refused: "
+                           f"{error.message.rstrip('.')}; a parent is a checkpoint written by opalctl (`opalctl "
+                           f"init` writes one per seed)") from None
 
 
 def package_record(path: Path) -> dict[str, Any]:
@@ -148,6 +204,26 @@ def lock_path_for(protocol: Protocol, protocol_path: Path) -> Path:
     return protocol_path.parent / f"{protocol.name}.lock.json"
 
 
+def write_lock(lock_path: Path, text: str, force: bool) -> str:
+    """Write the lock unless the same one is there: ``written``, ``unchanged`` or ``replaced`` (with ``force``)."""
+    outcome = "written"
+    try:
+        if lock_path.is_dir():
+            raise BadInput(f"{lock_path} is a folder where the lock goes; move it, or rename the protocol")
+        if lock_path.exists():
+            if lock_path.read_bytes() == text.encode("utf-8"):
+                return "unchanged"
+            if not force:
+                raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
+                               f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
+            outcome = "replaced"
+        atomic_write_text(lock_path, text)
+    except OSError as error:
+        raise OpalctlError(f"the lock {lock_path} cannot be written ({error.strerror or type(error).__name__}); "
+                           f"make its folder writable or free space, then freeze again") from None
+    return outcome
+
+
 def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
     protocol_path = Path(protocol_path)
     protocol = load_protocol(protocol_path)
@@ -163,17 +239,7 @@ def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
         "environment": environment(protocol, protocol_path.parent.resolve()),
     }
     text = canonical_json(lock)
-    outcome = "written"
-    if lock_path.exists():
-        if lock_path.read_text(encoding="utf-8") == text:
-            outcome = "unchanged"
-        elif not force:
-            raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
-                           f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
-        else:
-            outcome = "replaced"
-    if outcome != "unchanged":
-        atomic_write_text(lock_path, text)
+    outcome = write_lock(lock_path, text, force)
     return {
         "lock": str(lock_path),
         "sha256": sha256_bytes(text.encode("utf-8")),

@@ -8,21 +8,29 @@ naming the file, the line when the YAML parser knows it, the key path, and what 
 
 from __future__ import annotations
 
-import inspect
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from opalctl.driver.budget import CLOCKS
 from opalctl.errors import BadInput
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.anthropic import Prices
 from opalctl.opal.agents.options import Strict
+from opalctl.protocol.optimizers import check_optimizer
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_PATH = 1024  # characters of a data or parent path: room for any real project, far below what the OS refuses
+MAX_BATCH = 1 << 16  # examples per update
+MAX_SEED = (1 << 32) - 1  # every generator a run seeds (torch, numpy, the samplers) takes it
+# the smallest and largest budget an arm may have (amount x budget_multiplier), by the clock's unit. Below the
+# smallest, one update overshoots the budget by so many times that the stage and resume-checkpoint schedules,
+# which count fractions of the budget, have millions of boundaries to walk; above the largest, nothing ends.
+BUDGET_RANGE = {"seconds": (0.01, 1e8), "updates": (1, 1e9)}
 SEALED_PARTS = ("sealed", "final-test", "evaluation-final")
 DEFAULT_FRACTIONS = [0.25, 0.5, 0.75, 1.0]
 ClockName = Literal[tuple(CLOCKS)]  # the registered budget clocks: adding one needs no change here
@@ -35,7 +43,7 @@ class TaskSpec(Strict):
 
 class Budget(Strict):
     clock: ClockName
-    amount: Annotated[float, Field(gt=0)]
+    amount: Annotated[float, Field(gt=0)]  # its range and, on the updates clock, whole numbers: _check_budget
     threads: Annotated[int, Field(ge=1, le=256)] = 1
     fractions: list[Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=lambda: list(DEFAULT_FRACTIONS))
 
@@ -50,18 +58,13 @@ class Budget(Strict):
             raise ValueError("the last fraction must be 1.0 (the whole budget)")
         return value
 
-    @model_validator(mode="after")
-    def _whole_updates(self) -> Budget:
-        if CLOCKS[self.clock].unit == "updates" and self.amount != int(self.amount):
-            raise ValueError("an `updates` budget counts whole updates; give an integer amount")
-        return self
-
 
 class Training(Strict):
-    batch_size: Annotated[int, Field(ge=1)]
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)]
     gradient_clip: Annotated[float, Field(gt=0)] | None = None
-    # a resume checkpoint every this fraction of the budget (besides the stage checkpoints), so a crash loses little
-    checkpoint_every: Annotated[float, Field(gt=0, le=1)] = 0.1
+    # a resume checkpoint every this fraction of the budget (besides the stage checkpoints), so a crash loses
+    # little; at most a thousand of them, each a file write
+    checkpoint_every: Annotated[float, Field(ge=0.001, le=1)] = 0.1
     device: Literal["cpu", "cuda"] = "cpu"
 
 
@@ -88,6 +91,13 @@ class AgentCommon(Strict):
     prompt: Literal["neutral", "aggressive"] = "neutral"
     goal: str | None = None
     max_cost_usd: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str | list[float]) -> str | list[float]:
+        if isinstance(value, list) and any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError("list the decision fractions in increasing order, each once")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -131,9 +141,9 @@ class Limits(Strict):
 class Protocol(Strict):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     task: TaskSpec
-    data: dict[Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")], str]
+    data: dict[Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")], str]
     parents: str | dict[int, str]
-    seeds: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1000)]
+    seeds: Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEED)]], Field(min_length=1, max_length=1000)]
     budget: Budget
     training: Training
     arms: Annotated[dict[Annotated[str, Field(pattern=NAME_PATTERN)], Arm], Field(min_length=1)]
@@ -289,45 +299,34 @@ def sealed_part(path: str) -> str | None:
     return None
 
 
-def check_optimizer(spec: OptimizerSpec) -> str | None:
-    """None when ``spec`` names a torch optimizer with arguments it accepts, else what is wrong."""
-    import torch
+def resolved_sealed(folder: Path, relative: str) -> str | None:
+    """The sealed part of where ``relative`` leads from ``folder`` once every symbolic link is followed: a link
+    named ``data/ret.npz`` into ``sealed/`` is as sealed as the text ``sealed/ret.npz``. Only the part of the
+    resolved path below what it shares with the folder is read, as the text of a relative path is, so a project
+    that happens to live under a folder named ``sealed`` is not refused for where it lives."""
+    base = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(base, relative))
+    common = os.path.commonpath([base, target])
+    return sealed_part(os.path.relpath(target, common))
 
-    cls = getattr(torch.optim, spec.name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        known = sorted(n for n, c in vars(torch.optim).items()
-                       if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
-        return f"torch.optim has no optimizer {spec.name!r} (known: {', '.join(known)})"
-    parameters = inspect.signature(cls.__init__).parameters
-    accepted = [n for n in parameters if n not in ("self", "params")]
-    for key, value in spec.arguments().items():
-        if key not in parameters or key in ("self", "params"):
-            return f"{spec.name} takes no argument {key!r} (it takes: {', '.join(accepted)})"
-        default = parameters[key].default
-        if isinstance(value, bool) and not isinstance(default, bool) and default is not None:
-            return f"{spec.name} argument {key!r} must be a number, not {value!r}"
-        if not _finite(value):
-            return f"{spec.name} argument {key!r} must be finite, not {value!r}"
-    try:  # let torch validate the values themselves (a negative lr, betas out of range, a string)
-        cls([torch.zeros(1, requires_grad=True)], **spec.arguments())
-    except (TypeError, ValueError, RuntimeError) as error:
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"{spec.name} refuses these arguments: {text}"
+
+def path_problem(relative: str) -> str | None:
+    """What makes ``relative`` unusable as a path whatever the disk holds, or None."""
+    if not relative.strip():
+        return "the path is empty; give the file's path relative to the protocol's folder"
+    if "\0" in relative:
+        return "the path holds a NUL character; give the file's path relative to the protocol's folder"
+    if len(relative) > MAX_PATH:
+        return f"the path is {len(relative)} characters long, over {MAX_PATH}; give a shorter path"
+    if any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in re.split(r"[\\/]", relative)):
+        return "a part of the path is over 255 bytes, which no file system allows; give a shorter name"
     return None
 
 
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return value == value and value not in (float("inf"), float("-inf"))
-    if isinstance(value, (list, tuple)):
-        return all(_finite(v) for v in value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    return True
-
-
 def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Path) -> None:
-    """Cross-field checks: sealed paths, parents for every seed, the task's config, splits and metrics, optimizers."""
+    """Cross-field checks: sealed paths (as written and as they resolve from ``folder``), parents for every seed,
+    the budget each arm gets, the task's config, splits and metrics, optimizers. Freeze calls it, and so do run
+    and verify on a lock's protocol (with the lock's folder), so what freeze refuses is refused there too."""
     from opalctl.tasks import TaskLoadError, load_task_class
 
     problems: list[tuple[str, int | None, str]] = []
@@ -335,7 +334,8 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     def problem(path: tuple, text: str) -> None:
         problems.append((_dotted(path), _line_of(lines, path), text))
 
-    _check_paths(protocol, problem)
+    _check_paths(protocol, Path(folder), problem)
+    _check_budget(protocol, problem)
     try:
         task_cls = load_task_class(protocol.task.entry)
     except TaskLoadError as error:
@@ -344,7 +344,7 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     if task_cls is not None:
         _check_task(protocol, task_cls, problem)
     for arm_name, arm in protocol.arms.items():
-        if reason := check_optimizer(arm.optimizer):
+        if reason := check_optimizer(arm.optimizer.name, arm.optimizer.arguments(), protocol.training.device):
             problem(("arms", arm_name, "optimizer", "name"), reason)
         if arm.agent is not None:
             for key, text in registry.problems(arm.agent, f"arms.{arm_name}.agent"):
@@ -353,12 +353,39 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
         raise ProtocolError(where, problems)
 
 
-def _check_paths(protocol: Protocol, problem) -> None:
-    """No split and no parent may name sealed data; a dict of parents names one for every seed."""
+def _check_budget(protocol: Protocol, problem) -> None:
+    """The budget and each arm's share of it within ``BUDGET_RANGE``, and whole on a clock that counts updates:
+    the run's meter gets exactly ``amount * budget_multiplier``, so that very product is what is checked."""
+    budget = protocol.budget
+    unit = CLOCKS[budget.clock].unit
+    low, high = BUDGET_RANGE[unit]
+    whole = unit == "updates"
+    if not low <= budget.amount <= high:
+        problem(("budget", "amount"), f"a {budget.clock} budget lies between {low:g} and {high:g} {unit}, not "
+                                      f"{budget.amount:g}; give an amount in that range")
+        return
+    if whole and budget.amount != int(budget.amount):
+        problem(("budget", "amount"), "an `updates` budget counts whole updates; give an integer amount")
+        return
+    for arm_name, arm in protocol.arms.items():
+        total = budget.amount * arm.budget_multiplier
+        if not low <= total <= high:
+            problem(("arms", arm_name, "budget_multiplier"),
+                    f"gives this arm {total:g} {unit} (amount {budget.amount:g} x {arm.budget_multiplier:g}), outside "
+                    f"{low:g} to {high:g}; choose a multiplier that stays in that range")
+        elif whole and total != int(total):
+            problem(("arms", arm_name, "budget_multiplier"),
+                    f"leaves this arm {total!r} updates (amount {budget.amount:g} x {arm.budget_multiplier:g}); an "
+                    f"`updates` budget counts whole updates, so choose a multiplier that gives a whole number")
+
+
+def _check_paths(protocol: Protocol, folder: Path, problem) -> None:
+    """Every split and parent a usable path that names no sealed data, neither as written nor where it resolves
+    from ``folder``; a dict of parents names one for every seed."""
     for split, value in protocol.data.items():
-        if sealed := sealed_part(value):
-            problem(("data", split), f"the path names sealed data ({sealed!r}); opalctl never reads a final test "
-                                     f"set, so remove this split from the protocol")
+        if reason := _path_refusal(folder, value, "opalctl never reads a final test set, so remove this split "
+                                                  "from the protocol"):
+            problem(("data", split), reason)
     if isinstance(protocol.parents, dict):
         for seed in protocol.seeds:
             if seed not in protocol.parents:
@@ -367,10 +394,19 @@ def _check_paths(protocol: Protocol, problem) -> None:
     for seed in protocol.seeds:
         if isinstance(protocol.parents, dict) and seed not in protocol.parents:
             continue
-        parent = protocol.parent_for(seed)
-        if sealed := sealed_part(parent):
-            problem(("parents",), f"the path names sealed data ({sealed!r}); a parent must not live there")
+        if reason := _path_refusal(folder, protocol.parent_for(seed), "a parent must not live there"):
+            problem(("parents",), reason)
             break
+
+
+def _path_refusal(folder: Path, relative: str, advice: str) -> str | None:
+    if reason := path_problem(relative):
+        return reason
+    if sealed := sealed_part(relative):
+        return f"the path names sealed data ({sealed!r}); {advice}"
+    if sealed := resolved_sealed(folder, relative):
+        return f"the path leads (through a symbolic link) to sealed data ({sealed!r}); {advice}"
+    return None
 
 
 def _check_task(protocol: Protocol, task_cls, problem) -> None:

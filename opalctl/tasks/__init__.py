@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 from pathlib import Path
 
 from opalctl.errors import BadInput
@@ -25,15 +27,24 @@ def load_task_class(entry: str):
     if not module_name or not class_name:
         raise TaskLoadError(f"write the task entry as module:Class, not {entry!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = quiet_import(module_name)
     except ModuleNotFoundError as error:
         raise TaskLoadError(f"module {module_name!r} cannot be imported ({error}); install it or fix the entry") from None
-    except Exception as error:  # the task's own module failed while importing
-        raise TaskLoadError(f"module {module_name!r} failed to import: {type(error).__name__}: {error}") from None
+    except (Exception, SystemExit) as error:  # the task's own module failed (or exited) while importing
+        text = " ".join(str(error).split())[:160]
+        raise TaskLoadError(f"module {module_name!r} failed to import: {type(error).__name__}: {text}; fix the "
+                            f"module or the entry") from None
     cls = getattr(module, class_name, None)
     if not (inspect.isclass(cls) and issubclass(cls, Task)):
         raise TaskLoadError(f"{module_name} has no task class {class_name!r} (a subclass of opalctl.tasks.base.Task)")
     return cls
+
+
+def quiet_import(module_name: str):
+    """Import ``module_name`` with what it prints on import kept from opalctl's own output: stdout carries a
+    command's report (one JSON document under ``--json``) and a refusal is one line on stderr."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return importlib.import_module(module_name)
 
 
 def task_source_file(entry: str) -> Path:
