@@ -208,19 +208,27 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, runs_dir: str | No
 @cli.command()
 @click.argument("lock", type=click.Path(dir_okay=False))
 @click.option("--baseline", default=None, help="The arm others are paired against (default: the first arm run).")
+@click.option("--stage", default="selected", show_default=True,
+              help="Which model of each run: selected (the policy's), last, or a stage number.")
+@click.option("--metric", "metrics", multiple=True, help="Compare only this metric (repeat for more).")
+@click.option("--csv", "csv_mode", is_flag=True, help="Print one CSV row per arm and metric on stdout.")
 @runs_dir_option
 @json_option
-def compare(lock: str, baseline: str | None, runs_dir: str | None, json_mode: bool) -> None:
-    """The arms of LOCK side by side across seeds, with paired differences to the baseline."""
+def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...], csv_mode: bool,
+            runs_dir: str | None, json_mode: bool) -> None:
+    """The arms of LOCK side by side across seeds, with paired differences to the baseline and a verdict."""
     from opalctl import console
     from opalctl.compare.aggregate import compare as run_compare
+    from opalctl.compare.csv_table import write_csv
     from opalctl.compare.render import render_compare
 
-    result = run_compare(lock, baseline=baseline, runs_dir=runs_dir)
+    result = run_compare(lock, baseline=baseline, runs_dir=runs_dir, stage=stage, metrics=list(metrics))
     if json_mode:
         console.print_json(result)
-        return
-    render_compare(result)
+    elif csv_mode:
+        write_csv(result)
+    else:
+        render_compare(result, chosen=bool(metrics))
 
 
 @cli.command()

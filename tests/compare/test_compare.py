@@ -94,7 +94,9 @@ def test_compare_json_agrees_with_the_run_folders(grid, opalctl):
     assert code == 0, err
     result = json.loads(out)
     assert result["baseline"] == "adamw" and result["clock"] == "updates"
-    assert result["metrics"] == {"selection.correct": "higher", "retention.correct": "higher"}
+    assert result["metrics"] == {"selection.correct": "higher", "retention.correct": "higher",
+                                 "development.correct": "higher", "development.loss": "lower",
+                                 "retention.loss": "lower", "selection.loss": "lower", "train.loss": "lower"}
     assert result["lock_sha256"] == hashlib.sha256(grid["lock"].read_bytes()).hexdigest()
     rows = {row["arm"]: row for row in result["arms"]}
     assert list(rows) == ["adamw", "high", "twin"], "an arm without runs is left out"
