@@ -233,45 +233,25 @@ def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--reasons", is_flag=True, help="Print every refusal's reason in full under the stages.")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the run's report page (one offline HTML file) to this path.")
 @json_option
-def show(run_dir: str, json_mode: bool) -> None:
+def show(run_dir: str, reasons: bool, html_path: str | None, json_mode: bool) -> None:
     """One run: its stages, promotions and the reasons for each decision."""
     from opalctl import console
     from opalctl.driver.show import show as run_show
+    from opalctl.driver.show_render import render_show
 
     result = run_show(run_dir)
+    if html_path:
+        from opalctl.report.run_page import write_run_page
+
+        console.message(f"wrote {write_run_page(run_dir, html_path)}")
     if json_mode:
         console.print_json(result)
         return
-    metrics = sorted({m for s in result["stages"] for m in s["metrics"] if not m.endswith(".total")})
-    console.table(f"{result['arm']} seed {result['seed']} ({result['status']})",
-                  ["stage", "fraction", "update", *metrics, "promoted", "reasons"],
-                  [[s["stage"], s["fraction"], s["update"], *[s["metrics"].get(m) for m in metrics],
-                    "yes" if s["promoted"] else "no", "; ".join(s["reasons"]) or "-"] for s in result["stages"]])
-    if result["decisions"]:
-        console.table("agent decisions", ["decision", "asked at", "reason", "outcome", "answered at", "seconds",
-                                          "cost $", "changed", "rationale"],
-                      [[d["decision"], d["asked_at"], d["reason"],
-                        d["outcome"] + (f" (reverted at {d['reverted_at']})" if d.get("reverted_at") else ""),
-                        d.get("answered_at"), d.get("seconds"), d.get("cost_usd"), _changed(d),
-                        (d.get("summary") or d.get("rationale") or d.get("message") or "")[:90]]
-                       for d in result["decisions"]])
-    integrity = ((result.get("report") or {}).get("agent") or {}).get("eval_integrity")
-    if integrity:
-        console.message(f"evaluation integrity: {integrity['flagged']} flagged round trip(s)"
-                        + (f" in {', '.join(integrity['tensors'])}" if integrity["tensors"] else "")
-                        + f", {integrity['information']} lasting jump(s) recorded as information")
-    if result["selected"]:
-        selected = result["selected"]
-        console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"
-                                        else "the anchor (flagged: no stage qualified)"))
-
-
-def _changed(decision: dict) -> str:
-    """The files an applied decision changed, with lines added and removed: ``updater.py +3 -1``."""
-    diff = decision.get("diff") or {}
-    return ", ".join(f"{name} +{diff[name]['added']} -{diff[name]['removed']}" if name in diff else name
-                     for name in decision.get("files") or []) or "-"
+    render_show(result, reasons=reasons)
 
 
 @cli.command()
