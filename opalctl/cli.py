@@ -255,6 +255,24 @@ def show(run_dir: str, reasons: bool, html_path: str | None, json_mode: bool) ->
 
 
 @cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Folder for report.html (default: the lock's runs folder).")
+@runs_dir_option
+@json_option
+def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool) -> None:
+    """Write one offline HTML page of LOCK's runs: verdicts, tables, plots, decisions, limitations."""
+    from opalctl import console
+    from opalctl.report.grid_page import write_grid_page
+
+    path = write_grid_page(lock, runs_dir=runs_dir, out=out_dir)
+    if json_mode:
+        console.print_json({"page": str(path)})
+        return
+    sys.stdout.write(f"{path}\n")
+
+
+@cli.command()
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 10_000),
