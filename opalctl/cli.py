@@ -273,6 +273,25 @@ def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool
 
 
 @cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(),
+              help="Folder for TensorBoard event files, one subfolder per run.")
+@runs_dir_option
+@json_option
+def export(lock: str, tensorboard_dir: str, runs_dir: str | None, json_mode: bool) -> None:
+    """Write LOCK's finished runs as TensorBoard scalars (loss, stage metrics) and text (agent decisions)."""
+    from opalctl import console
+    from opalctl.export import export_tensorboard
+
+    result = export_tensorboard(lock, tensorboard_dir, runs_dir=runs_dir)
+    if json_mode:
+        console.print_json(result)
+        return
+    sys.stdout.write("".join(f"{folder}\n" for folder in result["runs"]))
+    console.message(f"next: tensorboard --logdir {result['tensorboard']}")
+
+
+@cli.command()
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 10_000),

@@ -35,8 +35,9 @@ class Curve:
         return None if update is None else self._all_seconds.get(int(update))
 
 
-def loss_curve(run_dir: Path) -> Curve:
-    """The run's loss against training seconds; empty without records."""
+def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
+    """The run's loss against training seconds, thinned to ``CURVE_POINTS`` unless ``every_update``; empty
+    without records."""
     from opalctl.driver.records import read_steps
 
     path = Path(run_dir) / "steps.jsonl.gz"
@@ -45,7 +46,7 @@ def loss_curve(run_dir: Path) -> Curve:
     lines = list(read_steps(path))
     on_cpu = bool(lines) and lines[0].get("cpu") is not None
     curve = Curve(seconds_key="train_cpu_seconds" if on_cpu else "train_wall_seconds")
-    stride = max(1, -(-len(lines) // CURVE_POINTS))
+    stride = 1 if every_update else max(1, -(-len(lines) // CURVE_POINTS))
     total = 0.0
     for index, line in enumerate(lines):
         total += (line.get("cpu") or 0.0) if on_cpu else line["wall"]
