@@ -126,16 +126,22 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
     result["wins"] = sum(1 for d in differences if sign * d > 0)
     result["ties"] = sum(1 for d in differences if d == 0)
     result["losses"] = sum(1 for d in differences if sign * d < 0)
-    result["p_value"], result["p_exact"] = sign_flip_p(differences, seed=seed)
-    result["interval_reliable"] = n >= TEST_MIN_SEEDS
-    result["detectable_effect"] = detectable_effect(differences)
-    result["seeds_needed"] = seeds_needed(differences)
-    if n == 1:
-        result["note"] = "n=1: one seed, so the interval is the single difference and says nothing about spread"
-    elif n < TEST_MIN_SEEDS:
-        result["note"] = (f"n={n}: below {TEST_MIN_SEEDS} seeds the interval is unreliable and no exact p can "
-                          f"reach 0.05")
+    result.update(_exact_test(differences, seed))
     return result
+
+
+def _exact_test(differences: list[float], seed: int) -> dict:
+    """The sign-flip test and planning figures of ``differences`` (at least one), with the small-n note."""
+    n = len(differences)
+    p_value, exact = sign_flip_p(differences, seed=seed)
+    note = None
+    if n == 1:
+        note = "n=1: one seed, so the interval is the single difference and says nothing about spread"
+    elif n < TEST_MIN_SEEDS:
+        note = f"n={n}: below {TEST_MIN_SEEDS} seeds the interval is unreliable and no exact p can reach 0.05"
+    return {"p_value": p_value, "p_exact": exact, "interval_reliable": n >= TEST_MIN_SEEDS,
+            "detectable_effect": detectable_effect(differences), "seeds_needed": seeds_needed(differences),
+            "note": note}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float, higher_is_better: bool = True) -> float | None:

@@ -24,7 +24,7 @@ WIDTH = 10.0  # inches: the page's figure width at 100 dpi
 def _svg(figure: Figure, name: str) -> str:
     with matplotlib.rc_context({"svg.hashsalt": f"opalctl-{name}", "svg.fonttype": "path"}):
         buffer = io.StringIO()
-        figure.savefig(buffer, format="svg", metadata={"Date": None}, bbox_inches="tight")
+        figure.savefig(buffer, format="svg", metadata={"Date": None})  # the layout is constrained already
     text = buffer.getvalue()
     return text[text.index("<svg"):]
 
@@ -47,13 +47,14 @@ def loss_figure(arms: dict[str, list[dict[str, Any]]], seconds_label: str) -> st
         ticks = blended_transform_factory(axis.transData, axis.transAxes)
         for run in runs:
             line, = axis.plot(run["curve"].seconds, run["curve"].losses, linewidth=0.9, label=f"seed {run['seed']}")
-            for seconds, promoted in run["stages"]:
-                axis.axvline(seconds, color=line.get_color(), linestyle=":", linewidth=0.8)
-                if promoted:
-                    axis.plot([seconds], [0.97], "o", color=line.get_color(), markersize=4, transform=ticks)
-            for mark in run["marks"]:
-                axis.plot([mark["seconds"]], [0.03], "|", color=MARK_COLOURS[mark["kind"]], markersize=10,
-                          transform=ticks)
+            colour = line.get_color()
+            for seconds, _promoted in run["stages"]:
+                axis.axvline(seconds, color=colour, linestyle=":", linewidth=0.8)
+            promoted = [seconds for seconds, was in run["stages"] if was]
+            axis.plot(promoted, [0.97] * len(promoted), "o", color=colour, markersize=4, transform=ticks)
+            for kind, mark_colour in MARK_COLOURS.items():  # one line of markers per kind, not one per decision
+                xs = [mark["seconds"] for mark in run["marks"] if mark["kind"] == kind]
+                axis.plot(xs, [0.03] * len(xs), "|", color=mark_colour, markersize=10, transform=ticks)
         if positive:
             axis.set_yscale("log")
         axis.set_title(arm, fontsize=10)
