@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import BadInput
+from opalctl.errors import BadInput, OpalctlError
 
 
 def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
@@ -38,16 +38,24 @@ def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=No
     return {"lock": str(lock.path), "tensorboard": str(target), "runs": written}
 
 
-def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
+def _summary_writer():
+    """torch's ``SummaryWriter``, which needs the tensorboard package (an optional dependency of opalctl)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise OpalctlError("opalctl export --tensorboard needs the tensorboard package, which is not installed; "
+                           "install it with `pip install tensorboard`") from None
+    return SummaryWriter
 
+
+def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
     from opalctl.driver.show import agent_decisions
     from opalctl.report.runs import loss_curve
 
     curve = loss_curve(run_dir, every_update=True)
     for earlier in folder.glob("events.out.tfevents.*"):
         earlier.unlink()
-    writer = SummaryWriter(log_dir=str(folder))
+    writer = _summary_writer()(log_dir=str(folder))
     try:
         for update, seconds, loss in zip(curve.updates, curve.seconds, curve.losses, strict=True):
             writer.add_scalar("train/loss", loss, update, walltime=seconds)

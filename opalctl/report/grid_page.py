@@ -13,12 +13,13 @@ from typing import Any
 
 from opalctl.compare.significance import TEST_MIN_SEEDS
 from opalctl.compare.values import TRAIN_LOSS
-from opalctl.report import figures, html
+from opalctl.report import html
 from opalctl.report.sections import (
     RunView,
     decisions_section,
     fractions,
     limitations_section,
+    load_figures,
     seconds_label,
     stage_series,
 )
@@ -102,6 +103,7 @@ def _tables(result: dict[str, Any]) -> str:
 
 
 def _figures(result: dict[str, Any], runs: list[RunView]) -> str:
+    figures = load_figures()
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_arm.setdefault(run.arm, []).append(run.loss_input())

@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opalctl.report import figures, html
+from opalctl.report import html
 from opalctl.report.sections import (
     RunView,
     decisions_section,
     fractions,
     limitations_section,
+    load_figures,
     seconds_label,
     stage_series,
 )
@@ -55,6 +56,7 @@ def _stages(run: RunView, metrics: list[str]) -> str:
 
 
 def _figures(run: RunView, metrics: list[str]) -> list[str]:
+    figures = load_figures()
     parts: list[Any] = [html.figure(figures.loss_figure({run.arm: [run.loss_input()]}, seconds_label(run.curve.seconds_key)),
                                     "Training loss; dotted lines: stages (a dot on top: promoted); ticks along the "
                                     "bottom: the agent's decisions (green applied, grey kept, red reverted).")]

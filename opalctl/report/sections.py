@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import OpalctlError
 from opalctl.report import html
 from opalctl.report.runs import Curve, decision_marks, loss_curve, program_diff
 
@@ -50,6 +51,18 @@ class RunView:
         """The metric at the anchor, then at every stage."""
         return [self.report["anchor_metrics"].get(metric),
                 *[s["metrics"].get(metric) for s in self.report.get("stages", [])]]
+
+
+def load_figures():
+    """The figures module, which needs matplotlib; without it, one sentence saying what to install."""
+    try:
+        from opalctl.report import figures
+    except ImportError as error:
+        if getattr(error, "name", "") and not error.name.startswith("matplotlib"):
+            raise
+        raise OpalctlError("the report page's figures need matplotlib, which is not installed; install it with "
+                           "`pip install matplotlib`") from None
+    return figures
 
 
 def seconds_label(seconds_key: str) -> str:

@@ -78,3 +78,16 @@ def test_exporting_again_replaces_the_earlier_event_files(grid, tmp_path):
     assert len(list(folder.glob("events.out.tfevents.*"))) == 1 and (folder / "notes.txt").read_text() == "mine"
     loss = _read(folder).Scalars("train/loss")
     assert len(loss) == len({e.step for e in loss}), "each update once"
+
+
+def test_without_tensorboard_the_export_says_what_to_install(grid, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from opalctl.cli import main
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(grid["lock"]), "--runs-dir", str(grid["runs"]), "--tensorboard", str(tmp_path / "tb")])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 1 and captured.out == ""
+    assert "needs the tensorboard package" in captured.err and len(captured.err.strip().splitlines()) == 1

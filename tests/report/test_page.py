@@ -173,3 +173,14 @@ def test_show_html_writes_the_run_page_which_loads_offline(browser, grid, opalct
             if not metric.endswith(".total"):
                 [cell] = [c for c in parser.cells if c.get("metric") == metric and c.get("stage") == str(stage["stage"])]
                 assert float(cell["value"]) == value
+
+
+def test_without_matplotlib_the_report_says_what_to_install(grid, opalctl, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails as if not installed
+    monkeypatch.delitem(sys.modules, "opalctl.report.figures", raising=False)
+    monkeypatch.delattr("opalctl.report.figures", raising=False)  # the package's attribute, once imported
+    code, out, err = opalctl("report", grid["lock"], "--runs-dir", grid["runs"], "--out", tmp_path)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
+    assert "need matplotlib" in err and "pip install matplotlib" in err and not (tmp_path / "report.html").exists()
