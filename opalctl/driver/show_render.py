@@ -43,7 +43,7 @@ def _decisions(decisions: list[dict[str, Any]]) -> None:
         rows.append([d["decision"], d["asked_at"], d["reason"],
                      d["outcome"] + (f" (reverted at {d['reverted_at']})" if d.get("reverted_at") else ""),
                      d.get("answered_at"), d.get("seconds"), d.get("cost_usd"), changed(d), text])
-    console.table("agent decisions", ["#", "asked", "reason", "outcome", "answered", "s", "$", "changed",
+    console.table("agent decisions", ["decision", "asked at", "reason", "outcome", "answered", "s", "$", "changed",
                                       "rationale"], rows)
     if cut:
         console.message("(piped, or with --json, the rationale is printed whole)")
