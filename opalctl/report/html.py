@@ -20,7 +20,7 @@ table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.2em 0.5em; text-align: left; vertical-align: top; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .ok { color: #1b7f3b; } .bad { color: #c0392b; font-weight: bold; } .muted { color: #777; }
-pre { background: #f6f6f6; padding: 0.5em; overflow-x: auto; font-size: 0.85em; }
+pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; overflow-wrap: anywhere; font-size: 0.85em; }
 figure { margin: 0.8em 0; } figure svg { max-width: 100%; height: auto; }
 """
 
