@@ -208,62 +208,87 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, runs_dir: str | No
 @cli.command()
 @click.argument("lock", type=click.Path(dir_okay=False))
 @click.option("--baseline", default=None, help="The arm others are paired against (default: the first arm run).")
+@click.option("--stage", default="selected", show_default=True,
+              help="Which model of each run: selected (the policy's), last, or a stage number.")
+@click.option("--metric", "metrics", multiple=True, help="Compare only this metric (repeat for more).")
+@click.option("--csv", "csv_mode", is_flag=True, help="Print one CSV row per arm and metric on stdout.")
 @runs_dir_option
 @json_option
-def compare(lock: str, baseline: str | None, runs_dir: str | None, json_mode: bool) -> None:
-    """The arms of LOCK side by side across seeds, with paired differences to the baseline."""
+def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...], csv_mode: bool,
+            runs_dir: str | None, json_mode: bool) -> None:
+    """The arms of LOCK side by side across seeds, with paired differences to the baseline and a verdict."""
     from opalctl import console
     from opalctl.compare.aggregate import compare as run_compare
+    from opalctl.compare.csv_table import write_csv
     from opalctl.compare.render import render_compare
 
-    result = run_compare(lock, baseline=baseline, runs_dir=runs_dir)
+    result = run_compare(lock, baseline=baseline, runs_dir=runs_dir, stage=stage, metrics=list(metrics))
     if json_mode:
         console.print_json(result)
-        return
-    render_compare(result)
+    elif csv_mode:
+        write_csv(result)
+    else:
+        render_compare(result, chosen=bool(metrics))
 
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--reasons", is_flag=True, help="Print every refusal's reason in full under the stages.")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the run's report page (one offline HTML file) to this path.")
 @json_option
-def show(run_dir: str, json_mode: bool) -> None:
+def show(run_dir: str, reasons: bool, html_path: str | None, json_mode: bool) -> None:
     """One run: its stages, promotions and the reasons for each decision."""
     from opalctl import console
     from opalctl.driver.show import show as run_show
+    from opalctl.driver.show_render import render_show
 
     result = run_show(run_dir)
+    if html_path:
+        from opalctl.report.run_page import write_run_page
+
+        console.message(f"wrote {write_run_page(run_dir, html_path)}")
     if json_mode:
         console.print_json(result)
         return
-    metrics = sorted({m for s in result["stages"] for m in s["metrics"] if not m.endswith(".total")})
-    console.table(f"{result['arm']} seed {result['seed']} ({result['status']})",
-                  ["stage", "fraction", "update", *metrics, "promoted", "reasons"],
-                  [[s["stage"], s["fraction"], s["update"], *[s["metrics"].get(m) for m in metrics],
-                    "yes" if s["promoted"] else "no", "; ".join(s["reasons"]) or "-"] for s in result["stages"]])
-    if result["decisions"]:
-        console.table("agent decisions", ["decision", "asked at", "reason", "outcome", "answered at", "seconds",
-                                          "cost $", "changed", "rationale"],
-                      [[d["decision"], d["asked_at"], d["reason"],
-                        d["outcome"] + (f" (reverted at {d['reverted_at']})" if d.get("reverted_at") else ""),
-                        d.get("answered_at"), d.get("seconds"), d.get("cost_usd"), _changed(d),
-                        (d.get("summary") or d.get("rationale") or d.get("message") or "")[:90]]
-                       for d in result["decisions"]])
-    integrity = ((result.get("report") or {}).get("agent") or {}).get("eval_integrity")
-    if integrity:
-        console.message(f"evaluation integrity: {integrity['flagged']} flagged round trip(s)"
-                        + (f" in {', '.join(integrity['tensors'])}" if integrity["tensors"] else "")
-                        + f", {integrity['information']} lasting jump(s) recorded as information")
-    if result["selected"]:
-        selected = result["selected"]
-        console.message("selected: " + (f"stage {selected['stage']}" if selected["source"] == "stage"
-                                        else "the anchor (flagged: no stage qualified)"))
+    render_show(result, reasons=reasons)
 
 
-def _changed(decision: dict) -> str:
-    """The files an applied decision changed, with lines added and removed: ``updater.py +3 -1``."""
-    diff = decision.get("diff") or {}
-    return ", ".join(f"{name} +{diff[name]['added']} -{diff[name]['removed']}" if name in diff else name
-                     for name in decision.get("files") or []) or "-"
+@cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Folder for report.html (default: the lock's runs folder).")
+@runs_dir_option
+@json_option
+def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool) -> None:
+    """Write one offline HTML page of LOCK's runs: verdicts, tables, plots, decisions, limitations."""
+    from opalctl import console
+    from opalctl.report.grid_page import write_grid_page
+
+    path = write_grid_page(lock, runs_dir=runs_dir, out=out_dir)
+    if json_mode:
+        console.print_json({"page": str(path)})
+        return
+    sys.stdout.write(f"{path}\n")
+
+
+@cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(),
+              help="Folder for TensorBoard event files, one subfolder per run.")
+@runs_dir_option
+@json_option
+def export(lock: str, tensorboard_dir: str, runs_dir: str | None, json_mode: bool) -> None:
+    """Write LOCK's finished runs as TensorBoard scalars (loss, stage metrics) and text (agent decisions)."""
+    from opalctl import console
+    from opalctl.export import export_tensorboard
+
+    result = export_tensorboard(lock, tensorboard_dir, runs_dir=runs_dir)
+    if json_mode:
+        console.print_json(result)
+        return
+    sys.stdout.write("".join(f"{folder}\n" for folder in result["runs"]))
+    console.message(f"next: tensorboard --logdir {result['tensorboard']}")
 
 
 @cli.command()

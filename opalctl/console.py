@@ -37,7 +37,6 @@ def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: 
           header: bool = True) -> None:
     rows = [[_cell(v) for v in row] for row in rows]
     if rich_enabled(sys.stdout, json_mode):
-        from rich.console import Console
         from rich.table import Table
 
         shown = Table(title=title, show_header=header)
@@ -45,7 +44,7 @@ def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: 
             shown.add_column(column)
         for row in rows:
             shown.add_row(*row)
-        Console().print(shown)
+        _stdout_console().print(shown)
         return
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     lines = [title] if title else []
@@ -102,6 +101,29 @@ def progress(description: str, json_mode: bool = False):
             bar.refresh()
 
         yield update
+
+
+def _stdout_console():
+    from rich.console import Console
+
+    return Console()
+
+
+def terminal_width() -> int | None:
+    """The width of the terminal stdout shows, or None when it is piped (then nothing is cut or wrapped)."""
+    return _stdout_console().width if rich_enabled(sys.stdout) else None
+
+
+def paragraph(text: str, indent: str = "") -> None:
+    """A sentence of data on stdout: wrapped to the terminal's width, whole on one line when piped."""
+    import textwrap
+
+    width = terminal_width()
+    if width is None:
+        sys.stdout.write(indent + text + "\n")
+        return
+    sys.stdout.write(textwrap.fill(text, width=width - 1, initial_indent=indent,
+                                   subsequent_indent=indent + "  ") + "\n")
 
 
 def _stderr_console():

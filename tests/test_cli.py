@@ -35,7 +35,8 @@ def test_importing_the_cli_does_not_import_torch():
 
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["freeze", "--help"], ["verify", "--help"],
-                                  ["pilot", "--help"], ["init", "--help"], ["--version"]])
+                                  ["pilot", "--help"], ["init", "--help"], ["--version"], ["compare", "--help"],
+                                  ["report", "--help"], ["export", "--help"], ["show", "--help"]])
 def test_help_exits_0_without_importing_torch(args):
     result = python("-c", NO_TORCH, *args)
     assert result.returncode == 0, result.stderr
@@ -46,8 +47,15 @@ def test_the_real_help_command(cli):
     result = cli("--help")
     assert result.code == 0
     assert "Usage: opalctl" in result.stdout
-    for command in ("init", "freeze", "verify", "pilot"):
+    for command in ("init", "freeze", "verify", "pilot", "compare", "show", "report", "export"):
         assert command in result.stdout
+
+
+def test_the_new_flags_are_in_the_help(cli_inprocess):
+    for command, flags in (("compare", ("--stage", "--metric", "--csv")), ("show", ("--reasons", "--html")),
+                           ("report", ("--out", "--runs-dir")), ("export", ("--tensorboard",))):
+        result = cli_inprocess(command, "--help")
+        assert result.code == 0 and all(flag in result.stdout for flag in flags), command
 
 
 def test_version(cli_inprocess):

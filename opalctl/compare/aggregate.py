@@ -3,7 +3,9 @@
 Only runs made from this very lock are read (their folder is named after the lock's digest, and each report
 names the lock's sha256, which is checked), so a comparison can never mix protocols. The selected model of
 each run (the last promoted stage, or the anchor when none qualified) is what is compared: that is the model the
-pre-registered policy would hand over. Paired differences to the baseline are taken seed by seed.
+pre-registered policy would hand over; ``--stage last`` or ``--stage N`` compares another stage instead
+(``values``). Every metric the task reports is compared, with the final training loss. Paired differences to
+the baseline are taken seed by seed, each with its verdict in words (``verdict``).
 
 A report is read tolerantly: only the keys compare needs (``REPORT_KEYS``, and in each stage its ``metrics`` and
 seconds) must be there, so reports written before ``opalctl.formats.RunReport`` held every field still compare;
@@ -15,7 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
+from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, stage_metrics
+from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
 from opalctl.files import read_json
@@ -28,8 +33,10 @@ REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages",
 AGENT_KEYS = ("decisions_asked", "decisions_applied", "decisions_reverted", "waiting_seconds", "cost_usd")
 
 
-def _metric_directions(lock) -> dict[str, bool]:
-    """The metrics the promotion policy names, each with True when higher is better."""
+def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> dict[str, bool]:
+    """Every metric the task reports (the policy's first, then the rest in report order), each with True when
+    higher is better, and ``train.loss``; a metric of kind ``count`` (a denominator: the rows evaluated) is left
+    out. ``chosen`` (``--metric``) keeps only those, in its order."""
     from opalctl.tasks import load_task_class
 
     protocol = lock.protocol()
@@ -37,14 +44,19 @@ def _metric_directions(lock) -> dict[str, bool]:
     kinds = load_task_class(protocol.task.entry).metrics
     names: list[str] = []
     for name in list(selection.improve_any) + list(selection.nondecreasing) + list(selection.floors) + \
-            list(selection.nonincreasing):
-        if name not in names:
+            list(selection.nonincreasing) + [m for r in reports for m in r["anchor_metrics"]]:
+        if name not in names and kinds.get(name.partition(".")[2]) != "count":
             names.append(name)
-    directions = {}
-    for name in names:
-        kind = kinds.get(name.partition(".")[2], "higher")
-        directions[name] = not (name in selection.nonincreasing or kind == "lower")
-    return directions
+    directions = {name: not (name in selection.nonincreasing or kinds.get(name.partition(".")[2]) == "lower")
+                  for name in names}
+    directions[TRAIN_LOSS] = False
+    if not chosen:
+        return directions
+    unknown = [name for name in chosen if name not in directions]
+    if unknown:
+        raise BadInput(f"--metric {unknown[0]!r} is not a metric of {lock.path}'s runs; give one of "
+                       f"{', '.join(directions)}")
+    return {name: directions[name] for name in chosen}
 
 
 def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dict[str, list[int]]]:
@@ -92,38 +104,49 @@ def _curve(report: dict, metric: str, seconds_key: str) -> list[tuple[float, flo
     return [(stage[seconds_key], stage["metrics"][metric]) for stage in report["stages"] if metric in stage["metrics"]]
 
 
-def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None,
-            resamples: int = 10_000) -> dict[str, Any]:
+def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None, stage: str | int | None = None,
+            metrics: list[str] | None = None, resamples: int = 10_000) -> dict[str, Any]:
     from opalctl.driver.run import runs_dir_default
     from opalctl.protocol.lock import read_lock
 
     lock = read_lock(Path(lock_path))
     runs_dir = runs_dir_default(runs_dir)
+    stage = parse_stage(stage)
     base, finished, unfinished = collect(lock, runs_dir)
     arms = [arm for arm in lock.resolved["arms"] if arm in finished]
     baseline = _baseline(lock, baseline, arms, finished)
-    directions = _metric_directions(lock)
+    directions = _metric_directions(lock, [r for arm in arms for r in finished[arm].values()], metrics)
+    values = {arm: {seed: _run_values(base / arm / f"seed-{seed}", report, stage)
+                    for seed, report in finished[arm].items()} for arm in arms}
     clock = lock.resolved["budget"]["clock"]
     seconds_key = clock_spec(clock).compare_seconds
-    primary = next(iter(directions), None)
+    primary = next((m for m in directions if m != TRAIN_LOSS), None)
     rows = []
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
         for metric, higher in directions.items():
-            values = {s: _selected_metric(finished[arm][s], metric) for s in entry["seeds"]}
-            entry["metrics"][metric] = summary(values.values(), what=f"the selected {metric} of arm {arm}")
+            mine = {s: v[metric] for s, v in values[arm].items() if v.get(metric) is not None}
+            entry["metrics"][metric] = summary(mine.values(), what=f"the {stage} {metric} of arm {arm}")
+            entry["values"][metric] = {str(s): mine[s] for s in sorted(mine)}
             if arm != baseline:
-                base_values = {s: _selected_metric(finished[baseline][s], metric) for s in finished[baseline]}
-                entry["paired"][metric] = paired(base_values, values, higher_is_better=higher, resamples=resamples,
-                                                 what=f"selected {metric} (arm {arm}, baseline {baseline})")
+                theirs = {s: v[metric] for s, v in values[baseline].items() if v.get(metric) is not None}
+                figure = paired(theirs, mine, higher_is_better=higher, resamples=resamples,
+                                what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
+                figure["verdict"] = verdict(arm, baseline, metric, figure)
+                entry["paired"][metric] = figure
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
                                                           directions[primary], seconds_key)
         rows.append(entry)
     return {"lock": str(lock.path), "lock_sha256": lock.sha256, "runs": str(base), "baseline": baseline,
-            "clock": clock, "seconds_key": seconds_key,
+            "clock": clock, "seconds_key": seconds_key, "stage": stage,
             "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
             "primary": primary, "arms": rows}
+
+
+def _run_values(run_dir: Path, report: dict, stage: str | int) -> dict[str, Any]:
+    """One run's value of every metric at ``stage``, with its final training loss."""
+    return {**stage_metrics(report, stage, run_dir), TRAIN_LOSS: final_train_loss(run_dir)}
 
 
 def _baseline(lock, baseline: str | None, arms: list[str], finished: dict[str, dict[int, dict]]) -> str:
@@ -154,9 +177,11 @@ def _arm_row(arm: str, baseline: str, finished: dict[str, dict[int, dict]],
         "promoted_stages": summary([len(reports[s]["promoted_stages"]) for s in seeds]),
         "selected_anchor": sum(1 for s in seeds if reports[s]["selected"]["source"] == "anchor"),
         "metrics": {},
+        "values": {},  # metric -> {seed: value}, the seeds as strings (JSON object keys)
         "paired": {},
         "time_to_baseline": {},
         "agent": _agent_figures(reports),
+        "anchor_note": anchor_note(arm, [reports[s] for s in seeds]),
     }
 
 
@@ -171,13 +196,6 @@ def _time_to_baseline(reports: dict[int, dict], baseline_reports: dict[int, dict
         reached.append(time_to_reach(_curve(reports[seed], primary, seconds_key), target, higher_is_better=higher))
     hits = [r for r in reached if r is not None]
     return {"metric": primary, "seconds": summary(hits), "reached": len(hits), "of": len(reached)}
-
-
-def _selected_metric(report: dict, metric: str) -> float:
-    if report["selected"]["source"] == "anchor":
-        return report["anchor_metrics"][metric]
-    stage = next(s for s in report["stages"] if s["stage"] == report["selected"]["stage"])
-    return stage["metrics"][metric]
 
 
 def _agent_figures(reports: dict[int, dict]) -> dict[str, Any] | None:

@@ -1,10 +1,18 @@
-"""How ``opalctl compare`` prints: one row per arm, then one row per arm and metric for the paired figures."""
+"""How ``opalctl compare`` prints, legible at 100 columns: the arms, then the metrics (one row per metric, one
+column per arm), then the paired figures (one row per arm and metric), then the verdicts and notes in words.
+
+Long metric names get short labels with a legend (``labels``); every sentence goes to stdout whole when piped and
+wrapped to the terminal otherwise. Verdicts are printed for the primary metric and for every metric whose exact
+test reached the level (a claim), or for each metric chosen with ``--metric``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from opalctl import console
+from opalctl.compare.labels import legend, short_labels
+from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
 
 
 def _mean_spread(figure: dict | None, digits: int = 1) -> str:
@@ -15,13 +23,35 @@ def _mean_spread(figure: dict | None, digits: int = 1) -> str:
     return f"{figure['mean']:.{digits}f}"
 
 
-def render_compare(result: dict[str, Any]) -> None:
+def _digits(figure: dict | None) -> int:
+    """Decimals that show a metric: 1 for counts and large values, 4 for a small value like a loss."""
+    if not figure or figure.get("mean") is None:
+        return 1
+    return 1 if abs(figure["mean"]) >= 10 else 4
+
+
+def stage_words(stage: str | int) -> str:
+    return {"selected": "selected models", "last": "last stages"}.get(stage, f"stage {stage}")
+
+
+def render_compare(result: dict[str, Any], *, chosen: bool = False) -> None:
+    """The whole printout; ``chosen`` when the metrics were picked with ``--metric`` (a verdict for each)."""
+    labels = short_labels(list(result["metrics"]))
+    _arms_table(result, labels)
+    _agent_table(result)
+    _metrics_table(result, labels)
+    _paired_table(result, labels)
+    if legend(labels):
+        console.paragraph("legend: " + legend(labels) + "; ↑ higher is better, ↓ lower is better")
+    _sentences(result, chosen)
+
+
+def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:
     rows = []
     for arm in result["arms"]:
         tta = arm["time_to_baseline"]
-        reached = "-" if not tta else (f"{_mean_spread(tta['seconds'])} s ({tta['reached']}/{tta['of']})"
+        reached = "-" if not tta else (f"{_mean_spread(tta['seconds'])} ({tta['reached']}/{tta['of']})"
                                        if tta["reached"] else f"never (0/{tta['of']})")
-        agent = arm["agent"]
         rows.append([
             arm["arm"] + (" (baseline)" if arm["baseline"] else ""),
             f"{len(arm['seeds'])}" + (f" (+{len(arm['unfinished_seeds'])} unfinished)" if arm["unfinished_seeds"] else ""),
@@ -29,31 +59,72 @@ def render_compare(result: dict[str, Any]) -> None:
             _mean_spread(arm[result["seconds_key"]]),
             _mean_spread(arm["promoted_stages"]),
             f"{arm['selected_anchor']}/{len(arm['seeds'])}",
-            *[_mean_spread(arm["metrics"].get(m)) for m in result["metrics"]],
             reached,
-            "-" if not agent else ("/".join(_count(agent[key]["mean"]) for key in
-                                            ("decisions_asked", "decisions_applied", "decisions_reverted"))
-                                   + f", {agent['waiting_seconds']['mean']:.1f} s, ${agent['cost_usd']['mean']:.2f}"),
         ])
     seconds = "wall s" if result["seconds_key"] == "train_wall_seconds" else "cpu s"
-    console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']})",
-                  ["arm", "seeds", "updates", f"train {seconds}", "promoted", "anchor kept", *result["metrics"],
-                   f"time to baseline's final {result['primary']}", "agent asked/applied/reverted, waiting, cost"], rows)
-    paired_rows = []
+    primary = labels.get(result["primary"], result["primary"])
+    console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']}, {stage_words(result['stage'])})",
+                  ["arm", "seeds", "updates", f"train {seconds}", "promoted", "anchor kept",
+                   f"s to base's {primary}"], rows)
+
+
+def _agent_table(result: dict[str, Any]) -> None:
+    """The agent arms' decisions, waiting and cost, mean over seeds; nothing when no arm has an agent."""
+    rows = [[arm["arm"], *[_count(arm["agent"][key]["mean"]) for key in
+                           ("decisions_asked", "decisions_applied", "decisions_reverted")],
+             f"{arm['agent']['waiting_seconds']['mean']:.1f}", f"{arm['agent']['cost_usd']['mean']:.2f}"]
+            for arm in result["arms"] if arm["agent"]]
+    if rows:
+        console.table("agent decisions, mean over seeds", ["arm", "asked", "applied", "reverted", "waiting s",
+                                                           "cost $"], rows)
+
+
+def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:
+    rows = []
+    for metric, direction in result["metrics"].items():
+        figures = [arm["metrics"].get(metric) for arm in result["arms"]]
+        digits = max(_digits(f) for f in figures)
+        rows.append([f"{labels[metric]} {'↑' if direction == 'higher' else '↓'}",
+                     *[_mean_spread(f, digits) for f in figures]])
+    console.table(f"metrics of the {stage_words(result['stage'])}, mean ± sd over seeds",
+                  ["metric", *[arm["arm"] for arm in result["arms"]]], rows)
+
+
+def _paired_table(result: dict[str, Any], labels: dict[str, str]) -> None:
+    rows = []
     for arm in result["arms"]:
         for metric, figure in arm["paired"].items():
+            note = f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""
             if figure["n"] == 0:
-                paired_rows.append([arm["arm"], metric, "-", "-", "-", figure.get("note") or "no common seed"])
+                rows.append([arm["arm"], labels[metric], "-", "-", "-", "-", "-", "-", note])
                 continue
-            paired_rows.append([
-                arm["arm"], metric, f"{figure['mean_difference']:+.2f}",
-                f"[{figure['ci_low']:+.2f}, {figure['ci_high']:+.2f}]",
+            digits = _digits(arm["metrics"].get(metric))
+            mark = "" if figure["interval_reliable"] else "*"
+            rows.append([
+                arm["arm"], labels[metric], f"{figure['mean_difference']:+.{digits}f}",
+                f"[{figure['ci_low']:+.{digits}f}, {figure['ci_high']:+.{digits}f}]{mark}",
                 f"{figure['wins']}/{figure['ties']}/{figure['losses']}",
-                ", ".join(f"{s}: {d:+g}" for s, d in zip(figure["seeds"], figure["differences"])),
+                f"{figure['p_value']:.3g}" + ("" if figure["p_exact"] else " ~"),
+                "-" if figure["detectable_effect"] is None else f"{figure['detectable_effect']:.{digits}f}",
+                "-" if figure["seeds_needed"] is None else str(figure["seeds_needed"]),
+                note,
             ])
-    if paired_rows:
-        console.table(f"paired by seed against {result['baseline']} (selected models, 95 % bootstrap interval)",
-                      ["arm", "metric", "mean diff", "interval", "wins/ties/losses", "per seed"], paired_rows)
+    if rows:
+        console.table(f"paired by seed against {result['baseline']} (95 % bootstrap interval, * unreliable below "
+                      f"{TEST_MIN_SEEDS} seeds; exact sign-flip p)",
+                      ["arm", "metric", "mean diff", "interval", "w/t/l", "p", "detectable", "seeds", "note"], rows)
+
+
+def _sentences(result: dict[str, Any], chosen: bool) -> None:
+    notes = sorted({f["note"] for arm in result["arms"] for f in arm["paired"].values() if f["note"]})
+    for note in notes:
+        console.paragraph("note: " + note)
+    for arm in result["arms"]:
+        for metric, figure in arm["paired"].items():
+            if chosen or metric == result["primary"] or (figure["p_value"] is not None and figure["p_value"] < ALPHA):
+                console.paragraph("verdict: " + figure["verdict"])
+        if arm["anchor_note"]:
+            console.paragraph("anchor: " + arm["anchor_note"])
 
 
 def _count(mean: float) -> str:

@@ -4,7 +4,9 @@ Seeds are the unit of replication: each seed gives every arm the same parent, th
 evaluation rows, so the honest comparison of an arm with the baseline is the difference seed by seed, not the
 difference of two means that each carry the seed-to-seed spread. With the handful of seeds a run can afford, no
 distribution is assumed: the confidence interval of the mean difference is a percentile bootstrap over seeds,
-from a seeded numpy Generator so the same records always give the same table. Wins, ties and losses are counted
+from a seeded numpy Generator so the same records always give the same table, and beside it the exact sign-flip
+test with the planning figures of ``significance``. Below ``TEST_MIN_SEEDS`` seeds the bootstrap draws from so
+few distinct means that its interval is too narrow, so it is marked unreliable there. Wins, ties and losses are counted
 with the metric's direction, and a tie is an exact tie (the metrics are mostly counts). Every figure comes back as
 plain JSON-able values.
 
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from opalctl.compare.significance import TEST_MIN_SEEDS, detectable_effect, seeds_needed, sign_flip_p
 from opalctl.errors import OpalctlError
 
 _CHUNK = 1000  # bootstrap resamples drawn at a time (fixed, so the draws never depend on memory)
@@ -106,6 +109,11 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
         "wins": 0,
         "ties": 0,
         "losses": 0,
+        "p_value": None,
+        "p_exact": True,
+        "interval_reliable": False,
+        "detectable_effect": None,
+        "seeds_needed": None,
         "note": None,
     }
     if n == 0:
@@ -118,9 +126,22 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
     result["wins"] = sum(1 for d in differences if sign * d > 0)
     result["ties"] = sum(1 for d in differences if d == 0)
     result["losses"] = sum(1 for d in differences if sign * d < 0)
-    if n == 1:
-        result["note"] = "n=1: one seed, so the interval is the single difference and says nothing about spread"
+    result.update(_exact_test(differences, seed))
     return result
+
+
+def _exact_test(differences: list[float], seed: int) -> dict:
+    """The sign-flip test and planning figures of ``differences`` (at least one), with the small-n note."""
+    n = len(differences)
+    p_value, exact = sign_flip_p(differences, seed=seed)
+    note = None
+    if n == 1:
+        note = "n=1: one seed, so the interval is the single difference and says nothing about spread"
+    elif n < TEST_MIN_SEEDS:
+        note = f"n={n}: below {TEST_MIN_SEEDS} seeds the interval is unreliable and no exact p can reach 0.05"
+    return {"p_value": p_value, "p_exact": exact, "interval_reliable": n >= TEST_MIN_SEEDS,
+            "detectable_effect": detectable_effect(differences), "seeds_needed": seeds_needed(differences),
+            "note": note}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float, higher_is_better: bool = True) -> float | None:

@@ -38,7 +38,17 @@ def show(run_dir: str | Path) -> dict[str, Any]:
 def _stage_row(stage: StageRecord) -> dict[str, Any]:
     return {"stage": stage.stage, "fraction": stage.fraction, "update": stage.update,
             "budget_used": stage.budget_used, "metrics": stage.metrics, "promoted": stage.promoted,
-            "incumbent_after": stage.incumbent_after, "reasons": stage.decision["reasons"]}
+            "incumbent_after": stage.incumbent_after, "reasons": stage.decision["reasons"],
+            "refused_by": _refused_by(stage.decision)}
+
+
+def _refused_by(decision: dict[str, Any]) -> list[str]:
+    """The promotion rules whose checks failed, each once, in the order checked."""
+    rules: list[str] = []
+    for check in decision.get("checks", []):
+        if not check.get("passed", True) and check.get("rule") not in rules:
+            rules.append(check.get("rule"))
+    return rules
 
 
 def _optional_json(path: Path) -> Any:

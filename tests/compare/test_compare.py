@@ -1,4 +1,4 @@
-"""``opalctl compare LOCK`` on real runs: two arms by two seeds of the digits task on the updates clock.
+"""``opalctl compare LOCK`` on real runs: four arms by two seeds of the digits task on the updates clock.
 
 The figures are checked against what this test reads itself from the run folders (each run's ``selected.json``
 and ``report.json``), not against the aggregation code.
@@ -19,6 +19,7 @@ SEEDS = [1, 2]
 ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
         "high": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}},
         "twin": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},  # the baseline's twin: it ties on every seed
+        "still": {"optimizer": {"name": "AdamW", "lr": 1.0e-12}},  # learns nothing: keeps the anchor on every seed
         "idle": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}}  # never run
 POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 12},
           "improve_any": ["selection.correct"]}
@@ -53,7 +54,7 @@ def grid(request, tmp_path_factory):
     (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
     lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
     runs = root / "runs"
-    for arm in ("adamw", "high", "twin"):
+    for arm in ("adamw", "high", "twin", "still"):
         for seed in SEEDS:
             run(lock, arm, seed, runs_dir=runs)
     base = runs / f"digits-{hashlib.sha256(lock.read_bytes()).hexdigest()[:12]}"
@@ -94,10 +95,12 @@ def test_compare_json_agrees_with_the_run_folders(grid, opalctl):
     assert code == 0, err
     result = json.loads(out)
     assert result["baseline"] == "adamw" and result["clock"] == "updates"
-    assert result["metrics"] == {"selection.correct": "higher", "retention.correct": "higher"}
+    assert result["metrics"] == {"selection.correct": "higher", "retention.correct": "higher",
+                                 "development.correct": "higher", "development.loss": "lower",
+                                 "retention.loss": "lower", "selection.loss": "lower", "train.loss": "lower"}
     assert result["lock_sha256"] == hashlib.sha256(grid["lock"].read_bytes()).hexdigest()
     rows = {row["arm"]: row for row in result["arms"]}
-    assert list(rows) == ["adamw", "high", "twin"], "an arm without runs is left out"
+    assert list(rows) == ["adamw", "high", "still", "twin"], "the lock's order; an arm without runs is left out"
 
     values = {arm: {seed: {m: selected_metric(grid["base"] / arm / f"seed-{seed}", m) for m in METRICS}
                     for seed in SEEDS} for arm in rows}
@@ -211,7 +214,13 @@ def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl
         path.write_text(json.dumps(old))
     code, old_out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
     assert code == 0, err
-    assert {**json.loads(old_out), "runs": None} == {**json.loads(out), "runs": None}
+    old_result, new_result = json.loads(old_out), json.loads(out)
+    for old_row, new_row in zip(old_result["arms"], new_result["arms"], strict=True):
+        # without the stages' decisions the all-anchor sentence cannot name a rule, and says only the fact
+        if new_row["anchor_note"]:
+            assert old_row["anchor_note"] == new_row["anchor_note"].split("; the rule")[0] + "."
+        old_row["anchor_note"] = new_row["anchor_note"]
+    assert {**old_result, "runs": None} == {**new_result, "runs": None}
 
 
 def test_compare_refuses_a_report_that_lacks_what_it_needs_naming_the_file(grid, opalctl, tmp_path):
@@ -234,3 +243,170 @@ def test_compare_reads_only_fields_the_formats_define():
 
     assert set(REPORT_KEYS) <= {f.name for f in fields(RunReport)}
     assert set(AGENT_KEYS) <= {f.name for f in fields(AgentFigures)}
+
+
+# -- the wider compare -----------------------------------------------------------------------------------------
+
+def _json(opalctl, grid, *more, runs=None):
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs or grid["runs"], "--json", *more)
+    assert code == 0, err
+    return json.loads(out), {row["arm"]: row for row in json.loads(out)["arms"]}
+
+
+def _final_loss(run_dir: Path) -> float:
+    """The mean loss of the last 16 updates, read here from the steps records with gzip and json."""
+    import gzip
+
+    with gzip.open(run_dir / "steps.jsonl.gz", "rt") as handle:
+        losses = [json.loads(line)["loss"] for line in handle if line.strip()]
+    return statistics.fmean(losses[-16:])
+
+
+def test_compare_shows_every_metric_the_task_reports_and_the_final_training_loss(grid, opalctl):
+    result, rows = _json(opalctl, grid)
+    reported = [m for m in read(grid["base"] / "adamw" / "seed-1" / "report.json")["anchor_metrics"]
+                if not m.endswith(".total")]
+    assert set(result["metrics"]) == {*reported, "train.loss"} and "development.loss" in result["metrics"]
+    assert result["primary"] == METRICS[0], "the policy's first metric is the primary one"
+    for arm, row in rows.items():
+        losses = {str(s): _final_loss(grid["base"] / arm / f"seed-{s}") for s in SEEDS}
+        assert row["values"]["train.loss"] == pytest.approx(losses)
+        assert row["metrics"]["train.loss"]["mean"] == pytest.approx(statistics.mean(losses.values()))
+    pair = rows["high"]["paired"]["train.loss"]
+    assert pair["differences"] == pytest.approx([_final_loss(grid["base"] / "high" / f"seed-{s}")
+                                                 - _final_loss(grid["base"] / "adamw" / f"seed-{s}") for s in SEEDS])
+
+
+@pytest.mark.parametrize("stage", ["last", "2"])
+def test_compare_of_the_last_stage_or_stage_n_reads_that_stage(grid, opalctl, stage):
+    result, rows = _json(opalctl, grid, "--stage", stage)
+    assert result["stage"] == (stage if stage == "last" else int(stage))
+    for arm, row in rows.items():
+        for seed in SEEDS:
+            stages = read(grid["base"] / arm / f"seed-{seed}" / "report.json")["stages"]
+            record = stages[-1] if stage == "last" else read(grid["base"] / arm / f"seed-{seed}" / "stage-02.json")
+            for metric in ("selection.correct", "development.loss"):
+                assert row["values"][metric][str(seed)] == record["metrics"][metric]
+
+
+def test_compare_refuses_a_stage_no_run_has(grid, opalctl):
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "9")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "has no stage 9 (its stages: 1, 2, 3, 4)" in err
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "best")
+    assert code == 2 and "--stage 'best'" in err
+
+
+def test_metric_chooses_what_is_compared_and_an_unknown_one_is_refused(grid, opalctl):
+    result, rows = _json(opalctl, grid, "--metric", "train.loss", "--metric", "selection.loss")
+    assert result["metrics"] == {"train.loss": "lower", "selection.loss": "lower"}
+    assert set(rows["high"]["paired"]) == {"train.loss", "selection.loss"}
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--metric", "selection.acc")
+    assert code == 2 and out == "" and "--metric 'selection.acc' is not a metric" in err and "train.loss" in err
+
+
+def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid, opalctl):
+    import csv
+    import io
+
+    result, rows = _json(opalctl, grid)
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--csv")
+    assert code == 0, err
+    table = list(csv.DictReader(io.StringIO(out)))
+    assert sorted((r["arm"], r["metric"]) for r in table) == sorted((a, m) for a in rows for m in result["metrics"])
+    assert [r["metric"] for r in table[:2]] == METRICS, "the policy's metrics first, as in the table"
+    for line in table:
+        row = rows[line["arm"]]
+        assert float(line["mean"]) == row["metrics"][line["metric"]]["mean"]
+        assert line["seed_values"] == " ".join(f"{s}:{v!r}" for s, v in row["values"][line["metric"]].items())
+        pair = row["paired"].get(line["metric"])
+        if pair is None:
+            assert line["p_value"] == line["verdict"] == "" and line["arm"] == "adamw"
+        else:
+            assert float(line["p_value"]) == pair["p_value"] and line["verdict"] == pair["verdict"]
+            assert float(line["ci_low"]) == pair["ci_low"] and line["interval_reliable"] == "False"
+
+
+def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_rule_that_refused_most(grid,
+                                                                                                   opalctl):
+    from collections import Counter
+
+    _, rows = _json(opalctl, grid)
+    refused = Counter()
+    stages = 0
+    for seed in SEEDS:
+        for record in read(grid["base"] / "still" / f"seed-{seed}" / "report.json")["stages"]:
+            stages += 1
+            refused.update({(c["rule"], c["metric"]) for c in record["decision"]["checks"] if not c["passed"]})
+    (rule, metric), times = refused.most_common(1)[0]
+    assert rule == "improve_any", "an arm that learns nothing never improves"
+    assert rows["still"]["selected_anchor"] == 2
+    assert rows["still"]["anchor_note"] == (
+        f"still kept the anchor on every seed (2 of 2): no stage qualified, so its selected values are the "
+        f"anchor's; the rule that refused most often was {rule} on {metric} ({times} of {stages} stages).")
+    assert all(rows[arm]["anchor_note"] is None for arm in rows if rows[arm]["selected_anchor"] < 2)
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    assert "anchor: " + rows["still"]["anchor_note"] in out.splitlines()
+
+
+def test_verdicts_on_real_runs_say_tie_and_too_few_seeds(grid, opalctl):
+    _, rows = _json(opalctl, grid)
+    assert rows["twin"]["paired"]["selection.correct"]["verdict"] == \
+        "twin vs adamw on selection.correct: identical on both seeds: no difference at all."
+    high = rows["high"]["paired"]["selection.correct"]
+    assert high["verdict"] == (
+        f"high vs adamw on selection.correct: {high['mean_difference']:+.4g} (2 of 2 seeds better), exact p = 0.5: "
+        f"not distinguishable with 2 seeds (no result of 2 seeds can reach p < 0.05)"
+        + (f"; about {high['seeds_needed']} seeds would tell a difference this size." if high["seeds_needed"] > 2
+           else "."))
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    lines = out.splitlines()
+    assert "verdict: " + high["verdict"] in lines and "verdict: " + rows["twin"]["paired"]["selection.correct"][
+        "verdict"] in lines, "piped, each verdict is one whole line"
+
+
+def _terminal(monkeypatch, width=100):
+    import io
+
+    from rich.console import Console
+
+    from opalctl import console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(console, "rich_enabled", lambda stream=None, json_mode=False: not json_mode)
+    monkeypatch.setattr(console, "_stdout_console",
+                        lambda: Console(file=screen, force_terminal=True, color_system=None, width=width))
+    return screen
+
+
+def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypatch):
+    result, rows = _json(opalctl, grid)
+    screen = _terminal(monkeypatch)
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    assert code == 0, err
+    shown = screen.getvalue() + out
+    lines = shown.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "…" not in shown, "no cell is cut"
+    from opalctl.compare.labels import short_labels
+
+    labels = short_labels(list(result["metrics"]))
+    assert "dev.corr = development.correct" in " ".join(shown.split())
+    for metric, label in labels.items():
+        assert any(label in line for line in lines), metric
+    verdict = rows["high"]["paired"]["selection.correct"]["verdict"]
+    assert len(verdict) > 100 and "verdict: " + verdict in " ".join(shown.split()), "wrapped whole, not cut"
+
+
+def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
+    runs = copy_runs(grid, tmp_path)
+    for arm, seed in (("adamw", 2), ("high", 2), ("twin", 1)):  # adamw {1}, high {1}: n=1; twin {2}: n=0
+        (runs / grid["base"].name / arm / f"seed-{seed}" / "report.json").unlink()
+    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines()]
+    high = [r for r in rows if r[:2] == ["high", "sel.corr"]][0]
+    twin = [r for r in rows if r[:2] == ["twin", "sel.corr"]][0]
+    assert high[-1] == "n=1" and twin[-1] == "n=0" and twin[2:-1] == ["-"] * 6
+    assert "note: n=1: one seed, so the interval is the single difference and says nothing about spread" in out
+    assert "note: n=0: no seed completed by both arms, so there is nothing to compare" in out

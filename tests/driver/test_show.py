@@ -23,29 +23,41 @@ def finished(project, tools):
 
 
 def test_show_lists_every_stage_with_its_decision(finished, main_cli):
+    from opalctl.compare.labels import short_labels
+
     run_dir, stages = finished
     code, out, err = main_cli(["show", run_dir])
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == "adamw seed 1 (finished)"
     header = lines[1].split()
-    assert header[:3] == ["stage", "fraction", "update"] and header[-2:] == ["promoted", "reasons"]
-    rows = lines[2:]
-    assert len(rows) == len(stages)
+    assert header[:3] == ["stage", "frac", "update"] and header[-2:] == ["promoted", "refused"]
+    rows = lines[2:2 + len(stages)]
+    labels = short_labels(sorted(m for m in stages[0]["metrics"] if not m.endswith(".total")))
+    assert header[3:-2] == list(labels.values())
+    assert "sel.corr = selection.correct" in out and "ret.corr = retention.correct" in out
     for row, stage in zip(rows, stages, strict=True):
         cells = row.split()
         assert cells[:3] == [str(stage["stage"]), f"{stage['fraction']:g}", str(stage["update"])]
-        metrics = header[3:-2]
-        assert [float(c) for c in cells[3:3 + len(metrics)]] == \
-            [pytest.approx(stage["metrics"][m], rel=1e-3) for m in metrics]
-        assert "selection.correct" in metrics and "retention.correct" in metrics
-        assert cells[3 + len(metrics)] == ("yes" if stage["promoted"] else "no")
-        for reason in stage["decision"]["reasons"]:
-            assert reason in row
-        if stage["promoted"]:
-            assert row.rstrip().endswith("-")
+        assert [float(c) for c in cells[3:3 + len(labels)]] == \
+            [pytest.approx(stage["metrics"][m], rel=1e-3) for m in labels]
+        assert cells[3 + len(labels)] == ("yes" if stage["promoted"] else "no")
+        failed = list(dict.fromkeys(c["rule"] for c in stage["decision"]["checks"] if not c["passed"]))
+        assert " ".join(cells[4 + len(labels):]) == (", ".join(failed) or "-")
     selected = max(s["stage"] for s in stages if s["promoted"])
-    assert f"selected: stage {selected}" in err
+    assert lines[-1] == f"selected: stage {selected}", "selected is data: on stdout, so `show RUN > file` keeps it"
+    assert "selected" not in err and "--reasons" in err
+
+
+def test_show_prints_every_reason_in_full_with_reasons(finished, main_cli):
+    run_dir, stages = finished
+    code, out, err = main_cli(["show", run_dir, "--reasons"])
+    assert code == 0, err
+    lines = out.splitlines()
+    for stage in stages:
+        for reason in stage["decision"]["reasons"]:
+            assert f"stage {stage['stage']}: {reason}" in lines
+    assert "--reasons" not in err
 
 
 def test_show_json_matches_the_records(finished, main_cli, tools):
@@ -129,3 +141,39 @@ def test_show_refuses_a_stage_file_that_lacks_a_field_naming_it(finished, main_c
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "stage-02.json lacks decision" in lines[0] and "internal error" not in lines[0]
+
+
+AGENT = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "heuristic", "decisions": 4}}
+
+
+@pytest.fixture
+def agent_run(project):
+    project.freeze(budget={"clock": "updates", "amount": 60}, arms={"agent": AGENT}, selection=POLICY)
+    project.run("agent", 1)
+    return project.run_dir("agent", 1)
+
+
+def test_show_prints_the_rationale_whole_when_piped_and_cut_to_fit_on_a_terminal(agent_run, main_cli,
+                                                                               monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from opalctl import console
+
+    code, out, err = main_cli(["show", agent_run, "--json"])
+    texts = [d.get("summary") or d.get("rationale") for d in json.loads(out)["decisions"]]
+    assert max(len(t) for t in texts) > 100, "the heuristic's summaries are long enough to be cut"
+    code, out, err = main_cli(["show", agent_run])
+    assert code == 0, err
+    for text in texts:
+        assert any(line.rstrip().endswith(text) for line in out.splitlines()), "piped: whole"
+    screen = io.StringIO()
+    monkeypatch.setattr(console, "rich_enabled", lambda stream=None, json_mode=False: not json_mode)
+    monkeypatch.setattr(console, "_stdout_console",
+                        lambda: Console(file=screen, force_terminal=True, color_system=None, width=100))
+    code, out, err = main_cli(["show", agent_run])
+    shown = screen.getvalue() + out
+    assert code == 0 and max(len(line) for line in shown.splitlines()) <= 100
+    assert "selection.correct" in " ".join(shown.split()) and "pipe" not in out
+    assert "the rationale is printed whole" in err

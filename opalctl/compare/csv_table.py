@@ -1,0 +1,34 @@
+"""``opalctl compare --csv``: one row per arm and metric, every figure of the table and the paired test, for a
+spreadsheet or a plotting script. The paired columns are empty on the baseline's rows."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from typing import Any
+
+SUMMARY_COLUMNS = ("n", "mean", "std", "min", "max")
+PAIRED_COLUMNS = ("mean_difference", "ci_low", "ci_high", "interval_reliable", "wins", "ties", "losses", "p_value",
+                  "p_exact", "detectable_effect", "seeds_needed", "note", "verdict")
+COLUMNS = ("arm", "baseline", "stage", "metric", "direction", *SUMMARY_COLUMNS, "seed_values", *PAIRED_COLUMNS)
+
+
+def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for arm in result["arms"]:
+        for metric, direction in result["metrics"].items():
+            figure = arm["metrics"][metric]
+            pair = arm["paired"].get(metric) or {}
+            row = {"arm": arm["arm"], "baseline": result["baseline"], "stage": result["stage"], "metric": metric,
+                   "direction": direction, **{key: figure[key] for key in SUMMARY_COLUMNS},
+                   "seed_values": " ".join(f"{s}:{v!r}" for s, v in arm["values"][metric].items()),
+                   **{key: pair.get(key) for key in PAIRED_COLUMNS}}
+            rows.append(row)
+    return rows
+
+
+def write_csv(result: dict[str, Any], stream=None) -> None:
+    writer = csv.DictWriter(stream or sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in csv_rows(result):
+        writer.writerow({key: "" if value is None else value for key, value in row.items()})

@@ -1,0 +1,87 @@
+"""``opalctl export LOCK --tensorboard DIR``: every finished run of a lock as TensorBoard event files, so people
+who live in TensorBoard see the runs there.
+
+One folder per run (``DIR/<arm>/seed-<S>``, the name TensorBoard shows), holding: ``train/loss`` at every update
+(from the steps records), ``stage/<metric>`` at each stage's update and ``anchor/<metric>`` at update 0 (from the
+report), ``budget/used`` at each stage, and each agent decision as text under ``agent/decisions`` (stored as
+``agent/decisions/text_summary``) at the update it was answered. Every event's wall time is the run's training seconds at that update (the steps records' axis, as
+on the report page), not the moment of the export, so TensorBoard's "relative" axis reads training seconds and
+exporting the same runs twice writes the same events. An export replaces the event files an earlier export
+left in a run's folder (TensorBoard would show both), and touches nothing else there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opalctl.errors import BadInput, OpalctlError
+
+
+def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
+    """Write the event files; returns the folders written, one per run."""
+    from opalctl.compare.aggregate import collect
+    from opalctl.driver.run import runs_dir_default
+    from opalctl.protocol.lock import read_lock
+
+    lock = read_lock(Path(lock_path))
+    base, finished, _unfinished = collect(lock, runs_dir_default(runs_dir))
+    target = Path(folder)
+    if target.exists() and not target.is_dir():
+        raise BadInput(f"--tensorboard {target} is a file; give a folder for the event files")
+    written = []
+    for arm in finished:
+        for seed in sorted(finished[arm]):
+            run_folder = target / arm / f"seed-{seed}"
+            _write_run(base / arm / f"seed-{seed}", finished[arm][seed], run_folder)
+            written.append(str(run_folder))
+    return {"lock": str(lock.path), "tensorboard": str(target), "runs": written}
+
+
+def _summary_writer():
+    """torch's ``SummaryWriter``, which needs the tensorboard package (an optional dependency of opalctl)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise OpalctlError("opalctl export --tensorboard needs the tensorboard package, which is not installed; "
+                           "install it with `pip install tensorboard`") from None
+    return SummaryWriter
+
+
+def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
+    from opalctl.driver.show import agent_decisions
+    from opalctl.report.runs import loss_curve
+
+    curve = loss_curve(run_dir, every_update=True)
+    for earlier in folder.glob("events.out.tfevents.*"):
+        earlier.unlink()
+    writer = _summary_writer()(log_dir=str(folder))
+    try:
+        for update, seconds, loss in zip(curve.updates, curve.seconds, curve.losses, strict=True):
+            writer.add_scalar("train/loss", loss, update, walltime=seconds)
+        for metric, value in report["anchor_metrics"].items():
+            writer.add_scalar(f"anchor/{metric}", value, 0, walltime=0.0)
+        for stage in report["stages"]:
+            seconds = curve.seconds_at(stage["update"]) or 0.0
+            for metric, value in stage["metrics"].items():
+                writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
+            if "budget_used" in stage:
+                writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
+        for decision in agent_decisions(run_dir / "opal" / "events.jsonl") or []:
+            if decision.get("answered_at") is None:
+                continue
+            writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],
+                            walltime=curve.seconds_at(decision["answered_at"]) or 0.0)
+    finally:
+        writer.close()
+
+
+def decision_text(decision: dict[str, Any]) -> str:
+    """A decision as TensorBoard's text plugin shows it (markdown): number, outcome, summary, rationale."""
+    lines = [f"**decision {decision['decision']}**: {decision['outcome']} (asked at update {decision['asked_at']}, "
+             f"{decision.get('reason')})"]
+    if decision.get("reverted_at") is not None:
+        lines.append(f"reverted at update {decision['reverted_at']}: {decision.get('revert_reason') or ''}")
+    lines.extend(text for text in (decision.get("summary"), decision.get("rationale"), decision.get("message"))
+                 if text)
+    return "\n\n".join(lines)

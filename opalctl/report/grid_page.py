@@ -1,0 +1,131 @@
+"""``opalctl report LOCK``: the page of a whole grid: the lock and whether it still verifies, the verdicts, the
+compare tables (each number with its exact value), the loss of every run with its stages and the agent's
+decisions, each metric across stages per arm, the paired differences as a forest plot, the promotion timeline,
+the decisions with rationale and diff, and the limitations.
+
+Every figure on it comes from ``compare`` (the same call as ``opalctl compare --json``) and the runs' own records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opalctl.compare.significance import TEST_MIN_SEEDS
+from opalctl.compare.values import TRAIN_LOSS
+from opalctl.report import html
+from opalctl.report.sections import (
+    RunView,
+    decisions_section,
+    fractions,
+    limitations_section,
+    load_figures,
+    seconds_label,
+    stage_series,
+)
+
+PAGE_NAME = "report.html"
+
+
+def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | None = None) -> Path:
+    """Write the page to ``out/report.html`` (default: the lock's runs folder) and return its path."""
+    from opalctl.compare.aggregate import compare
+    from opalctl.protocol.verify import verify
+
+    result = compare(lock_path, runs_dir=runs_dir)
+    verification = verify(lock_path)
+    runs = [RunView.read(Path(result["runs"]) / row["arm"] / f"seed-{seed}")
+            for row in result["arms"] for seed in row["seeds"]]
+    page = html.document(f"opalctl report: {Path(result['lock']).name}",
+                         _identity(result, verification), _verdicts(result), _tables(result),
+                         _figures(result, runs), decisions_section(runs),
+                         limitations_section(runs, _notes(result)))
+    folder = Path(out) if out is not None else Path(result["runs"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / PAGE_NAME
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _identity(result: dict[str, Any], verification: dict[str, Any]) -> str:
+    from opalctl import __version__
+
+    if verification["ok"]:
+        status = f'<span class="ok">verifies: all {verification["checked"]} records match</span>'
+    else:
+        changed = "; ".join(f"{p['role']} {p['path']} {p['status']}" for p in verification["problems"])
+        status = f'<span class="bad">does not verify: {html.text(changed)}</span>'
+    rows = [["lock", html.text(result["lock"])], ["sha256", f"<code>{html.text(result['lock_sha256'])}</code>"],
+            ["still verifies", status], ["runs", html.text(result["runs"])],
+            ["baseline", html.text(result["baseline"])], ["clock", html.text(result["clock"])],
+            ["compared", html.text(result["stage"])], ["opalctl", html.text(__version__)]]
+    return html.section("The lock", html.table(["", ""], [[f"<td>{k}</td>", f"<td>{v}</td>"] for k, v in rows],
+                                                cells_ready=True), anchor="lock")
+
+
+def _verdicts(result: dict[str, Any]) -> str:
+    sentences = [f["verdict"] for arm in result["arms"] for f in arm["paired"].values()]
+    anchors = [arm["anchor_note"] for arm in result["arms"] if arm["anchor_note"]]
+    return html.section("Verdicts", html.paragraphs(sentences) or "<p>Only the baseline has runs.</p>",
+                        html.paragraphs(anchors, "muted"), anchor="verdicts")
+
+
+def _tables(result: dict[str, Any]) -> str:
+    arms = result["arms"]
+    overview = [[f"<td>{html.text(a['arm'])}{' (baseline)' if a['baseline'] else ''}</td>",
+                 html.number_cell(len(a["seeds"]), arm=a["arm"], field="seeds"),
+                 html.number_cell(a["updates"]["mean"], arm=a["arm"], field="updates"),
+                 html.number_cell(a[result["seconds_key"]]["mean"], arm=a["arm"], field=result["seconds_key"]),
+                 html.number_cell(a["promoted_stages"]["mean"], arm=a["arm"], field="promoted_stages"),
+                 html.number_cell(a["selected_anchor"], arm=a["arm"], field="selected_anchor")] for a in arms]
+    metrics = [[f"<td>{html.text(m)}</td>", f"<td>{html.text(d)}</td>",
+                *[cell for a in arms for cell in (html.number_cell(a["metrics"][m]["mean"], arm=a["arm"], metric=m,
+                                                                   field="mean"),
+                                                  html.number_cell(a["metrics"][m]["std"], arm=a["arm"], metric=m,
+                                                                   field="std"))]]
+               for m, d in result["metrics"].items()]
+    fields = ("mean_difference", "ci_low", "ci_high", "p_value", "detectable_effect", "seeds_needed")
+    paired = [[f"<td>{html.text(a['arm'])}</td>", f"<td>{html.text(m)}</td>",
+               *[html.number_cell(f[key], arm=a["arm"], metric=m, field=key) for key in fields],
+               f"<td>{'yes' if f['interval_reliable'] else 'no'}</td>",
+               f"<td>{f['wins']}/{f['ties']}/{f['losses']}</td>", f"<td>{html.text(f['note'] or '')}</td>"]
+              for a in arms for m, f in a["paired"].items()]
+    return html.section(
+        "Arms", html.table(["arm", "seeds", "updates", seconds_label(result["seconds_key"]), "promoted stages",
+                            "anchor kept"], overview, cells_ready=True),
+        f"<h3>Metrics of the {html.text(result['stage'])} models (mean and sd over seeds)</h3>",
+        html.table(["metric", "better", *[f"{a['arm']} {x}" for a in arms for x in ("mean", "sd")]], metrics,
+                   cells_ready=True),
+        f"<h3>Paired by seed against {html.text(result['baseline'])}</h3>",
+        html.table(["arm", "metric", "mean diff", "95 % low", "95 % high", "exact p", "detectable", "seeds needed",
+                    f"interval reliable (≥ {TEST_MIN_SEEDS} seeds)", "w/t/l", "note"], paired, cells_ready=True),
+        anchor="tables")
+
+
+def _figures(result: dict[str, Any], runs: list[RunView]) -> str:
+    figures = load_figures()
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_arm.setdefault(run.arm, []).append(run.loss_input())
+    metrics = [m for m in result["metrics"] if m != TRAIN_LOSS]
+    forest = {m: [{"arm": a["arm"], "mean": a["paired"][m]["mean_difference"], "low": a["paired"][m]["ci_low"],
+                   "high": a["paired"][m]["ci_high"], "reliable": a["paired"][m]["interval_reliable"]}
+                  for a in result["arms"] if m in a["paired"]] for m in result["metrics"]}
+    forest = {m: rows for m, rows in forest.items() if rows}
+    parts = [html.figure(figures.loss_figure(by_arm, seconds_label(runs[0].curve.seconds_key)),
+                         "Training loss of every run; dotted lines: stages (a dot on top: promoted); ticks along "
+                         "the bottom: the agent's decisions (green applied, grey kept, red reverted, orange other)."),
+             html.figure(figures.stages_figure(stage_series(runs, metrics), fractions(runs)),
+                         "Each metric across stages per arm: the mean over seeds, the band from the lowest to the "
+                         "highest seed.")]
+    if forest:
+        parts.append(html.figure(figures.forest_figure(forest, result["baseline"]),
+                                 "Paired differences to the baseline with their 95 % bootstrap intervals; a hollow "
+                                 f"marker: fewer than {TEST_MIN_SEEDS} seeds, the interval is unreliable."))
+    parts.append(html.figure(figures.timeline_figure([run.timeline_input() for run in runs]),
+                             "Promotion timeline: every stage of every run and the model each run selected."))
+    return html.section("Figures", *parts, anchor="figures")
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    return sorted({f["note"] for arm in result["arms"] for f in arm["paired"].values() if f["note"]})

@@ -1,0 +1,90 @@
+"""What the report page reads of one run beyond its report: the loss curve from the steps records, against
+training seconds on the lock's clock, and the agent's decisions placed on that same axis.
+
+The x axis is the running sum of each update's cpu charge where the steps records hold one (the ``cpu`` clock)
+and of its wall seconds otherwise; ``Curve.seconds_key`` names the stage records' field on the same axis
+(``train_cpu_seconds`` / ``train_wall_seconds``), so the stage marks line up with the curve.
+A long run's curve is thinned to at most ``CURVE_POINTS`` points by taking every k-th update, plus the last, so a
+20-run page stays small and renders in seconds; the thinning never averages (the points are updates that ran).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opalctl.formats import Event
+
+CURVE_POINTS = 1500
+
+
+@dataclass
+class Curve:
+    """A run's training loss: update numbers, seconds and losses of the kept points, and seconds of every
+    update number asked for with ``seconds_at``."""
+
+    seconds_key: str = "train_wall_seconds"
+    updates: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    _all_seconds: dict[int, float] = field(default_factory=dict)
+
+    def seconds_at(self, update: int | None) -> float | None:
+        return None if update is None else self._all_seconds.get(int(update))
+
+
+def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
+    """The run's loss against training seconds, thinned to ``CURVE_POINTS`` unless ``every_update``; empty
+    without records."""
+    from opalctl.driver.records import read_steps
+
+    path = Path(run_dir) / "steps.jsonl.gz"
+    if not path.is_file():
+        return Curve()
+    lines = list(read_steps(path))
+    on_cpu = bool(lines) and lines[0].get("cpu") is not None
+    curve = Curve(seconds_key="train_cpu_seconds" if on_cpu else "train_wall_seconds")
+    stride = 1 if every_update else max(1, -(-len(lines) // CURVE_POINTS))
+    total = 0.0
+    for index, line in enumerate(lines):
+        total += (line.get("cpu") or 0.0) if on_cpu else line["wall"]
+        curve._all_seconds[line["update"]] = total
+        loss = line["loss"]
+        if (index % stride == 0 or index == len(lines) - 1) and isinstance(loss, (int, float)) and loss - loss == 0:
+            curve.updates.append(line["update"])
+            curve.seconds.append(total)
+            curve.losses.append(float(loss))
+    return curve
+
+
+def program_diff(run_dir: Path, version: int | None, files: list[str] | None) -> str:
+    """The unified diff an applied decision made to the agent's programs (version - 1 -> version); '' if the
+    program files are not there."""
+    if not version or not files:
+        return ""
+    programs = Path(run_dir) / "opal" / "programs"
+    parts = []
+    for name in files:
+        before, after = programs / f"v{version - 1:03d}" / name, programs / f"v{version:03d}" / name
+        if not after.is_file():
+            continue
+        old = before.read_text(encoding="utf-8").splitlines(keepends=True) if before.is_file() else []
+        parts.extend(difflib.unified_diff(old, after.read_text(encoding="utf-8").splitlines(keepends=True),
+                                          fromfile=f"v{version - 1:03d}/{name}", tofile=f"v{version:03d}/{name}"))
+    return "".join(parts)
+
+
+def decision_marks(decisions: list[dict[str, Any]] | None, curve: Curve) -> list[dict[str, Any]]:
+    """Each decision as a tick: its seconds on the curve's axis and what became of it (a reverted one twice:
+    applied when answered, reverted when rolled back)."""
+    marks = []
+    for decision in decisions or []:
+        if decision["outcome"] == "pending":
+            continue
+        kind = decision["outcome"] if decision["outcome"] in (Event.APPLIED, Event.KEPT) else "other"
+        marks.append({"seconds": curve.seconds_at(decision.get("answered_at")), "kind": kind})
+        if decision.get("reverted_at") is not None:
+            marks.append({"seconds": curve.seconds_at(decision["reverted_at"]), "kind": Event.REVERTED})
+    return [m for m in marks if m["seconds"] is not None]

@@ -1,0 +1,114 @@
+"""The parts both pages share: one run read for the page (``RunView``), the agent's decisions with rationale and
+diff, the limitations, and the figure inputs built from a set of runs."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opalctl.errors import OpalctlError
+from opalctl.report import html
+from opalctl.report.runs import Curve, decision_marks, loss_curve, program_diff
+
+
+@dataclass
+class RunView:
+    """One run as the page shows it: ``show``'s reading of the folder and its loss curve."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    shown: dict[str, Any]  # opalctl.driver.show.show(run_dir)
+    curve: Curve
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunView:
+        from opalctl.driver.show import show
+
+        shown = show(run_dir)
+        return cls(shown["arm"], shown["seed"], Path(run_dir), shown, loss_curve(run_dir))
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.shown["report"] or {}
+
+    def loss_input(self) -> dict[str, Any]:
+        stages = [(s[self.curve.seconds_key], s["promoted"]) for s in self.report.get("stages", [])]
+        return {"seed": self.seed, "curve": self.curve, "stages": stages,
+                "marks": decision_marks(self.shown["decisions"], self.curve)}
+
+    def timeline_input(self) -> dict[str, Any]:
+        stages = self.report.get("stages", [])
+        selected = self.report.get("selected") or {"source": "anchor"}
+        fraction = next((s["fraction"] for s in stages if selected["source"] == "stage"
+                         and s["stage"] == selected["stage"]), 0.0)
+        return {"label": f"{self.arm} s{self.seed}", "stages": [(s["fraction"], s["promoted"]) for s in stages],
+                "selected_fraction": fraction}
+
+    def metric_series(self, metric: str) -> list[float]:
+        """The metric at the anchor, then at every stage."""
+        return [self.report["anchor_metrics"].get(metric),
+                *[s["metrics"].get(metric) for s in self.report.get("stages", [])]]
+
+
+def load_figures():
+    """The figures module, which needs matplotlib; without it, one sentence saying what to install."""
+    try:
+        from opalctl.report import figures
+    except ImportError as error:
+        if getattr(error, "name", "") and not error.name.startswith("matplotlib"):
+            raise
+        raise OpalctlError("the report page's figures need matplotlib, which is not installed; install it with "
+                           "`pip install matplotlib`") from None
+    return figures
+
+
+def seconds_label(seconds_key: str) -> str:
+    return "training cpu seconds" if seconds_key == "train_cpu_seconds" else "training wall seconds"
+
+
+def decisions_section(runs: list[RunView]) -> str:
+    """Every agent decision of these runs: when, what became of it, the whole rationale and the diff."""
+    rows = []
+    for run in runs:
+        for d in run.shown["decisions"] or []:
+            outcome = d["outcome"] + (f" (reverted at update {d['reverted_at']}: {d.get('revert_reason') or ''})"
+                                      if d.get("reverted_at") is not None else "")
+            diff = program_diff(run.run_dir, d.get("version"), d.get("files")) if d["outcome"] == "applied" else ""
+            rationale = "\n\n".join(p for p in (d.get("summary"), d.get("rationale"), d.get("message")) if p)
+            rows.append([f"<td>{html.text(run.arm)} s{run.seed}</td>", html.number_cell(d["decision"]),
+                         html.number_cell(d["asked_at"]), f"<td>{html.text(d['reason'])}</td>",
+                         f"<td>{html.text(outcome)}</td>", html.number_cell(d.get("answered_at")),
+                         f"<td><pre>{html.text(rationale)}</pre></td>",
+                         f"<td>{'<details><summary>diff</summary><pre>' + html.text(diff) + '</pre></details>' if diff else '-'}</td>"])
+    if not rows:
+        return html.section("Agent decisions", "<p class=\"muted\">No run here has an agent.</p>", anchor="decisions")
+    return html.section("Agent decisions", html.table(
+        ["run", "#", "asked at", "why asked", "outcome", "answered at", "rationale", "diff"], rows, cells_ready=True),
+        anchor="decisions")
+
+
+def limitations_section(runs: list[RunView], notes: list[str]) -> str:
+    """Each run's limitations once, with how many runs state it, then the statistical notes."""
+    counts: Counter = Counter(item for run in runs for item in run.report.get("limitations", []))
+    items = [f"{text} ({count} of {len(runs)} runs)" if len(runs) > 1 else text for text, count in counts.items()]
+    body = "<ul>" + "".join(f"<li>{html.text(item)}</li>" for item in [*items, *notes]) + "</ul>"
+    return html.section("Limitations", body, anchor="limitations")
+
+
+def stage_series(runs: list[RunView], metrics: list[str]) -> dict[str, dict[str, list[list[float]]]]:
+    """metric -> arm -> one list per seed (anchor, then each stage), for ``figures.stages_figure``."""
+    series: dict[str, dict[str, list[list[float]]]] = {}
+    for metric in metrics:
+        for run in runs:
+            values = run.metric_series(metric)
+            if any(v is None for v in values):
+                continue
+            series.setdefault(metric, {}).setdefault(run.arm, []).append([float(v) for v in values])
+    return series
+
+
+def fractions(runs: list[RunView]) -> list[float]:
+    return max(([s["fraction"] for s in run.report.get("stages", [])] for run in runs), key=len, default=[])
