@@ -74,7 +74,8 @@ BUILTINS = frozenset({
     "super", "tuple", "type", "zip", "bin", "NotImplemented", "Ellipsis", "True", "False", "None",
     "ArithmeticError", "AssertionError", "AttributeError", "BaseException", "Exception", "FloatingPointError",
     "IndexError", "KeyError", "LookupError", "NotImplementedError", "OverflowError", "RuntimeError",
-    "StopIteration", "TypeError", "ValueError", "ZeroDivisionError", "Warning", "UserWarning",
+    "StopIteration", "TypeError", "ValueError", "ZeroDivisionError", "Warning", "UserWarning", "RecursionError",
+    "MemoryError", "SystemExit", "KeyboardInterrupt", "GeneratorExit",  # raising them is a failure like any other
 })
 FORBIDDEN_NAMES = {
     "open": "file I/O is not allowed; keep state in memory and return numbers in the report",
@@ -112,6 +113,7 @@ FRAME_PREFIXES = ("f_", "gi_", "cr_", "ag_", "tb_", "co_")
 DUNDER_ATTRIBUTES = frozenset({"__init__", "__name__"})
 DUNDER_METHODS = frozenset({"__init__", "__call__", "__post_init__"})  # what a program's classes may define
 CLASS_DECORATORS = frozenset({"dataclass", "total_ordering"})
+TENSOR_STORES = frozenset({"data", "grad"})  # assignable on a tensor held in a variable (p.data = ..., p.grad = None)
 MODULE_HINT = "a module may only be used as module.name; import what you need (import torch.nn as nn)"
 
 
@@ -192,6 +194,7 @@ class _Facts:
         self.parents: dict[ast.AST, ast.AST] = {}
         self.modules: dict[str, types.ModuleType] = {}  # name -> the allowed module it is bound to
         self.imported: set[str] = set()  # every name an import binds
+        self.imported_classes: set[str] = set()  # names an import binds to a class (from torch import Tensor)
         self.classes: set[str] = set()
         self.instance_methods: set[str] = set()
         self.receivers: dict[ast.AST, tuple[str, str]] = {}  # method -> (first parameter, "self" or "cls")
@@ -211,6 +214,8 @@ class _Facts:
                         value, _ = member(module, alias.name)
                         if isinstance(value, types.ModuleType):
                             self.modules[alias.asname or alias.name] = value
+                        elif isinstance(value, type):
+                            self.imported_classes.add(alias.asname or alias.name)
 
     def _bind_import(self, alias: ast.alias) -> None:
         bound = alias.asname or alias.name.split(".")[0]
@@ -324,20 +329,23 @@ class _Checker:
             self.refuse(node, f"{name}: {MODULE_HINT}")
         elif name in ("getattr", "hasattr") and not (isinstance(parent, ast.Call) and parent.func is node):
             self.refuse(node, f"{name} may only be called directly, with a literal attribute name")
-        elif name in self.facts.classes or self._is_class_receiver(node):
+        elif name in self.facts.classes or name in self.facts.imported_classes or self._is_class_receiver(node):
             self._class_use(node, parent)
 
     def _is_class_receiver(self, node: ast.Name) -> bool:
         found = self.facts.method_of(node)
         return found is not None and found[2] == "cls" and found[1] == node.id
 
-    def _class_use(self, node: ast.Name, parent: ast.AST | None) -> None:
-        """A class of the program (or a classmethod's ``cls``) may build objects, be tested against, be a base,
-        or give its constants, static and class methods; an instance method reached through it could be called
-        with a foreign object as ``self`` (and assign attributes of torch's classes)."""
+    def _class_use(self, node: ast.expr, parent: ast.AST | None) -> None:
+        """A class (the program's, a classmethod's ``cls``, or one from a module) may build objects, be tested
+        against, be a base, or give its constants, static and class methods; held in a variable, an attribute
+        assignment could change it for everyone (``T = torch.Tensor; T.sum = f``), and an instance method of the
+        program's reached through it could be called with a foreign object as ``self``."""
+        label = _dotted(node)
         if isinstance(parent, ast.Attribute) and parent.value is node:
-            if parent.attr in self.facts.instance_methods:
-                self.refuse(node, f"{node.id}.{parent.attr} reaches an instance method through the class; call it "
+            if isinstance(node, ast.Name) and node.id in self.facts.classes | {self._receiver_name(node)} \
+                    and parent.attr in self.facts.instance_methods:
+                self.refuse(node, f"{label}.{parent.attr} reaches an instance method through the class; call it "
                                   f"on an object instead (obj.{parent.attr}(...))")
             return
         if isinstance(parent, ast.Tuple):
@@ -345,10 +353,15 @@ class _Checker:
         allowed = (isinstance(parent, ast.Call) and (parent.func is node or _is_call_of(parent, "isinstance",
                                                                                         "issubclass"))) \
             or (isinstance(parent, ast.ClassDef) and node in parent.bases) \
+            or (isinstance(parent, ast.FunctionDef) and node in parent.decorator_list) \
             or isinstance(parent, (ast.Compare, ast.Raise, ast.ExceptHandler))
         if not allowed:
-            self.refuse(node, f"the class {node.id} may only be called, tested with isinstance(), used as a base "
+            self.refuse(node, f"the class {label} may only be called, tested with isinstance(), used as a base "
                               f"or for its constants and static methods")
+
+    def _receiver_name(self, node: ast.AST) -> str | None:
+        found = self.facts.method_of(node)
+        return found[1] if found is not None and found[2] == "cls" else None
 
     def _arg(self, node: ast.arg) -> None:
         if node.arg in self.facts.imported:
@@ -381,6 +394,9 @@ class _Checker:
     def _store(self, node: ast.Attribute) -> None:
         found = self.facts.method_of(node)
         base = node.value
+        if node.attr in TENSOR_STORES and isinstance(base, ast.Name) and base.id not in self.facts.imported \
+                and base.id not in self.facts.classes and base.id != self._receiver_name(node):
+            return  # a tensor's data or gradient (classes never reach a variable: see _class_use)
         if found is None or not isinstance(base, ast.Name) or base.id != found[1] \
                 or self.facts.rebinds(found[0], base.id):
             self.refuse(node, f"assigning or deleting {_dotted(node)} is not allowed: a program assigns only "
@@ -412,6 +428,8 @@ class _Checker:
                 return
         if isinstance(value, types.ModuleType):
             self.refuse(node, f"{_dotted(node)}: {MODULE_HINT}")
+        elif isinstance(value, type):
+            self._class_use(node, self._parent(node))
 
     def _Subscript(self, node: ast.Subscript) -> None:
         root = _root(node)

@@ -49,7 +49,8 @@ import torch
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
 from opalctl.opal.decisions import AgentLine, Decisions
-from opalctl.opal.guard import StepFailure, StepGuard, StepTimeout, contained, trace_of
+from opalctl.opal.guard import Interrupts, StepFailure, StepGuard, StepTimeout, contained, trace_of
+from opalctl.opal.hangs import Hangs, resume_hint
 from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
 from opalctl.opal.program_view import GradView, Spec, StepContext
@@ -121,12 +122,16 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.t = 0
         self._closed = False
         self._plain_until = 0  # see _plan: the only writer
-        self.guard = StepGuard(step_time_limit, self.named)
         run_dir = Path(run_dir) if run_dir is not None else None
         self.records = OpalRecords(run_dir, secrets)
-        self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()})
+        Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
+        self.hangs = Hangs(run_dir)
+        self.guard = StepGuard(step_time_limit, self.named, on_hang=self._hung)
+        self._state_noted: set[tuple[int, str, str]] = set()  # (version, call, what) already recorded
+        self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
+                                 self.guard)
         self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
-        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps)
+        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.hangs.digests)
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
                              max_wakes if max_wakes is not None else max(1, decisions // 2)),
@@ -157,8 +162,8 @@ class AgentOptimizer(torch.optim.Optimizer):
     # -- what torch, schedulers and callers see ------------------------------------------------------------
     @property
     def param_groups(self):
-        updater = self.slots.current.updater if self.slots.current is not None else None
-        groups = getattr(updater, "param_groups", None)
+        # read once, under guard, when the version was built (a property of the updater is program code)
+        groups = self.slots.current.param_groups if self.slots.current is not None else None
         return groups if groups is not None else self.spec.optimizer.param_groups
 
     @param_groups.setter
@@ -284,6 +289,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.integrity.after_step(self.t, layouts=version.number != 0 or not self._released_start)
         if probe:
             self._analyse(before)
+        if self.guard.changes:
+            self._torch_state_changed()
 
     def _checked_step(self, version: Version, ctx: StepContext, in_trial: bool) -> None:
         if self.slots.audit_due(version):
@@ -304,6 +311,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             version.updater.step(self._grads, self.t, ctx)
             version.timed(time.perf_counter() - started)
             return
+        self.guard.version = version
         elapsed = self.guard.run(_no_grad_step, version, self._grads, self.t, ctx)
         version.timed(elapsed)
         self.guard.enforce(elapsed)
@@ -420,6 +428,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             return
         self.records.flush()
         self.decisions.boundary(self.t)
+        if self.guard.changes:
+            self._torch_state_changed()
         self._plan()
 
     # -- the end, and checkpoints --------------------------------------------------------------------------
@@ -452,7 +462,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         """Each part's state; the slots' keys (versions, current, fallback, trial_left, updater, ...) sit at the top,
         where the formal run's checkpoints are read by tools and tests."""
         scheduler = self.spec.scheduler
-        return {"format": FORMAT, "t": self.t, **self.slots.state_dict(), "base": self.spec.optimizer.state_dict(),
+        updater_state, fallback_state = self._program_states()
+        return {"format": FORMAT, "t": self.t, **self.slots.state_dict(updater_state, fallback_state),
+                "base": self.spec.optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "observer": self.observer.state_dict(self.t, self.slots.current),
                 "decisions": self.decisions.state_dict(), "integrity": self.integrity.state_dict(),
@@ -467,13 +479,82 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.spec.optimizer.load_state_dict(state["base"])
         if state["scheduler"] is not None and self.spec.scheduler is not None:
             self.spec.scheduler.load_state_dict(state["scheduler"])
-        self.slots.load_state_dict(state)
+        failures = self.slots.load_state_dict(state)
         self.t = int(state["t"])
         self.observer.load_state_dict(state["observer"])
         self.decisions.load_state_dict(state["decisions"])
         self.integrity.load_state_dict(state["integrity"])
         self.records.event(Event.RESUMED, update=self.t, version=self.slots.current.number)
+        for version, message in failures:  # failed at the resume itself: recorded as reverted, and shown
+            hung = version.digest in self.slots.hung
+            self.records.event(Event.REVERTED, update=self.t, version=version.number,
+                               to=self.slots.fallback_for(version).number, reason="hung" if hung else "resume",
+                               message=message, traceback="", restored="none (resumed from the checkpoint)")
+            self.observer.errors.append({"kind": "hung" if hung else "resume", "update": self.t,
+                                         "version": version.number, "message": message, "traceback": ""})
+        if self.guard.changes:
+            self._torch_state_changed()
         self._plan()
+
+    def _program_states(self) -> tuple[Any, Any]:
+        """The running version's and its fallback's ``state_dict()``, taken and checked now: a version whose state
+        fails (raises, or cannot be saved) fails here, its fallback runs on (or is replaced by the starting
+        program), and the state of what runs now is taken instead. The starting program's failure leaves {}."""
+        slots = self.slots
+        while True:
+            version = slots.current
+            state, problem = slots.program_state(version)
+            if problem is None:
+                break
+            if version is slots.versions[0]:
+                self.records.event(Event.FAILED_STEP, update=self.t, version=0, message=problem)
+                state = {}
+                break
+            self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
+                              redo=False)
+        fallback_state = None
+        if slots.fallback is not slots.current:
+            fallback = slots.fallback
+            fallback_state, problem = slots.program_state(fallback)
+            if problem is not None:  # the fallback fails: the starting program is the fallback from now on
+                fallback.status = "failed"
+                slots.fallback = slots.versions[0]
+                self.records.event(Event.REVERTED, update=self.t, version=fallback.number, to=0, reason="check",
+                                   message=problem, traceback="", restored="none (it was not running)")
+                fallback_state = slots.program_state(slots.fallback)[0] if slots.fallback is not slots.current \
+                    else None
+        return state, fallback_state
+
+    def _torch_state_changed(self) -> None:
+        """Record what a program changed of torch's global state (put back already by the guard), once per
+        version, call and setting; the agent is shown it at its next decision."""
+        changes, self.guard.changes = self.guard.changes, []
+        for version, call, changed in changes:
+            number = getattr(version, "number", None)
+            new = [what for what in changed if (number, call, what) not in self._state_noted]
+            if not new:
+                continue
+            self._state_noted.update((number, call, what) for what in new)
+            message = (f"{call} changed torch's global state ({', '.join(new)}); it was put back after the call. "
+                       f"Leave it alone (use torch.no_grad() blocks and a torch.Generator of your own)")
+            self.records.event(Event.LOG, update=self.t, values={"torch_state_restored": new, "version": number,
+                                                                  "call": call, "message": message})
+            self.observer.errors.append({"kind": "torch_state", "update": self.t, "version": number,
+                                         "message": message, "traceback": ""})
+
+    def _hung(self, version: Version, call: str, limit: float) -> str:
+        """The watchdog's record of a call that hung (from its thread; the process ends right after): a line of
+        ``hung.jsonl`` (the version never runs again in this folder), a ``reverted`` event; the sentence's end."""
+        number = version.number if version is not None else None
+        self.hangs.record({"version": number, "call": call, "update": self.t, "limit": limit,
+                           "sha256": version.digest if version is not None else ""})
+        fallback = self.slots.fallback_for(version) if version is not None else self.slots.versions[0]
+        self.records.event(Event.REVERTED, update=self.t, version=number, to=fallback.number, reason="hung",
+                           message=f"{call} ran past its time limit of {limit:g} s and did not stop",
+                           traceback="", restored="none (the process ended)")
+        self.records.flush()
+        where = f"recorded in {self.hangs.path}, it never runs again; " if self.hangs.path is not None else ""
+        return where + resume_hint()
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,
