@@ -16,8 +16,8 @@ What a program may use:
 
 Refused everywhere, whatever the object: dunder attributes and names (``__init__``/``__name__`` excepted), frame,
 code and traceback attributes (``f_locals``, ``gi_frame``, ``tb_frame``, ...), anything named like a hook, files
-and processes (``save``, ``load``, ``tofile``, ...), torch's global settings (``set_num_threads``,
-``manual_seed``, ...), ``getattr``/``hasattr`` other than called with a literal name, ``str.format`` other than
+and processes (``save``, ``load``, ``tofile``, ...), torch's global settings (``torch.set_num_threads``,
+``torch.manual_seed``, ...), ``getattr``/``hasattr`` other than called with a literal name, ``str.format`` other than
 on a literal whose fields reach no attribute, and defining dunder methods beyond a few harmless ones (our code
 formats and compares what a program returns: a ``__str__`` or ``__float__`` of its own would run outside its
 time limit).
@@ -105,9 +105,11 @@ FORBIDDEN_ATTRIBUTES = {
     "dump": "writing files is not allowed", "numpy": "leaving torch for numpy is not allowed; use tensor methods",
     "attrgetter": "attrgetter is not allowed; write the attribute out", "methodcaller": "write the call out",
     "get_type_hints": "evaluating annotations is not allowed", "singledispatch": "singledispatch is not allowed",
-    "inference_mode": "use torch.no_grad() instead", "manual_seed": _GLOBAL_STATE, "seed": _GLOBAL_STATE,
-    "set_rng_state": _GLOBAL_STATE, "use_deterministic_algorithms": _GLOBAL_STATE,
+    "inference_mode": "use torch.no_grad() instead",
 }
+# members of a module (not of an object: a torch.Generator of the program's own may be seeded) that change
+# torch's global settings; so does every module member named set_* but set_grad_enabled
+GLOBAL_SETTINGS = frozenset({"manual_seed", "seed", "set_rng_state", "use_deterministic_algorithms"})
 # attribute prefixes that reach frames, code objects and tracebacks (and through them every caller's locals)
 FRAME_PREFIXES = ("f_", "gi_", "cr_", "ag_", "tb_", "co_")
 DUNDER_ATTRIBUTES = frozenset({"__init__", "__name__"})
@@ -131,8 +133,6 @@ def attribute_problem(name: str) -> str | None:
         return f".{name}: hooks run code outside the program's call and are not allowed"
     if name in FORBIDDEN_ATTRIBUTES:
         return f".{name}: {FORBIDDEN_ATTRIBUTES[name]}"
-    if name.startswith("set_") and name != "set_grad_enabled":
-        return f".{name}: {_GLOBAL_STATE}"
     return None
 
 
@@ -147,6 +147,8 @@ def member(module: types.ModuleType, name: str) -> tuple[Any, str | None]:
     allowed = MODULES[module.__name__]
     if allowed is not None and name not in allowed:
         return None, f"{module.__name__}.{name} is not available to a program (allowed: {', '.join(sorted(allowed))})"
+    if name in GLOBAL_SETTINGS or (name.startswith("set_") and name != "set_grad_enabled"):
+        return None, f"{module.__name__}.{name}: {_GLOBAL_STATE}"
     if name.startswith("_") and not name.startswith("_foreach_"):
         return None, f"{module.__name__}.{name} is private to torch and is not allowed"
     if f"{module.__name__}.{name}" in MODULES:
