@@ -56,13 +56,12 @@ BYPASSES = {
     "module_as_an_argument": "def f(m):\n    return m.os\nf(torch)",
     "module_as_a_default": "def f(m=torch):\n    return m.os",
     "module_in_a_comprehension": "xs = [m.os for m in [torch]]",
-    "getattr_with_a_variable": "def f(x, name):\n    return getattr(x, name)",
     "getattr_as_a_value": "import functools\nx = functools.reduce(getattr, ['os'], torch)",
     "attrgetter": "import operator\nf = operator.attrgetter('os')",
     "format_reaches_an_attribute": "x = '{0.__class__}'.format(1)",
     "format_on_a_variable": "f = '{0.os}'\nx = f.format(torch)",
     "tensor_hook": "def f(p):\n    p.register_hook(lambda g: g * 0)",
-    "global_forward_hook": "torch.nn.modules.module.register_module_forward_hook(lambda *a: None)",
+    "global_forward_hook": "from torch.nn.modules.module import register_module_forward_hook",
     "autograd_graph": "x = torch.autograd.graph",
     "set_num_threads": "torch.set_num_threads(2)",
     "set_default_dtype": "torch.set_default_dtype(torch.float64)",
@@ -70,7 +69,6 @@ BYPASSES = {
     "generator_frame": "def g():\n    yield 1\nx = g().gi_frame.f_back",
     "own_dunder_str": "class E(Exception):\n    def __str__(self):\n        return 'x'",
     "builtin_outside_the_allowlist": "m = memoryview(b'')",
-    "threads": "import threading",
     "private_attribute_of_an_argument": "def f(spec):\n    return spec._params",
 }
 
