@@ -202,6 +202,7 @@ class StepGuard:
         self.layout = {name: (p.dtype, p.device, tuple(p.shape)) for name, p in named.items()}
         self.on_hang = on_hang
         self.version: Any = None
+        self.steps = 0  # steps run under this guard (the global generator is compared on some, see TorchState)
         self.changes: list[tuple[Any, str, list[str]]] = []  # (version, call, what it changed), for the records
         self._watchdog = Watchdog.shared()
         self.active = self._install()
@@ -229,8 +230,8 @@ class StepGuard:
         duration in seconds (arming is a few attribute writes: the watchdog thread does the timing)."""
         started = time.perf_counter()
         self._arm(self.version, "step()")
-        seq = self._watchdog.seq
-        saved = TorchState(compare_rng=seq < RNG_COMPARED_EVERY or seq % RNG_COMPARED_EVERY == 0)
+        steps = self.steps = self.steps + 1
+        saved = TorchState(compare_rng=steps < RNG_COMPARED_EVERY or steps % RNG_COMPARED_EVERY == 0)
         try:
             fn(*args)
         finally:
