@@ -14,10 +14,12 @@ What a program may use:
   classes, and its classes are used to build objects, in ``isinstance``, as bases, or for their constants,
   static and class methods (never to call an instance method on a foreign object).
 
-Refused everywhere, whatever the object: dunder attributes and names (``__init__``/``__name__`` excepted), frame,
-code and traceback attributes (``f_locals``, ``gi_frame``, ``tb_frame``, ...), anything named like a hook, files
-and processes (``save``, ``load``, ``tofile``, ...), torch's global settings (``torch.set_num_threads``,
-``torch.manual_seed``, ...), ``getattr``/``hasattr`` other than called with a literal name, ``str.format`` other than
+Refused as members of a module: torch's global settings (``torch.set_num_threads``, ``torch.manual_seed``, every
+``set_*`` but ``set_grad_enabled``). Refused everywhere, whatever the object: dunder attributes and names
+(``__init__``/``__name__`` excepted), frame, code and traceback attributes (``f_locals``, ``gi_frame``,
+``tb_frame``, ...), anything named like a hook, files and processes (``save``, ``load``, ``tofile``, ``dump``,
+``numpy``, ...), private attributes but on ``self``, ``getattr``/``hasattr`` other than called with a literal
+name, attribute assignments other than ``self.name`` (and a tensor's ``.data``/``.grad``), ``str.format`` other than
 on a literal whose fields reach no attribute, and defining dunder methods beyond a few harmless ones (our code
 formats and compares what a program returns: a ``__str__`` or ``__float__`` of its own would run outside its
 time limit).

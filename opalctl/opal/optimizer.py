@@ -21,7 +21,9 @@ In the order an update meets them:
   non-finite value, a changed dtype/device/shape, a step over its time limit) the copy is restored and the same
   update is redone by the last version that passed its trial. After the trial a failure hands over to that
   version too, and a non-finite parameter found by the periodic check rolls back to the last checked state.
-  Training never dies because of agent code (KeyboardInterrupt aside).
+  Training never dies because of agent code: any exception it raises is its failure (a real Ctrl-C, told apart by
+  the SIGINT signal, still stops training), torch's global state is put back after each program call, and a
+  call that hangs past its limit ends the process with a record (exit 4; ``--resume`` goes on without it).
 - **The plain path.** While the released starting program runs and nothing else is due, ``step`` only runs that
   program, keeps the loss and records the integrity sample: the bookkeeping of the full path costs more between
   two updates of a small model than in a tight loop, so it is skipped on most updates. Each part says up to
@@ -50,7 +52,7 @@ from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
 from opalctl.opal.decisions import AgentLine, Decisions
 from opalctl.opal.guard import Interrupts, StepFailure, StepGuard, StepTimeout, contained, trace_of
-from opalctl.opal.hangs import Hangs, resume_hint
+from opalctl.opal.hangs import GuardFindings, Hangs
 from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
 from opalctl.opal.program_view import GradView, Spec, StepContext
@@ -98,12 +100,9 @@ class AgentOptimizer(torch.optim.Optimizer):
                  eval_integrity: bool = True):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):  # what torch's Optimizer methods expect to find
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
         if total_steps is None and progress is None:
             raise ValueError("wrap() needs total_steps or progress (a callable returning the budget fraction used)")
         if blocking not in (True, False, "auto"):
@@ -125,13 +124,13 @@ class AgentOptimizer(torch.optim.Optimizer):
         run_dir = Path(run_dir) if run_dir is not None else None
         self.records = OpalRecords(run_dir, secrets)
         Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
-        self.hangs = Hangs(run_dir)
-        self.guard = StepGuard(step_time_limit, self.named, on_hang=self._hung)
-        self._state_noted: set[tuple[int, str, str]] = set()  # (version, call, what) already recorded
+        self.guard = StepGuard(step_time_limit, self.named)
         self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
                                  self.guard)
+        self.findings = GuardFindings(Hangs(run_dir), self.records, self.observer)
         self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
-        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.hangs.digests)
+        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.findings.hangs.digests)
+        self.guard.on_hang = lambda version, call, limit: self.findings.hung(version, call, limit, self.t, self.slots)
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
                              max_wakes if max_wakes is not None else max(1, decisions // 2)),
@@ -290,7 +289,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if probe:
             self._analyse(before)
         if self.guard.changes:
-            self._torch_state_changed()
+            self.findings.torch_state_changed(self.guard, self.t)
 
     def _checked_step(self, version: Version, ctx: StepContext, in_trial: bool) -> None:
         if self.slots.audit_due(version):
@@ -428,8 +427,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             return
         self.records.flush()
         self.decisions.boundary(self.t)
-        if self.guard.changes:
-            self._torch_state_changed()
+        self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
 
     # -- the end, and checkpoints --------------------------------------------------------------------------
@@ -449,20 +447,13 @@ class AgentOptimizer(torch.optim.Optimizer):
         return self.figures()
 
     def figures(self) -> dict[str, Any]:
-        counts = self.decisions.counts
-        return AgentFigures(
-            decisions_asked=counts.asked, decisions_applied=counts.applied, decisions_kept=counts.kept,
-            decisions_load_failed=counts.load_failed, decisions_failed=counts.failed,
-            decisions_reverted=self.slots.reverted, step_failures=self.slots.step_failures,
-            waiting_seconds=counts.waiting_seconds, agent_seconds=counts.agent_seconds, cost_usd=counts.cost_usd,
-            wakes=counts.wakes, version=self.slots.current.number, versions=len(self.slots.versions),
-            eval_integrity=self.integrity.figures()).to_json()
+        return _figures(self.decisions.counts, self.slots, self.integrity)
 
     def state_dict(self) -> dict[str, Any]:
         """Each part's state; the slots' keys (versions, current, fallback, trial_left, updater, ...) sit at the top,
         where the formal run's checkpoints are read by tools and tests."""
         scheduler = self.spec.scheduler
-        updater_state, fallback_state = self._program_states()
+        updater_state, fallback_state = self.slots.program_states(self._state_failed)
         return {"format": FORMAT, "t": self.t, **self.slots.state_dict(updater_state, fallback_state),
                 "base": self.spec.optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -485,76 +476,30 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.decisions.load_state_dict(state["decisions"])
         self.integrity.load_state_dict(state["integrity"])
         self.records.event(Event.RESUMED, update=self.t, version=self.slots.current.number)
-        for version, message in failures:  # failed at the resume itself: recorded as reverted, and shown
-            hung = version.digest in self.slots.hung
-            self.records.event(Event.REVERTED, update=self.t, version=version.number,
-                               to=self.slots.fallback_for(version).number, reason="hung" if hung else "resume",
-                               message=message, traceback="", restored="none (resumed from the checkpoint)")
-            self.observer.errors.append({"kind": "hung" if hung else "resume", "update": self.t,
-                                         "version": version.number, "message": message, "traceback": ""})
-        if self.guard.changes:
-            self._torch_state_changed()
+        self.findings.failed_at_resume(failures, self.t, self.slots)  # failed at the resume itself
+        self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
 
-    def _program_states(self) -> tuple[Any, Any]:
-        """The running version's and its fallback's ``state_dict()``, taken and checked now: a version whose state
-        fails (raises, or cannot be saved) fails here, its fallback runs on (or is replaced by the starting
-        program), and the state of what runs now is taken instead. The starting program's failure leaves {}."""
-        slots = self.slots
-        while True:
-            version = slots.current
-            state, problem = slots.program_state(version)
-            if problem is None:
-                break
-            if version is slots.versions[0]:
-                self.records.event(Event.FAILED_STEP, update=self.t, version=0, message=problem)
-                state = {}
-                break
+    def _state_failed(self, version: Version, problem: str) -> None:
+        """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""
+        if version is self.slots.current and version is not self.slots.versions[0]:
             self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
                               redo=False)
-        fallback_state = None
-        if slots.fallback is not slots.current:
-            fallback = slots.fallback
-            fallback_state, problem = slots.program_state(fallback)
-            if problem is not None:  # the fallback fails: the starting program is the fallback from now on
-                fallback.status = "failed"
-                slots.fallback = slots.versions[0]
-                self.records.event(Event.REVERTED, update=self.t, version=fallback.number, to=0, reason="check",
-                                   message=problem, traceback="", restored="none (it was not running)")
-                fallback_state = slots.program_state(slots.fallback)[0] if slots.fallback is not slots.current \
-                    else None
-        return state, fallback_state
+        else:
+            self.records.event(Event.REVERTED, update=self.t, version=version.number, to=0, reason="check",
+                               message=problem, traceback="", restored="none (it was not running)")
 
-    def _torch_state_changed(self) -> None:
-        """Record what a program changed of torch's global state (put back already by the guard), once per
-        version, call and setting; the agent is shown it at its next decision."""
-        changes, self.guard.changes = self.guard.changes, []
-        for version, call, changed in changes:
-            number = getattr(version, "number", None)
-            new = [what for what in changed if (number, call, what) not in self._state_noted]
-            if not new:
-                continue
-            self._state_noted.update((number, call, what) for what in new)
-            message = (f"{call} changed torch's global state ({', '.join(new)}); it was put back after the call. "
-                       f"Leave it alone (use torch.no_grad() blocks and a torch.Generator of your own)")
-            self.records.event(Event.LOG, update=self.t, values={"torch_state_restored": new, "version": number,
-                                                                  "call": call, "message": message})
-            self.observer.errors.append({"kind": "torch_state", "update": self.t, "version": number,
-                                         "message": message, "traceback": ""})
 
-    def _hung(self, version: Version, call: str, limit: float) -> str:
-        """The watchdog's record of a call that hung (from its thread; the process ends right after): a line of
-        ``hung.jsonl`` (the version never runs again in this folder), a ``reverted`` event; the sentence's end."""
-        number = version.number if version is not None else None
-        self.hangs.record({"version": number, "call": call, "update": self.t, "limit": limit,
-                           "sha256": version.digest if version is not None else ""})
-        fallback = self.slots.fallback_for(version) if version is not None else self.slots.versions[0]
-        self.records.event(Event.REVERTED, update=self.t, version=number, to=fallback.number, reason="hung",
-                           message=f"{call} ran past its time limit of {limit:g} s and did not stop",
-                           traceback="", restored="none (the process ended)")
-        self.records.flush()
-        where = f"recorded in {self.hangs.path}, it never runs again; " if self.hangs.path is not None else ""
-        return where + resume_hint()
+
+def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch) -> dict[str, Any]:
+    """The agent figures (``AgentFigures.to_json()``) from the parts that count them."""
+    return AgentFigures(
+        decisions_asked=counts.asked, decisions_applied=counts.applied, decisions_kept=counts.kept,
+        decisions_load_failed=counts.load_failed, decisions_failed=counts.failed,
+        decisions_reverted=slots.reverted, step_failures=slots.step_failures,
+        waiting_seconds=counts.waiting_seconds, agent_seconds=counts.agent_seconds, cost_usd=counts.cost_usd,
+        wakes=counts.wakes, version=slots.current.number, versions=len(slots.versions),
+        eval_integrity=integrity.figures()).to_json()
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,

@@ -294,6 +294,30 @@ class ProgramSlots:
             return None, f"state_dict() returned a state that cannot be saved: {problem}"
         return state, None
 
+    def program_states(self, failed) -> tuple[Any, Any]:
+        """The running version's and its fallback's program states, taken and checked now. A version whose state
+        fails is handed to ``failed(version, why)`` first (the optimizer reverts the running one); then the state
+        of what runs in its place is taken. The fallback failing leaves the starting program as the fallback; the
+        starting program's own failure leaves {}."""
+        while True:
+            version = self.current
+            state, problem = self.program_state(version)
+            if problem is None:
+                break
+            failed(version, problem)
+            if version is self.versions[0]:
+                state = {}
+                break
+        fallback_state = None
+        if self.fallback is not self.current:
+            fallback_state, problem = self.program_state(self.fallback)
+            if problem is not None:
+                failed(self.fallback, problem)
+                self.fallback.status = "failed"
+                self.fallback = self.versions[0]
+                fallback_state = self.program_state(self.fallback)[0] if self.fallback is not self.current else None
+        return state, fallback_state
+
     def state_dict(self, updater_state: Any, fallback_state: Any) -> dict[str, Any]:
         """The slots' state with the running version's and its fallback's program states, taken (and checked)
         by ``program_state`` just before."""
