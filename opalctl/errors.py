@@ -3,12 +3,19 @@
 The CLI turns each of these into a message on stderr and the documented exit code, never a traceback: the
 sentence, then each of ``details`` (if any) on an indented line under it. Anything else that escapes is a bug in
 opalctl and is shown as such (exit 1, with the traceback kept for the report).
+
+The exit codes: 0 done; 1 a failure while working (``OpalctlError``) or a bug; 2 bad input (``BadInput``); 3 a
+frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGRAM_HUNG``): a program call ran past
+its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``opal/hung.jsonl``
+naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
+resume checkpoint with that version marked failed (it never runs again); 130 interrupted by the user (Ctrl-C).
 """
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_CHANGED = 3
+EXIT_PROGRAM_HUNG = 4  # ended by the agent optimizer's watchdog, see the docstring
 
 
 class OpalctlError(Exception):

@@ -1,22 +1,41 @@
-"""Agent code under guard: the one place where a failure of agent code becomes a result, and a step's time limit.
+"""Agent code under guard: the one place where a failure of agent code becomes a result, a program call's time
+limit, what happens when a program does not stop, and torch's global state around each call.
 
-``contained`` runs agent code (a program's ``build``, ``step`` or ``analyze``) and hands back its failure instead
-of raising it: training never dies because of agent code. The rule of what is *not* contained (a KeyboardInterrupt,
-a real Ctrl-C) is written there and nowhere else, so that changing it is changing one line.
+``contained`` runs agent code and hands back its failure instead of raising it: training never dies because of
+agent code. Every ``BaseException`` a program raises is its failure (``SystemExit``, ``GeneratorExit`` and a
+``KeyboardInterrupt`` it raised itself included). A real Ctrl-C is told apart by the signal, not by the exception
+class: ``Interrupts`` is the process's SIGINT handler, which counts the signals that arrived before doing what
+the handler before it did; when one arrived during the call, ``contained`` raises ``KeyboardInterrupt``, even if
+the program swallowed it.
 
-``StepGuard`` is the time limit of one optimizer's steps. The limit is a SIGALRM whose handler raises inside the
-step, sent by a watchdog thread. A process has one SIGALRM handler, so the handler and its thread are one
-``Watchdog`` per process (``Watchdog.shared()``); each guard arms it around its own steps.
+``StepGuard`` runs each program call (top level, ``build``, ``step``, ``analyze``, ``state_dict``,
+``load_state_dict``) under a time limit: a SIGALRM whose handler raises ``StepTimeout`` inside the call, sent by
+the process's ``Watchdog`` thread. A program that swallows it (``except BaseException: pass`` in a loop) is still
+running ``HANG_GRACE`` later: the watchdog then hands the call to the guard's ``on_hang`` (which writes the
+records, see ``hangs.py``), prints one sentence and ends the process with ``EXIT_PROGRAM_HUNG`` (see
+``opalctl/errors.py``); ``--resume`` continues with that version marked failed.
+
+Around each call, torch's global state (grad mode, the number of threads, the default dtype, the global random
+generator) is taken and put back (``TorchState``); what a program changed is kept in ``StepGuard.changes`` for
+the optimizer to record.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
+
+from opalctl.errors import EXIT_PROGRAM_HUNG
+
+HANG_GRACE = 1.0  # seconds past the alarm (at least; the limit itself when longer) before a call counts as hung
 
 
 class StepFailure(Exception):
@@ -24,19 +43,56 @@ class StepFailure(Exception):
 
 
 class StepTimeout(BaseException):
-    """Raised by the alarm inside a step that ran past its limit (a BaseException so ``except Exception`` in a
+    """Raised by the alarm inside a call that ran past its limit (a BaseException so ``except Exception`` in a
     program cannot swallow it)."""
 
 
+class Interrupts:
+    """The process's SIGINT handler: counts the signals that arrived, then runs the handler that was there before
+    (Python's own raises KeyboardInterrupt). Installed once, from the main thread, over a handler that is a
+    Python callable (an ignored SIGINT stays ignored)."""
+
+    _shared: Interrupts | None = None
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous: Callable[..., Any] | None = None
+
+    @classmethod
+    def shared(cls) -> Interrupts:
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGINT)
+        if current == self.handler or not callable(current):
+            return
+        self.previous = current
+        signal.signal(signal.SIGINT, self.handler)
+
+    def handler(self, signum, frame) -> None:
+        self.count += 1
+        if self.previous is not None:
+            self.previous(signum, frame)
+
+
 def contained(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
-    """Run agent code: ``(its value, None)``, or ``(None, the error)`` for any failure but a KeyboardInterrupt,
-    which is raised (the user stops training; agent code does not)."""
+    """Run agent code: ``(its value, None)``, or ``(None, the error)`` for any failure; a KeyboardInterrupt is
+    raised only when a real SIGINT arrived during the call (the user stops training; agent code does not)."""
+    interrupts = Interrupts.shared()
+    before = interrupts.count
     try:
-        return fn(*args), None
+        value = fn(*args)
     except BaseException as error:  # noqa: B036 - agent code must never end training
-        if isinstance(error, KeyboardInterrupt):
-            raise
+        if interrupts.count != before:
+            raise KeyboardInterrupt from None
         return None, error
+    if interrupts.count != before:  # the program swallowed the user's Ctrl-C
+        raise KeyboardInterrupt
+    return value, None
 
 
 def trace_of(error: BaseException, limit: int) -> str:
@@ -44,10 +100,48 @@ def trace_of(error: BaseException, limit: int) -> str:
     return "".join(traceback.format_exception(error, limit=limit))
 
 
+RNG_COMPARED_EVERY = 64  # after the first ones, every 64th call compares the generator's state (see TorchState)
+
+
+class TorchState:
+    """Torch's global state a program could change, taken before a call and put back after it (``put_back``,
+    which names what had changed). The global generator is put back after every call; whether a program drew
+    from it is compared (two copies of its 5 kB state to bytes, most of the cost of this class) on the calls
+    ``compare_rng`` says, so a program that draws on each call is found at its first, and the ordinary call costs
+    one copy of the state and one ``set_state`` (about 1 us, against 0.7 us for the rest of a guarded call)."""
+
+    __slots__ = ("grad", "threads", "dtype", "rng", "compare_rng")
+
+    def __init__(self, compare_rng: bool = True) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.threads = torch.get_num_threads()
+        self.dtype = torch.get_default_dtype()
+        self.rng = torch.default_generator.get_state()
+        self.compare_rng = compare_rng
+
+    def put_back(self) -> list[str]:
+        changed = []
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+            changed.append("grad mode")
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+            changed.append("number of threads")
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+            changed.append("default dtype")
+        generator = torch.default_generator
+        if self.compare_rng and generator.get_state().numpy().tobytes() != self.rng.numpy().tobytes():
+            changed.append("global random generator")
+        generator.set_state(self.rng)
+        return changed
+
+
 class Watchdog:
-    """The process's SIGALRM handler and the thread that sends it. ``seq`` numbers the armed steps; ``fire`` is
-    the step the thread signalled, so that a signal that arrives after that step ended (or in the next one) is
-    ignored. One step runs at a time, in the main thread."""
+    """The process's SIGALRM handler and the thread that sends it. ``seq`` numbers the armed calls; ``fire`` is
+    the call the thread signalled, so that a signal that arrives after that call ended (or in the next one) is
+    ignored; ``current`` is (the guard, the version, the call's name) of the armed call. One call runs at a
+    time, in the main thread."""
 
     _shared: Watchdog | None = None
 
@@ -57,6 +151,7 @@ class Watchdog:
         self.fire = -1
         self.started = 0.0
         self.limit = 0.0
+        self.current: tuple[Any, Any, str] | None = None
         self.thread: threading.Thread | None = None
 
     @classmethod
@@ -67,8 +162,7 @@ class Watchdog:
 
     def handler(self, signum, frame) -> None:
         if self.armed and self.fire == self.seq:
-            self.armed = False
-            raise StepTimeout("the step ran past its time limit")
+            raise StepTimeout("the call ran past its time limit")
 
     def start(self) -> None:
         if self.thread is None or not self.thread.is_alive():
@@ -77,28 +171,43 @@ class Watchdog:
             self.thread.start()
 
     def _watch(self, main_thread: int) -> None:
-        """Looks at the armed step every quarter of its limit (so a step over its limit is stopped within 1.25
-        times it) and signals the main thread when it is over. A thread rather than ``setitimer``: two system
-        calls per step would cost more than the step of a small model can spare; sleeping costs nothing."""
+        """Looks at the armed call every quarter of its limit (so a call over its limit is stopped within 1.25
+        times it), signals the main thread when it is over, and ends the process when it is still running
+        ``HANG_GRACE`` later. A thread rather than ``setitimer``: two system calls per step would cost more than
+        the step of a small model can spare; sleeping costs nothing."""
         while True:
             time.sleep(max((self.limit or 1.0) / 4, 0.005))
-            seq = self.seq
-            if self.armed and time.perf_counter() - self.started > self.limit and self.seq == seq:
+            seq, current = self.seq, self.current
+            if not self.armed or current is None:
+                continue
+            over = time.perf_counter() - self.started - self.limit
+            guard = current[0]
+            if over > 0 and self.fire != seq and guard.active:
                 self.fire = seq
                 signal.pthread_kill(main_thread, signal.SIGALRM)
+            elif over > max(self.limit, HANG_GRACE) and self.armed and self.seq == seq:
+                guard.hung(current[1], current[2])
 
 
 class StepGuard:
-    """One optimizer's step time limit, and the checks of its parameters after a step. The limit is ``active``
-    when the alarm could be set (only from the main thread, and only when the program has no SIGALRM handler of
-    its own); otherwise a step over its limit is still caught, after it returns (``enforce``)."""
+    """One optimizer's program calls under their time limit, and the checks of its parameters after a step. The
+    alarm is ``active`` when it could be set (only from the main thread, and only when the program has no
+    SIGALRM handler of its own); otherwise a step over its limit is still caught, after it returns
+    (``enforce``), and a call that never returns still ends the process. ``version`` is the version whose step
+    ``run`` runs (set by the caller); ``on_hang(version, call, limit)`` writes the records of a hang."""
 
-    def __init__(self, limit: float, named: dict[str, Any]):
+    def __init__(self, limit: float, named: dict[str, Any], on_hang: Callable[[Any, str, float], str] | None = None):
         self.limit = limit
         self.named = named
         self.layout = {name: (p.dtype, p.device, tuple(p.shape)) for name, p in named.items()}
+        self.on_hang = on_hang
+        self.version: Any = None
+        self.steps = 0  # steps run under this guard (the global generator is compared on some, see TorchState)
+        self.changes: list[tuple[Any, str, list[str]]] = []  # (version, call, what it changed), for the records
         self._watchdog = Watchdog.shared()
         self.active = self._install()
+        if self.limit:
+            self._watchdog.start()
 
     def _install(self) -> bool:
         if not self.limit or threading.current_thread() is not threading.main_thread():
@@ -107,25 +216,63 @@ class StepGuard:
         if previous not in (signal.SIG_DFL, signal.SIG_IGN, None, self._watchdog.handler):
             return False  # the program has its own alarm handler: leave it alone
         signal.signal(signal.SIGALRM, self._watchdog.handler)
-        self._watchdog.start()
         return True
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> float:
-        """``fn(*args)`` under the alarm; returns its duration in seconds (arming is a few attribute writes: the
-        watchdog thread does the timing)."""
-        started = time.perf_counter()
-        if not self.active:
-            fn(*args)
-            return time.perf_counter() - started
+    def _arm(self, version: Any, call: str) -> None:
         watchdog = self._watchdog
         watchdog.seq += 1
-        watchdog.started, watchdog.limit = started, self.limit
-        watchdog.armed = True
+        watchdog.current = (self, version, call)
+        watchdog.started, watchdog.limit = time.perf_counter(), self.limit
+        watchdog.armed = bool(self.limit)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> float:
+        """A step, ``fn(*args)``, under the time limit, torch's global state put back after it; returns its
+        duration in seconds (arming is a few attribute writes: the watchdog thread does the timing)."""
+        started = time.perf_counter()
+        self._arm(self.version, "step()")
+        steps = self.steps = self.steps + 1
+        saved = TorchState(compare_rng=steps < RNG_COMPARED_EVERY or steps % RNG_COMPARED_EVERY == 0)
         try:
             fn(*args)
         finally:
-            watchdog.armed = False
+            self._watchdog.armed = False
+            changed = saved.put_back()
+            if changed:
+                self.changes.append((self.version, "step()", changed))
         return time.perf_counter() - started
+
+    def call(self, version: Any, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+        """Any other program call (``call`` names it: "build()", "analyze()", ...) under the same limit, through
+        ``contained``: ``(its value, None)`` or ``(None, its failure)``."""
+        saved = TorchState()
+        self._arm(version, call)
+        try:
+            value, error = contained(fn, *args)
+        except StepTimeout as late:  # the alarm arrived between the call's end and the disarming
+            value, error = None, late
+        finally:
+            self._watchdog.armed = False
+            changed = saved.put_back()
+            if changed:
+                self.changes.append((version, call, changed))
+        if error is None and self.limit and time.perf_counter() - self._watchdog.started > self.limit:
+            error = StepTimeout(f"{call} ran past its time limit of {self.limit:g} s")
+        return value, error
+
+    def hung(self, version: Any, call: str) -> None:
+        """The armed call ran past its limit and did not stop: write its records, say what happened and how to
+        go on, and end the process (from the watchdog thread; the main thread is stuck in the program)."""
+        try:
+            sentence = self.on_hang(version, call, self.limit) if self.on_hang is not None else None
+        except BaseException as error:  # noqa: B036 - the process ends whatever the records did
+            sentence = f"(its records could not be written: {type(error).__name__}: {error})"
+        number = getattr(version, "number", None)
+        label = f"v{number:03d}" if isinstance(number, int) else "the starting program"
+        sys.stderr.write(f"opal: the agent's program {label} hung in {call}: it ran past its time limit of "
+                         f"{self.limit:g} s and did not stop when interrupted; {sentence or 'resume the run'} "
+                         f"(exit code {EXIT_PROGRAM_HUNG})\n")
+        sys.stderr.flush()
+        os._exit(EXIT_PROGRAM_HUNG)
 
     def enforce(self, elapsed: float) -> None:
         """Raise StepFailure for a step that returned after its limit."""
@@ -144,8 +291,6 @@ class StepGuard:
             if tuple(p.shape) != shape:
                 return f"parameter {name} changed shape from {shape} to {tuple(p.shape)}"
         if full:
-            import torch
-
             flags = torch.stack([torch.isfinite(p.detach()).all() for p in self.named.values()])
             if not bool(flags.all()):
                 bad = [name for name, ok in zip(self.named, flags.tolist()) if not ok]

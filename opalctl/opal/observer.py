@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from opalctl.formats import Event
-from opalctl.opal.guard import contained, trace_of
+from opalctl.opal.guard import trace_of
 from opalctl.opal.messages import rebin
 from opalctl.opal.slots import Snapshot, Version
 from opalctl.scalars import read_floats
@@ -46,8 +46,9 @@ class Observer:
     """The losses since the last analysis (``pending_losses``), their bins, the analysis's memory and latest
     report, the errors the agent is shown at its next decision, and the rollback state ``good``."""
 
-    def __init__(self, records, roles: dict[str, str]):
+    def __init__(self, records, roles: dict[str, str], guard):
         self.records = records
+        self.guard = guard  # analyze() runs through guard.call: its time limit, torch's global state
         self.roles = roles  # each parameter's role (see roles.py), shown to the analysis
         self.pending_losses: list = []
         self.loss_bins: list[dict[str, Any]] = []
@@ -103,7 +104,7 @@ class Observer:
                "grads": dict(grads.items()), "state": {name: optimizer_state.get(p, {}) for name, p in params.items()},
                "roles": self.roles, "lrs": lrs}
         started = time.perf_counter()
-        result, error = contained(self._analyze, version, obs)
+        result, error = self.guard.call(version, "analyze()", self._analyze, version, obs)
         self.analysis_seconds.append(time.perf_counter() - started)
         del self.analysis_seconds[:-ANALYSIS_SECONDS_KEPT]
         if error is not None:
@@ -116,19 +117,23 @@ class Observer:
             except (TypeError, ValueError):
                 self.memory = {}
             return None
-        result, report_text = result
+        wake, report_text = result
         if report_text is not None:
             self._report_text = report_text
             self.records.write_line("reports", f'{{"report":{report_text},"update":{t},'
                                                f'"version":{version.number}}}\n')
-        return str(result["wake"]) if result.get("wake") else None
+        return wake
 
-    def _analyze(self, version: Version, obs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    def _analyze(self, version: Version, obs: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The program's ``analyze`` and everything read of its result (inside the guarded call: the result is the
+        program's objects): (why it wakes the agent or None, the report as JSON text or None)."""
         with torch.no_grad():
             result = version.analysis.analyze(obs, self.memory)
-        if not isinstance(result, dict):
+        if type(result) is not dict:
             raise TypeError(f"analyze() returned {type(result).__name__}, not a dict")
-        return result, (json.dumps(result["report"], default=float) if "report" in result else None)
+        report = json.dumps(result["report"], default=float) if "report" in result else None
+        wake = result.get("wake")
+        return (str(wake) if wake else None), report
 
     def memory_copy(self, t: int, version: Version) -> dict[str, Any]:
         """The analysis memory as plain data (checked here, at checkpoints, rather than at every analysis)."""

@@ -21,7 +21,9 @@ In the order an update meets them:
   non-finite value, a changed dtype/device/shape, a step over its time limit) the copy is restored and the same
   update is redone by the last version that passed its trial. After the trial a failure hands over to that
   version too, and a non-finite parameter found by the periodic check rolls back to the last checked state.
-  Training never dies because of agent code (KeyboardInterrupt aside).
+  Training never dies because of agent code: any exception it raises is its failure (a real Ctrl-C, told apart by
+  the SIGINT signal, still stops training), torch's global state is put back after each program call, and a
+  call that hangs past its limit ends the process with a record (exit 4; ``--resume`` goes on without it).
 - **The plain path.** While the released starting program runs and nothing else is due, ``step`` only runs that
   program, keeps the loss and records the integrity sample: the bookkeeping of the full path costs more between
   two updates of a small model than in a tight loop, so it is skipped on most updates. Each part says up to
@@ -49,7 +51,8 @@ import torch
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
 from opalctl.opal.decisions import AgentLine, Decisions
-from opalctl.opal.guard import StepFailure, StepGuard, StepTimeout, contained, trace_of
+from opalctl.opal.guard import Interrupts, StepFailure, StepGuard, StepTimeout, contained, trace_of
+from opalctl.opal.hangs import GuardFindings, Hangs
 from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
 from opalctl.opal.program_view import GradView, Spec, StepContext
@@ -97,12 +100,9 @@ class AgentOptimizer(torch.optim.Optimizer):
                  eval_integrity: bool = True):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):  # what torch's Optimizer methods expect to find
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
         if total_steps is None and progress is None:
             raise ValueError("wrap() needs total_steps or progress (a callable returning the budget fraction used)")
         if blocking not in (True, False, "auto"):
@@ -121,12 +121,16 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.t = 0
         self._closed = False
         self._plain_until = 0  # see _plan: the only writer
-        self.guard = StepGuard(step_time_limit, self.named)
         run_dir = Path(run_dir) if run_dir is not None else None
         self.records = OpalRecords(run_dir, [*(secrets or []), *backend.secrets()])
-        self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()})
+        Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
+        self.guard = StepGuard(step_time_limit, self.named)
+        self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
+                                 self.guard)
+        self.findings = GuardFindings(Hangs(run_dir), self.records, self.observer)
         self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
-        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps)
+        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.findings.hangs.digests)
+        self.guard.on_hang = lambda version, call, limit: self.findings.hung(version, call, limit, self.t, self.slots)
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
                              max_wakes if max_wakes is not None else max(1, decisions // 2)),
@@ -158,8 +162,8 @@ class AgentOptimizer(torch.optim.Optimizer):
     # -- what torch, schedulers and callers see ------------------------------------------------------------
     @property
     def param_groups(self):
-        updater = self.slots.current.updater if self.slots.current is not None else None
-        groups = getattr(updater, "param_groups", None)
+        # read once, under guard, when the version was built (a property of the updater is program code)
+        groups = self.slots.current.param_groups if self.slots.current is not None else None
         return groups if groups is not None else self.spec.optimizer.param_groups
 
     @param_groups.setter
@@ -285,6 +289,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.integrity.after_step(self.t, layouts=version.number != 0 or not self._released_start)
         if probe:
             self._analyse(before)
+        if self.guard.changes:
+            self.findings.torch_state_changed(self.guard, self.t)
 
     def _checked_step(self, version: Version, ctx: StepContext, in_trial: bool) -> None:
         if self.slots.audit_due(version):
@@ -305,6 +311,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             version.updater.step(self._grads, self.t, ctx)
             version.timed(time.perf_counter() - started)
             return
+        self.guard.version = version
         elapsed = self.guard.run(_no_grad_step, version, self._grads, self.t, ctx)
         version.timed(elapsed)
         self.guard.enforce(elapsed)
@@ -421,6 +428,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             return
         self.records.flush()
         self.decisions.boundary(self.t)
+        self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
 
     # -- the end, and checkpoints --------------------------------------------------------------------------
@@ -440,20 +448,15 @@ class AgentOptimizer(torch.optim.Optimizer):
         return self.figures()
 
     def figures(self) -> dict[str, Any]:
-        counts = self.decisions.counts
-        return AgentFigures(
-            decisions_asked=counts.asked, decisions_applied=counts.applied, decisions_kept=counts.kept,
-            decisions_load_failed=counts.load_failed, decisions_failed=counts.failed,
-            decisions_reverted=self.slots.reverted, step_failures=self.slots.step_failures,
-            waiting_seconds=counts.waiting_seconds, agent_seconds=counts.agent_seconds, cost_usd=counts.cost_usd,
-            wakes=counts.wakes, version=self.slots.current.number, versions=len(self.slots.versions),
-            eval_integrity=self.integrity.figures()).to_json()
+        return _figures(self.decisions.counts, self.slots, self.integrity)
 
     def state_dict(self) -> dict[str, Any]:
         """Each part's state; the slots' keys (versions, current, fallback, trial_left, updater, ...) sit at the top,
         where the formal run's checkpoints are read by tools and tests."""
         scheduler = self.spec.scheduler
-        return {"format": FORMAT, "t": self.t, **self.slots.state_dict(), "base": self.spec.optimizer.state_dict(),
+        updater_state, fallback_state = self.slots.program_states(self._state_failed)
+        return {"format": FORMAT, "t": self.t, **self.slots.state_dict(updater_state, fallback_state),
+                "base": self.spec.optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "observer": self.observer.state_dict(self.t, self.slots.current),
                 "decisions": self.decisions.state_dict(), "integrity": self.integrity.state_dict(),
@@ -468,13 +471,36 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.spec.optimizer.load_state_dict(state["base"])
         if state["scheduler"] is not None and self.spec.scheduler is not None:
             self.spec.scheduler.load_state_dict(state["scheduler"])
-        self.slots.load_state_dict(state)
+        failures = self.slots.load_state_dict(state)
         self.t = int(state["t"])
         self.observer.load_state_dict(state["observer"])
         self.decisions.load_state_dict(state["decisions"])
         self.integrity.load_state_dict(state["integrity"])
         self.records.event(Event.RESUMED, update=self.t, version=self.slots.current.number)
+        self.findings.failed_at_resume(failures, self.t, self.slots)  # failed at the resume itself
+        self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
+
+    def _state_failed(self, version: Version, problem: str) -> None:
+        """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""
+        if version is self.slots.current and version is not self.slots.versions[0]:
+            self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
+                              redo=False)
+        else:
+            self.records.event(Event.REVERTED, update=self.t, version=version.number, to=0, reason="check",
+                               message=problem, traceback="", restored="none (it was not running)")
+
+
+
+def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch) -> dict[str, Any]:
+    """The agent figures (``AgentFigures.to_json()``) from the parts that count them."""
+    return AgentFigures(
+        decisions_asked=counts.asked, decisions_applied=counts.applied, decisions_kept=counts.kept,
+        decisions_load_failed=counts.load_failed, decisions_failed=counts.failed,
+        decisions_reverted=slots.reverted, step_failures=slots.step_failures,
+        waiting_seconds=counts.waiting_seconds, agent_seconds=counts.agent_seconds, cost_usd=counts.cost_usd,
+        wakes=counts.wakes, version=slots.current.number, versions=len(slots.versions),
+        eval_integrity=integrity.figures()).to_json()
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,

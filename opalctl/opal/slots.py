@@ -12,16 +12,51 @@ the successor's ``build(params, previous, spec)`` did to ``previous`` is not und
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from opalctl.opal.guard import contained, trace_of
-from opalctl.opal.programs import ProgramRejected, load_program
+from opalctl.opal.guard import trace_of
+from opalctl.opal.programs import ProgramRejected, check_program, load_program
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
 STEP_SECONDS_KEPT = 256  # the recent step durations a version keeps (the agent is shown their mean)
+STATE_ITEMS_MAX = 1_000_000  # the most containers and numbers a program's state_dict() may hold
+STATE_DEPTH_MAX = 32
+
+
+def version_digest(files: dict[str, str]) -> str:
+    """The sha256 that names a version's two files (what ``hangs.py`` remembers)."""
+    digest = hashlib.sha256()
+    for name in PROGRAM_FILES:
+        digest.update(name.encode() + b"\0" + str(files.get(name, "")).encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def state_problem(value: Any) -> str | None:
+    """Why a program's ``state_dict()`` result cannot go into a checkpoint (None when it can): only dicts, lists
+    and tuples of tensors, numbers, strings, booleans and None, which torch.save and a ``weights_only`` load
+    round-trip, and no tensor that is part of an autograd graph."""
+    stack, items = [(value, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        items += 1
+        if items > STATE_ITEMS_MAX or depth > STATE_DEPTH_MAX:
+            return f"it is larger or deeper than a program's state may be ({STATE_ITEMS_MAX} items, depth " \
+                   f"{STATE_DEPTH_MAX})"
+        kind = type(item)
+        if kind in (torch.Tensor, torch.nn.Parameter):
+            if item.requires_grad and item.grad_fn is not None:
+                return "it holds a tensor that is part of an autograd graph; store tensor.detach()"
+        elif kind in (dict, list, tuple):
+            children = [*item.keys(), *item.values()] if kind is dict else item
+            stack.extend((child, depth + 1) for child in children)
+        elif kind not in (int, float, bool, str, type(None)):
+            return (f"it holds a {kind.__name__}; a program's state may hold only dicts, lists, tuples, tensors, "
+                    f"numbers, strings, booleans and None")
+    return None
 
 
 @dataclass
@@ -35,6 +70,11 @@ class Version:
     every: int = 25
     step_seconds: list[float] = field(default_factory=list)
     steps: int = 0  # updates this version has stepped (the audit measures its second)
+    param_groups: Any = None  # the updater's param_groups, read once when it was built (None: the base's)
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        self.digest = version_digest(self.files)
 
     def timed(self, seconds: float) -> None:
         """Keep one step's duration (the recent ones only)."""
@@ -98,12 +138,28 @@ class Snapshot:
                         scheduler=swap.scheduler)
 
 
+def _build(build, named, previous, spec) -> tuple[Any, Any] | str:
+    """A program's ``build`` and what is read of its updater, all inside the guarded call (a property of the
+    updater is program code too): (the updater, its param_groups or None), or what is wrong with it."""
+    updater = build(named, previous, spec)
+    for method in ("step", "state_dict", "load_state_dict"):
+        if not callable(getattr(updater, method, None)):
+            return f"the object build() returns has no {method}()"
+    groups = getattr(updater, "param_groups", None)
+    if groups is not None and not (type(groups) is list and all(type(g) is dict for g in groups)):
+        return "param_groups must be a list of dicts (or leave it out: the user's optimizer's groups are used)"
+    return updater, groups
+
+
 class ProgramSlots:
     """Versions, the running one (``current``), the one a failure hands over to (``fallback``), the trial of a
     new version and the audits of each version's second step."""
 
-    def __init__(self, named: dict[str, torch.Tensor], spec, default_every: int, trial_steps: int):
+    def __init__(self, named: dict[str, torch.Tensor], spec, default_every: int, trial_steps: int, guard,
+                 hung: set[str] | None = None):
         self.named = named
+        self.guard = guard  # every call into a program goes through guard.call (time limit, torch state)
+        self.hung = set(hung or ())  # digests of versions that hung: never loaded again
         self.spec = spec
         self.default_every = default_every
         self.trial_steps = trial_steps
@@ -125,27 +181,38 @@ class ProgramSlots:
 
     def install(self, version: Version, previous) -> None:
         """Load both programs of ``version``, build its updater and make it current; raises ProgramRejected on any
-        failure (``build`` included)."""
+        failure (``build`` included). Both files pass the static check before either runs."""
         label = f"v{version.number:03d}"
-        updater_program = load_program("updater", version.files["updater.py"], label=f"{label}/updater")
-        analysis_program = load_program("analysis", version.files["analysis.py"], label=f"{label}/analysis")
-        build = getattr(updater_program.module, "build", None)
-        analyze = getattr(analysis_program.module, "analyze", None)
+        if version.number != 0 and version.digest in self.hung:  # the starting program is the last resort
+            raise ProgramRejected(f"{label}: these programs hung in an earlier run of this folder (they ran past "
+                                  f"their time limit and did not stop) and are never loaded again; change them")
+        check_program("updater", version.files["updater.py"], label=f"{label}/updater")
+        check_program("analysis", version.files["analysis.py"], label=f"{label}/analysis")
+
+        def top_level(fn, *args):
+            return self.guard.call(version, "the top level of a program", fn, *args)
+
+        updater_program = load_program("updater", version.files["updater.py"], label=f"{label}/updater",
+                                       run=top_level)
+        analysis_program = load_program("analysis", version.files["analysis.py"], label=f"{label}/analysis",
+                                        run=top_level)
+        build = updater_program.module.__dict__.get("build")
+        analyze = analysis_program.module.__dict__.get("analyze")
         if not callable(build):
             raise ProgramRejected(f"{label}/updater.py must define build(params, previous, spec)")
         if not callable(analyze):
             raise ProgramRejected(f"{label}/analysis.py must define analyze(obs, memory)")
-        every = getattr(analysis_program.module, "EVERY", self.default_every)
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        every = analysis_program.module.__dict__.get("EVERY", self.default_every)
+        if type(every) is not int or every < 1:
             raise ProgramRejected(f"{label}/analysis.py: EVERY must be a positive integer, not {every!r}")
-        updater, error = contained(build, self.named, previous, self.spec)
+        built, error = self.guard.call(version, "build()", _build, build, self.named, previous, self.spec)
         if error is not None:
             raise ProgramRejected(f"{label}/updater.py build() raised {type(error).__name__}: {error}\n"
                                   f"{trace_of(error, -3)}") from None
-        for method in ("step", "state_dict", "load_state_dict"):
-            if not callable(getattr(updater, method, None)):
-                raise ProgramRejected(f"{label}/updater.py: the object build() returns has no {method}()")
-        version.updater, version.analysis, version.every = updater, analysis_program.module, every
+        if isinstance(built, str):
+            raise ProgramRejected(f"{label}/updater.py: {built}")
+        version.updater, version.param_groups = built
+        version.analysis, version.every = analysis_program.module, every
         if version not in self.versions:
             self.versions.append(version)
         self.current = version
@@ -216,36 +283,93 @@ class ProgramSlots:
         return 1 << 62
 
     # -- checkpoints -----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"versions": [{"number": v.number, "files": v.files, "status": v.status, "applied_at": v.applied_at,
-                              "steps": v.steps} for v in self.versions],
+    def program_state(self, version: Version) -> tuple[Any, str | None]:
+        """``version``'s ``updater.state_dict()``, taken under guard and checked at once: (the state, None), or
+        (None, why it failed) (the caller reverts the version: a state that cannot be saved is its failure)."""
+        state, error = self.guard.call(version, "state_dict()", version.updater.state_dict)
+        if error is not None:
+            return None, f"state_dict() raised {type(error).__name__}: {error}"
+        problem = state_problem(state)
+        if problem is not None:
+            return None, f"state_dict() returned a state that cannot be saved: {problem}"
+        return state, None
+
+    def program_states(self, failed) -> tuple[Any, Any]:
+        """The running version's and its fallback's program states, taken and checked now. A version whose state
+        fails is handed to ``failed(version, why)`` first (the optimizer reverts the running one); then the state
+        of what runs in its place is taken. The fallback failing leaves the starting program as the fallback; the
+        starting program's own failure leaves {}."""
+        while True:
+            version = self.current
+            state, problem = self.program_state(version)
+            if problem is None:
+                break
+            failed(version, problem)
+            if version is self.versions[0]:
+                state = {}
+                break
+        fallback_state = None
+        if self.fallback is not self.current:
+            fallback_state, problem = self.program_state(self.fallback)
+            if problem is not None:
+                failed(self.fallback, problem)
+                self.fallback.status = "failed"
+                self.fallback = self.versions[0]
+                fallback_state = self.program_state(self.fallback)[0] if self.fallback is not self.current else None
+        return state, fallback_state
+
+    def state_dict(self, updater_state: Any, fallback_state: Any) -> dict[str, Any]:
+        """The slots' state with the running version's and its fallback's program states, taken (and checked)
+        by ``program_state`` just before."""
+        return {"versions": [{"number": v.number, "files": {k: str(text) for k, text in v.files.items()},
+                              "status": v.status, "applied_at": v.applied_at, "steps": v.steps}
+                             for v in self.versions],
                 "current": self.current.number, "fallback": self.fallback.number, "trial_left": self.trial_left,
-                "updater": self.current.updater.state_dict(),
-                "fallback_updater": self.fallback.updater.state_dict() if self.fallback is not self.current else None,
+                "updater": updater_state,
+                "fallback_updater": fallback_state if self.fallback is not self.current else None,
                 "audits": {str(k): v for k, v in self.audits.items()}, "reverted": self.reverted,
                 "step_failures": self.step_failures}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> list[tuple[Version, str]]:
         """Rebuild the versions (the running one, the fallback and version 0 are installed again, with the
-        optimizer and scheduler state already loaded) and their updaters' state."""
+        optimizer and scheduler state already loaded) and their updaters' state. A version that cannot be
+        installed again (it hung since, say) or whose ``load_state_dict`` fails is failed at once and its
+        fallback runs; returns those versions with the reason, for the records."""
         by_number = {entry["number"]: Version(number=entry["number"], files=dict(entry["files"]),
                                               status=entry["status"], applied_at=entry["applied_at"],
                                               steps=int(entry["steps"]))
                      for entry in state["versions"]}
-        self.versions = []
-        for number in sorted(by_number):
-            if number in (state["current"], state["fallback"], 0):
+        self.versions = sorted(by_number.values(), key=lambda v: v.number)
+        failures: list[tuple[Version, str]] = []
+        for number in sorted({0, state["fallback"], state["current"]}):
+            try:
                 self.install(by_number[number], previous=None)
-            else:
-                self.versions.append(by_number[number])
-        self.versions.sort(key=lambda v: v.number)
-        self.fallback = by_number[state["fallback"]]
-        self.current = by_number[state["current"]]
-        self.current.updater.load_state_dict(state["updater"])
-        if state["fallback_updater"] is not None and self.fallback is not self.current:
-            self.fallback.updater.load_state_dict(state["fallback_updater"])
+            except ProgramRejected as error:
+                if number == 0:
+                    raise
+                by_number[number].status = "failed"
+                failures.append((by_number[number], str(error)))
+        self.fallback, self.current = by_number[state["fallback"]], by_number[state["current"]]
+        self._load_program_state(self.current, state["updater"], failures)
+        if self.fallback is not self.current and state["fallback_updater"] is not None:
+            self._load_program_state(self.fallback, state["fallback_updater"], failures)
+        self.reverted = int(state["reverted"])
+        if self.fallback.status == "failed":
+            self.fallback = self.versions[0]
+        if self.current.status == "failed":
+            self.current = self.fallback
+            self.reverted += 1
         self.trial_left = int(state["trial_left"])
         self.audits = {int(k): v for k, v in state["audits"].items()}
-        self.reverted = int(state["reverted"])
         self.step_failures = int(state["step_failures"])
         self.swap = None
+        return failures
+
+    def _load_program_state(self, version: Version, program_state: Any, failures: list[tuple[Version, str]]) -> None:
+        if version.status == "failed":
+            return
+        _, error = self.guard.call(version, "load_state_dict()", version.updater.load_state_dict, program_state)
+        if error is not None:
+            if version.number != 0:  # the starting program is the last resort: it runs on, from a fresh state
+                version.status = "failed"
+            failures.append((version, f"load_state_dict() raised {type(error).__name__}: {error}"))

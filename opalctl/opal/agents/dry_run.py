@@ -143,9 +143,11 @@ def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | N
 
 def _loaded_programs(sources: dict[str, str]):
     """``(build, analyze, EVERY)`` of the workspace's programs, or the text of why they do not load."""
-    from opalctl.opal.programs import ProgramRejected, load_program
+    from opalctl.opal.programs import ProgramRejected, check_program, load_program
 
     try:
+        for name in ("updater", "analysis"):  # both refused before either's code runs, as in training
+            check_program(name, sources[f"{name}.py"], label=name)
         updater_program = load_program("updater", sources["updater.py"], label="updater")
         analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
     except ProgramRejected as error:
