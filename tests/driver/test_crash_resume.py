@@ -243,8 +243,9 @@ def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
 def assert_evaluator_stopped(result, run_dir):
     """The run ended with one sentence naming its evaluator, and left its folder to resume."""
     assert result.returncode == 1, f"expected exit 1, got {result.returncode}: {result.stderr[-2000:]}"
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"opalctl: error: the evaluator of {run_dir} stopped "), lines
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("opalctl: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"opalctl: error: the evaluator of {run_dir} stopped "), errors
+    assert result.stderr.strip().splitlines()[-1] == errors[0], "the sentence ends the output"
     assert not (run_dir / "report.json").exists()
     assert_no_evaluator_left(run_dir)
 
