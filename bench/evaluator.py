@@ -70,15 +70,18 @@ def facts_of(index: int):
                       examples=0, train_cpu_seconds=0.0, train_wall_seconds=0.0, loss=None)
 
 
-def in_process_block(lock, protocol, arm, task, splits, anchor_metrics, stages) -> list[float]:
+def in_process_block(lock, protocol, arm, task, splits, anchor_metrics, stages, run_dir: Path) -> list[float]:
     from opalctl.driver.judge import Incumbent, Judge, SavedStage
+    from opalctl.files import atomic_write_json
 
     judge = Judge.build(task, splits, lock.parent_path(1), arm, 1, protocol.training.device, protocol)
     incumbent, seconds = Incumbent(), []
     for stage in stages:
         saved = SavedStage.of(stage["index"], stage)
         started = time.perf_counter()
-        _, incumbent = judge.judge([saved], facts_of(stage["index"]), incumbent, anchor_metrics)
+        records, incumbent = judge.judge([saved], facts_of(stage["index"]), incumbent, anchor_metrics)
+        for record in records:
+            atomic_write_json(run_dir / f"stage-{record.stage:02d}.json", record.to_json())
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -121,7 +124,8 @@ def main() -> None:
             start_up, seconds, _ = evaluator_block(lock, arm_name, paths, stages)
             starts.append(start_up)
             child.extend(seconds)
-            here.extend(in_process_block(lock, protocol, arm, task, splits, anchor["metrics"], stages))
+            here.extend(in_process_block(lock, protocol, arm, task, splits, anchor["metrics"], stages,
+                                         paths.run))
         result = {
             "task": options.task, "blocks": options.blocks, "stages": len(child),
             "in_process_stage_s": statistics.median(here), "evaluator_stage_s": statistics.median(child),
