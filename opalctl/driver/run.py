@@ -344,7 +344,8 @@ class FormalRun:
     """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps."""
 
     def __init__(self, lock, arm_name: str, seed: int, runs_dir: Path, *, clock_factory=None,
-                 progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None):
+                 progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None,
+                 confine: bool = False):
         self.lock = lock
         self.protocol = lock.protocol()
         self.arm = choose_arm(self.protocol, arm_name, seed, f"lock {lock.path}", "the lock's")
@@ -353,6 +354,9 @@ class FormalRun:
         self.clock_factory = clock_factory
         self.progress = progress or (lambda *args, **kwargs: None)
         self.say = say or (lambda text: None)
+        # the OS confinement lasts as long as the process: only a process that is this one run (`opalctl run`)
+        # asks for it, never a caller that runs a formal run among its other work (a test, a notebook)
+        self.confine = confine
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
         from opalctl.protocol.verify import require_unchanged
@@ -383,7 +387,7 @@ class FormalRun:
 
         protocol, run_dir = self.protocol, self.paths.run
         parts, agent, meter, clock = self._build()
-        confinement = confine_training(run_dir) if agent is not None else None
+        confinement = confine_training(run_dir) if agent is not None and self.confine else None
         anchor = evaluator.answer()["anchor"]
         evaluator.ask(Message.CONFINED, {"confinement": confinement})
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
@@ -454,12 +458,12 @@ def confine_training(run_dir: Path) -> dict[str, Any] | None:
 
 
 def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False,
-        clock_factory=None, progress=None, say=None) -> dict[str, Any]:
+        clock_factory=None, progress=None, say=None, confine: bool = False) -> dict[str, Any]:
     from opalctl.protocol.lock import read_lock
 
     lock = read_lock(Path(lock_path))
     formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
-                       progress=progress, say=say)
+                       progress=progress, say=say, confine=confine)
     report = formal.execute(resume=resume)
     report["run_dir"] = str(formal.paths.run)
     return report
