@@ -7,6 +7,7 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``StepRow`` and ``step_line``: one update as the training loop keeps it, and its line in ``steps.jsonl.gz``;
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
+- ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
 - ``RunReport``: ``report.json``;
 - ``read_jsonl``: the one reader of a ``.jsonl`` file, tolerant of a last line cut short by a crash.
 
@@ -192,6 +193,28 @@ class AgentFigures(_Record):
 
 
 @dataclass
+class TrainingFacts(_Record):
+    """What only the training process knows at a run's close, sent to the evaluator, which reports it as the
+    training process's own account (the results beside it are the evaluator's)."""
+
+    WHAT = "the training facts"
+
+    updates: int
+    budget_total: float
+    budget_used: float
+    overshoot: float
+    ledger: dict[str, Any]  # ledger.Ledger.figures()
+    rows_digest: str
+    agent: dict[str, Any] | None  # AgentFigures.to_json(), for an agent arm
+    final_model_sha256: str  # the training model's digest at the end
+    peak_memory_bytes: int
+    peak_device_memory_bytes: int | None
+    session_wall: float  # this session of the training process, until the close
+    session_cpu: float
+    format: int = FORMAT_VERSION
+
+
+@dataclass
 class RunReport(_Record):
     """``report.json``: the figures of a finished run (written once, at its end)."""
 
@@ -218,6 +241,8 @@ class RunReport(_Record):
     nonfinite_losses: int
     limitations: list[str]
     peak_device_memory_bytes: int | None = None
+    # the OS confinement of the last session's training process (opalctl.sandbox), None where none was applied
+    confinement: dict[str, Any] | None = None
     format: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:

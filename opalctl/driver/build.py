@@ -56,8 +56,9 @@ class ArmParts:
 
 
 def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str, Path]) -> ArmParts:
-    """The arm's parts on ``protocol.training.device``, trained on ``data_paths["train"]``; the other splits named
-    in ``data_paths`` are loaded too (the run evaluates on them, the pilot loads none)."""
+    """The arm's parts on ``protocol.training.device``, trained on ``data_paths["train"]``. The formal run and the
+    pilot pass only ``train``: the evaluation splits are the evaluator's (driver/evaluator.py); any other split
+    named is loaded too."""
     import torch
 
     from opalctl.driver.arm import BudgetSchedule, build_optimizer

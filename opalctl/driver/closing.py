@@ -1,34 +1,32 @@
 """The records that close a formal run: ``last.json``, ``selected.json`` and ``report.json``.
 
-All three are built from memory: the stage records the run kept, its ledger, its meter and its incumbent; only
-the initial weights are read back (from ``initial.pt``), since a resumed session never held them.
+The evaluator writes all three (driver/evaluator.py), from its memory: the stage records and the incumbent it
+judged, and the training facts the training process sent at the close (``formats.TrainingFacts``: ledger, meter,
+rows digest, agent figures), reported as that process's account. The weights are read from files: the initial
+ones from ``initial.pt``, the final ones from the last stage's checkpoint (the last update always reaches it).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.budget import clock_spec
-from opalctl.driver.build import peak_memory_bytes
 from opalctl.files import atomic_write_json
-from opalctl.formats import RunReport, StageRecord
+from opalctl.formats import RunReport, StageRecord, TrainingFacts
 
 
 @dataclass
 class RunOutcome:
-    """What a finished budget loop leaves for the closing records."""
+    """What the closing records are made of: the evaluator's stages and incumbent, the training facts."""
 
     stages: list[StageRecord]
     incumbent: Any  # judge.Incumbent
-    ledger: Any  # ledger.Ledger
-    meter: Any  # budget.BudgetMeter
-    rows_digest: str
-    agent_figures: dict[str, Any] | None
-    final_model: dict[str, Any]  # the model's state at the end
+    training: TrainingFacts
+    final_model: dict[str, Any]  # the last stage checkpoint's weights
+    confinement: dict[str, Any] | None = None  # the training process's, as it reported it
 
 
 def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> dict[str, Any]:
@@ -64,24 +62,27 @@ def parameter_change(initial: dict[str, Any], final: dict[str, Any]) -> dict[str
 
 def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: dict[str, Any]) -> list[str]:
     """The report's limitations: what its figures cannot say, in sentences."""
-    meter, ledger = outcome.meter, outcome.ledger
+    training, ledger = outcome.training, outcome.training.ledger
     out = [f"One run of arm {arm_name!r} on seed {seed}: a single seed says nothing about spread; "
            f"compare arms across all seeds with `opalctl compare`.",
            clock_spec(budget.clock).limitation(budget.threads)]
-    if meter.overshoot > 0:
-        out.append(f"The last update overshot the budget by {meter.overshoot:.6g} "
-                   f"({100 * meter.overshoot / meter.total:.2f} %), as no update is cut short.")
+    if training.overshoot > 0:
+        out.append(f"The last update overshot the budget by {training.overshoot:.6g} "
+                   f"({100 * training.overshoot / training.budget_total:.2f} %), as no update is cut short.")
     if outcome.incumbent.stage is None:
         out.append("No stage qualified under the promotion policy: the selected model is the anchor (flagged).")
-    integrity = (outcome.agent_figures or {}).get("eval_integrity")
+    integrity = (training.agent or {}).get("eval_integrity")
     if integrity and integrity["flagged"]:
         out.append(f"Evaluation integrity: {integrity['flagged']} round trip(s) of the parameters around an "
                    f"evaluation ({', '.join(integrity['tensors'][:3])}): a program moved them for the evaluation "
                    f"and back; do not trust this arm's stage metrics.")
-    if ledger.resumes:
-        out.append(f"The run was resumed {ledger.resumes} time(s); clock totals are the sum of the sessions.")
-    if ledger.nonfinite_losses:
-        out.append(f"{ledger.nonfinite_losses} update(s) had a non-finite loss.")
+    if ledger["resumes"]:
+        out.append(f"The run was resumed {ledger['resumes']} time(s); clock totals are the sum of the sessions.")
+    if ledger["nonfinite_losses"]:
+        out.append(f"{ledger['nonfinite_losses']} update(s) had a non-finite loss.")
+    if training.final_model_sha256 != outcome.stages[-1].checkpoint["model_sha256"]:
+        out.append("The training process's model at the end is not the last stage's checkpoint, which is what "
+                   "this report's final model and parameter change describe.")
     held_out = [split for split in splits if split != "train"]
     out.append(f"Metrics come from {len(held_out)} held-out split(s) of fixed size; differences of a few counts "
                f"can be noise.")
@@ -89,40 +90,35 @@ def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: d
 
 
 def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: RunOutcome,
-              anchor: dict[str, Any], splits: dict[str, Any], session: tuple[float, float]) -> dict[str, Any]:
-    """Write ``last.json``, ``selected.json`` and ``report.json``; return the report. ``session``: the wall and
-    CPU clocks when this session started."""
-    import torch
-
+              anchor: dict[str, Any], splits: dict[str, Any]) -> dict[str, Any]:
+    """Write ``last.json``, ``selected.json`` and ``report.json``; return the report."""
     last_stage = outcome.stages[-1]
     last = {"stage": last_stage.stage, "update": last_stage.update, **last_stage.checkpoint}
     atomic_write_json(run_dir / "last.json", last)
     selected = selected_record(lock, seed, outcome.incumbent, anchor)
     atomic_write_json(run_dir / "selected.json", selected)
     initial = checkpoints.load(run_dir / "initial.pt", limit_bytes=protocol.limits.checkpoint_bytes)["model"]
-    budget, meter, ledger = protocol.budget, outcome.meter, outcome.ledger
+    budget, training, ledger = protocol.budget, outcome.training, outcome.training.ledger
     arm = protocol.arms[arm_name]
     report = RunReport(
         lock_sha256=lock.sha256, protocol=lock.name, arm=arm_name, seed=seed,
-        budget={"clock": budget.clock, "total": meter.total, "used": meter.used, "overshoot": meter.overshoot,
-                "fractions": list(budget.fractions), "threads": budget.threads,
+        budget={"clock": budget.clock, "total": training.budget_total, "used": training.budget_used,
+                "overshoot": training.overshoot, "fractions": list(budget.fractions), "threads": budget.threads,
                 "multiplier": arm.budget_multiplier},
-        updates=meter.updates, examples_seen=ledger.examples, rows_digest=outcome.rows_digest,
-        seconds={"train_cpu": ledger.train_cpu, "train_wall": ledger.train_wall, "eval_wall": ledger.eval_wall,
-                 "checkpoint_wall": ledger.checkpoint_wall, "agent_wait_wall": ledger.agent_wait_wall,
-                 "this_session_loop_wall": ledger.loop_wall,
-                 "this_session_wall": time.perf_counter() - session[0],
-                 "this_session_cpu": time.process_time() - session[1]},
-        peak_memory_bytes=peak_memory_bytes(),
+        updates=training.updates, examples_seen=ledger["examples"], rows_digest=training.rows_digest,
+        seconds={"train_cpu": ledger["train_cpu"], "train_wall": ledger["train_wall"],
+                 "eval_wall": ledger["eval_wall"], "checkpoint_wall": ledger["checkpoint_wall"],
+                 "agent_wait_wall": ledger["agent_wait_wall"], "this_session_loop_wall": ledger["loop_wall"],
+                 "this_session_wall": training.session_wall, "this_session_cpu": training.session_cpu},
+        peak_memory_bytes=training.peak_memory_bytes,
         parameter_change=parameter_change(initial, outcome.final_model),
         stages=[stage.to_json() for stage in outcome.stages],
         promoted_stages=[stage.stage for stage in outcome.stages if stage.promoted],
         selected={"source": selected["source"], "stage": selected["stage"], "flagged": selected["flagged"]},
-        final_model_sha256=last["model_sha256"], anchor_metrics=anchor["metrics"], agent=outcome.agent_figures,
-        resumes=ledger.resumes, nonfinite_losses=ledger.nonfinite_losses,
+        final_model_sha256=last["model_sha256"], anchor_metrics=anchor["metrics"], agent=training.agent,
+        resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
         limitations=limitations(arm_name, seed, budget, outcome, splits),
-        peak_device_memory_bytes=(int(torch.cuda.max_memory_allocated()) if protocol.training.device == "cuda"
-                                  else None))
+        peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement)
     data = report.to_json()
     atomic_write_json(run_dir / "report.json", data)
     return data

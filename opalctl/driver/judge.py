@@ -1,11 +1,11 @@
 """Judging a stage: evaluate its checkpoint, decide promotion against the incumbent and the anchor, and say it as
 ``StageRecord``s.
 
-The judge never sees the training model. It holds its own instance of the arm's model, built once when the run
-starts, and evaluates a stage by loading the stage's checkpoint file into it, so what it judges is exactly what
-is on the disk and nothing the training process (or an agent's program) does to its own model can reach an
-evaluation. Its inputs are plain data (a checkpoint's path and record, the training figures at the stage, the
-incumbent, the anchor's metrics), so it can later move to a process of its own (docs/architecture.md).
+The judge never sees the training model. It lives in the evaluator process (driver/evaluator.py), holds its own
+instance of the arm's model, built once when the run starts, and evaluates a stage by loading the stage's
+checkpoint file into it, so what it judges is exactly what is on the disk and nothing the training process (or an
+agent's program) does to its own model, or to torch in that process, can reach an evaluation. Its inputs are
+plain data (a checkpoint's record, the training figures at the stage, the incumbent, the anchor's metrics).
 """
 
 from __future__ import annotations

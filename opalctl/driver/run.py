@@ -1,28 +1,33 @@
 """``opalctl run LOCK --arm A --seed S``: one formal, pre-registered run of one arm on one seed.
 
-The order of work is the promise the product makes:
+The order of work is the promise the product makes (docs/architecture.md traces it):
 
 1. every record of the lock is re-hashed, and the run refuses to start on anything that changed;
-2. the anchor (the original parent for this seed) is evaluated once per lock and seed, and re-checked, not
-   recomputed, when it is already there;
-3. the arm's model, sampler and optimizer are built and the initial state is saved;
+2. the evaluator process starts (driver/evaluator.py) before any agent program can load: it reads the lock and
+   the evaluation splits, and evaluates the anchor (the original parent for this seed) once per lock and seed, or
+   re-checks its record;
+3. the arm's model, sampler and optimizer are built from the ``train`` split alone (an agent arm's optimizer is
+   wrapped), an agent arm's training process is confined by the operating system where it can be
+   (``opalctl.sandbox``), and the initial state is saved, or a resume's state restored;
 4. the budget loop charges each whole update (batch, forward, loss, backward, clipping, step) to the protocol's
    clock and nothing else: evaluations, checkpoint writes and log writes happen between timed intervals and are
    recorded on their own. No update is cut short; the run ends after the first update that reaches 100 %, and
    the overshoot is recorded;
-5. at each budget fraction the state is checkpointed, and the judge evaluates the stage's checkpoint file and
-   decides about it by the promotion policy, which always measures floors against the anchor;
-6. ``selected.json``, ``last.json`` and ``report.json`` close the run.
+5. at each budget fraction the state is checkpointed, and the evaluator evaluates the stage's checkpoint file,
+   decides about it by the promotion policy (which always measures floors against the anchor) and writes its
+   record; the training process prints the answer and carries it in its resume checkpoints;
+6. the evaluator writes ``selected.json``, ``last.json`` and ``report.json`` from its records and the training
+   facts this process sends.
 
-The parts own their state: ``build.ArmParts`` what trains, ``ledger.Ledger`` every total, ``judge.Judge`` the
-evaluation and the promotion decisions, ``Carried`` what a resume must carry beside the parts' own states, and
-``BudgetLoop`` the loop over them; ``closing`` writes the closing records from memory. ``FormalRun.execute``
-is the sequence above over those parts.
+The parts own their state: ``build.ArmParts`` what trains, ``ledger.Ledger`` every total, the evaluator the
+evaluation, the promotion decisions and the records of results, ``Carried`` what a resume must carry beside the
+parts' own states, and ``BudgetLoop`` the loop over them. ``FormalRun.execute`` is the sequence above.
 
 A resume checkpoint holds everything the loop needs (model, optimizer, sampler, schedule, budget meter, RNG
 states, running totals, the incumbent, the stage records, how many lines of ``steps.jsonl.gz`` precede it), so
-``--resume`` after a crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run. A run
-folder that exists is never reused except by ``--resume``.
+``--resume`` after a crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run; the
+evaluator judges the carried stages again from their files before the loop continues. A run folder that exists
+is never reused except by ``--resume``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import fcntl
 import os
 import platform
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,15 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
-from opalctl.driver.build import build_arm, check_device, choose_arm
-from opalctl.driver.closing import RunOutcome, close_run
-from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.driver.judge import Incumbent, Judge, SavedStage, StageFacts
+from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
+from opalctl.driver.evaluation import rng_state, set_rng_state
+from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening, stage_name
+from opalctl.driver.judge import Incumbent, StageFacts
 from opalctl.driver.ledger import Ledger
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
-from opalctl.errors import BadInput, OpalctlError
+from opalctl.errors import BadInput
 from opalctl.files import atomic_write_json, read_json
-from opalctl.formats import StageRecord
+from opalctl.formats import StageRecord, TrainingFacts
 
 RESUME_FILE = "resume.pt"
 LOCK_WAIT_SECONDS = 5.0  # how long a run waits for its folder's lock before calling it busy
@@ -66,54 +73,6 @@ class RunPaths:
 
 def runs_dir_default(value: str | os.PathLike | None) -> Path:
     return Path(value or os.environ.get("OPALCTL_RUNS") or "runs")
-
-
-def stage_name(index: int) -> str:
-    return f"stage-{index + 1:02d}"
-
-
-# --------------------------------------------------------------------------------------------------------------
-# the anchor
-
-def prepare_anchor(lock, task, splits, seed: int, folder: Path, device: str, model_digest: str) -> dict[str, Any]:
-    """Evaluate the parent once per lock and seed; when it was done before, check it instead of redoing it."""
-    record_path = folder / "anchor.json"
-    parent_record = lock.records[f"parent.seed-{seed}"]
-    data_records = {role: record["sha256"] for role, record in lock.records.items() if role.startswith("data.")}
-    if record_path.exists():
-        try:
-            anchor = read_json(record_path)
-        except ValueError:
-            raise OpalctlError(f"anchor record {record_path} is damaged; delete the folder {folder} so it is "
-                               f"evaluated again") from None
-        problems = []
-        if anchor.get("lock_sha256") != lock.sha256:
-            problems.append("it was made from another lock")
-        if anchor.get("parent", {}).get("sha256") != parent_record["sha256"]:
-            problems.append("the parent's digest differs")
-        if anchor.get("data") != data_records:
-            problems.append("the data digests differ")
-        if anchor.get("model_sha256") != model_digest:
-            problems.append("the parent loads to other weights")
-        if problems:
-            raise OpalctlError(f"anchor record {record_path} does not match this run ({'; '.join(problems)}); "
-                               f"delete the folder {folder} so it is evaluated again")
-        return anchor
-    started = time.perf_counter()
-    parent = task.build(lock.parent_path(seed), {}, seed, device)
-    metrics = evaluate_all(task, parent.model, splits)
-    anchor = {
-        "lock_sha256": lock.sha256,
-        "seed": seed,
-        "parent": {"path": lock.records[f"parent.seed-{seed}"]["path"], "sha256": parent_record["sha256"]},
-        "data": data_records,
-        "model_sha256": checkpoints.model_sha256(parent.model.state_dict()),
-        "metrics": metrics,
-        "eval_seconds": time.perf_counter() - started,
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(record_path, anchor)
-    return anchor
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -151,7 +110,7 @@ def claim_folder(run: Path, resume: bool):
 
 
 def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts, total: float,
-                model_digest: str, anchor: dict[str, Any]) -> None:
+                model_digest: str, anchor: dict[str, Any], confinement: dict[str, Any] | None) -> None:
     """``initial.pt`` and ``start.json``: what this run starts from, written before its first update."""
     initial = checkpoints.save(paths.run / "initial.pt", parts.model.state_dict(), kind="initial",
                                meta={"update": 0})
@@ -169,6 +128,7 @@ def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts
         "inherited": parts.built.inherited,
         "initialised": parts.built.initialised,
         "anchor": {"folder": os.path.relpath(paths.anchor, paths.run), "model_sha256": anchor["model_sha256"]},
+        "confinement": confinement,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
     })
@@ -224,16 +184,22 @@ def _stage_record(run_dir: Path, stage: dict[str, Any]) -> StageRecord:
 class BudgetLoop:
     """Steps 4 and 5 of the module docstring: the budget loop over the parts, its stages and its checkpoints."""
 
-    def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, judge: Judge,
-                 steps: StepsWriter, carried: Carried, anchor: dict[str, Any], run_dir: Path,
-                 progress: Callable[..., None], say: Callable[[str], None]):
+    def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, evaluator: EvaluatorProcess,
+                 steps: StepsWriter, carried: Carried, run_dir: Path, progress: Callable[..., None],
+                 say: Callable[[str], None]):
         self.protocol, self.arm, self.parts, self.agent = protocol, arm, parts, agent
-        self.meter, self.clock, self.ledger, self.judge, self.steps = meter, clock, ledger, judge, steps
-        self.carried, self.anchor, self.run_dir = carried, anchor, run_dir
+        self.meter, self.clock, self.ledger, self.evaluator, self.steps = meter, clock, ledger, evaluator, steps
+        self.carried, self.run_dir = carried, run_dir
         self.progress, self.say = progress, say
 
-    def run(self, first_checkpoint: bool) -> RunOutcome:
-        """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``)."""
+    def run(self, first_checkpoint: bool, session: tuple[float, float]) -> TrainingFacts:
+        """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``);
+        returns what the evaluator needs of this process to close the run. ``session``: the wall and CPU clocks
+        when this session started."""
+        import torch
+
+        from opalctl import checkpoints
+
         if first_checkpoint:
             self.write_resume()
         self._loop()
@@ -241,9 +207,15 @@ class BudgetLoop:
         self.ledger.take(self.steps.take_sums())
         figures = self.agent.close() if self.agent is not None else None
         self.ledger.loop_ends()
-        final = {name: t.detach().cpu() for name, t in self.parts.model.state_dict().items()}
-        return RunOutcome(stages=self.carried.stages, incumbent=self.carried.incumbent, ledger=self.ledger,
-                          meter=self.meter, rows_digest=self.steps.seen, agent_figures=figures, final_model=final)
+        meter = self.meter
+        return TrainingFacts(
+            updates=meter.updates, budget_total=meter.total, budget_used=meter.used, overshoot=meter.overshoot,
+            ledger=self.ledger.figures(), rows_digest=self.steps.seen, agent=figures,
+            final_model_sha256=checkpoints.model_sha256(self.parts.model.state_dict()),
+            peak_memory_bytes=peak_memory_bytes(),
+            peak_device_memory_bytes=(int(torch.cuda.max_memory_allocated())
+                                      if self.protocol.training.device == "cuda" else None),
+            session_wall=time.perf_counter() - session[0], session_cpu=time.process_time() - session[1])
 
     def _loop(self) -> None:
         import torch
@@ -314,28 +286,29 @@ class BudgetLoop:
         return carried.next_checkpoint * every - 1e-9
 
     def stage(self, indices: list[int]) -> None:
-        """Save the stages' checkpoint, have the judge evaluate it and decide, and write the stage records."""
+        """Save the stages' checkpoint and have the evaluator judge it; print and carry the records it answers."""
         ledger, meter, carried = self.ledger, self.meter, self.carried
         with ledger.outside():
             ledger.take(self.steps.take_sums())
             with ledger.outside("checkpoint_wall"):
-                saved = [SavedStage.of(index, checkpoints.save(
+                saved = [{"index": index, **checkpoints.save(
                     self.run_dir / f"{stage_name(index)}.pt", self.parts.model.state_dict(), kind="stage",
-                    meta={"stage": index + 1, "update": meter.updates})) for index in indices]
+                    meta={"stage": index + 1, "update": meter.updates})} for index in indices]
             if self.agent is not None:
                 self.agent.report_dev(stage=indices[-1] + 1)  # opens the evaluation-integrity check here
             facts = StageFacts(update=meter.updates, budget_used=meter.used, budget_fraction_used=meter.fraction_used,
                                examples=ledger.examples, train_cpu_seconds=ledger.train_cpu,
                                train_wall_seconds=ledger.train_wall, loss=self.steps.last_loss)
             with ledger.outside("eval_wall"):
-                records, carried.incumbent = self.judge.judge(saved, facts, carried.incumbent, self.anchor["metrics"])
+                verdict = self.evaluator.ask(Message.STAGE, {"saved": saved, "facts": facts.__dict__})
+            carried.incumbent = Incumbent.from_json(verdict["incumbent"])
             count = len(self.protocol.budget.fractions)
-            for record in records:
-                atomic_write_json(self.run_dir / f"{stage_name(record.stage - 1)}.json", record.to_json())
+            for stage in verdict["stages"]:
+                record = StageRecord.from_json(stage, what="a stage record the evaluator answered")
                 carried.stages.append(record)
-                verdict = "promoted" if record.promoted else f"kept {record.incumbent_after}"
+                said = "promoted" if record.promoted else f"kept {record.incumbent_after}"
                 reasons = "" if record.promoted else f" ({'; '.join(record.decision['reasons'][:2])})"
-                self.say(f"stage {record.stage}/{count} at update {record.update}: {verdict}{reasons}")
+                self.say(f"stage {record.stage}/{count} at update {record.update}: {said}{reasons}")
 
     def write_resume(self) -> None:
         with self.ledger.outside("checkpoint_wall"):
@@ -371,7 +344,8 @@ class FormalRun:
     """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps."""
 
     def __init__(self, lock, arm_name: str, seed: int, runs_dir: Path, *, clock_factory=None,
-                 progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None):
+                 progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None,
+                 confine: bool = False):
         self.lock = lock
         self.protocol = lock.protocol()
         self.arm = choose_arm(self.protocol, arm_name, seed, f"lock {lock.path}", "the lock's")
@@ -380,6 +354,9 @@ class FormalRun:
         self.clock_factory = clock_factory
         self.progress = progress or (lambda *args, **kwargs: None)
         self.say = say or (lambda text: None)
+        # the OS confinement lasts as long as the process: only a process that is this one run (`opalctl run`)
+        # asks for it, never a caller that runs a formal run among its other work (a test, a notebook)
+        self.confine = confine
 
     def execute(self, resume: bool = False) -> dict[str, Any]:
         from opalctl.protocol.verify import require_unchanged
@@ -393,24 +370,39 @@ class FormalRun:
             handle.close()
 
     def _execute(self, resume: bool, lock_handle) -> dict[str, Any]:
+        session = (time.perf_counter(), time.process_time())
+        # the evaluator starts before anything of an agent exists in this process, and works on the anchor while
+        # the arm is built; it holds the folder's lock too, so no resume starts before it has ended
+        evaluator = EvaluatorProcess(Opening(
+            lock=str(self.lock.path), lock_sha256=self.lock.sha256, arm=self.arm_name, seed=self.seed,
+            run_dir=str(self.paths.run), anchor_dir=str(self.paths.anchor), sys_path=list(sys.path)),
+            inherit_fds=(lock_handle.fileno(),))
+        try:
+            return self._train(evaluator, resume, lock_handle, session)
+        finally:
+            evaluator.end()
+
+    def _train(self, evaluator: EvaluatorProcess, resume: bool, lock_handle, session) -> dict[str, Any]:
         from opalctl.driver.budget import clock_spec
 
-        session = (time.perf_counter(), time.process_time())
         protocol, run_dir = self.protocol, self.paths.run
         parts, agent, meter, clock = self._build()
-        judge = Judge.build(parts.task, parts.splits, self.lock.parent_path(self.seed), self.arm, self.seed,
-                            protocol.training.device, protocol)
-        model_digest = checkpoints.model_sha256(parts.model.state_dict())
-        anchor = self._anchor(parts, model_digest)
+        confinement = confine_training(run_dir) if agent is not None and self.confine else None
+        anchor = evaluator.answer()["anchor"]
+        evaluator.ask(Message.CONFINED, {"confinement": confinement})
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
         resuming = resume and (run_dir / RESUME_FILE).exists()
         if resuming:
+            evaluator.advice = "resume the run with --resume"
             carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes)
+            verdict = evaluator.ask(Message.CARRIED, {"stages": [stage.to_json() for stage in carried.stages]})
+            carried.incumbent = Incumbent.from_json(verdict["incumbent"])
             self.say(f"resuming {run_dir} at update {meter.updates}")
         else:
             carried = Carried()
+            model_digest = checkpoints.model_sha256(parts.model.state_dict())
             write_start(self.paths, self.lock, self.arm_name, self.seed, protocol, parts, meter.total, model_digest,
-                        anchor)
+                        anchor, confinement)
         steps_path = run_dir / "steps.jsonl.gz"
         steps_offset, seen = locate(steps_path, carried.steps_lines)  # a fresh run: offset 0, the file starts over
         # A steps line carries a CPU figure only when the clock charges CPU seconds (see ledger.py for the CPU
@@ -418,25 +410,26 @@ class FormalRun:
         # back while it still writes.
         steps = StepsWriter(steps_path, offset=steps_offset, seen=seen, lines=carried.steps_lines,
                             cpu_charges=ledger.cpu_charges, inherit_fds=(lock_handle.fileno(),))
-        loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, judge, steps, carried, anchor,
+        loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
                           run_dir, self.progress, self.say)
+        evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
         try:
-            outcome = loop.run(first_checkpoint=not resuming)
+            training = loop.run(first_checkpoint=not resuming, session=session)
         except BaseException:
             steps.abandon()  # its helper process ends; the lines not yet durable are cut by a resume
             raise
-        report = close_run(run_dir, self.lock, self.arm_name, self.seed, protocol, outcome, anchor, parts.splits,
-                           session)
+        report = evaluator.ask(Message.CLOSE, training.to_json())["report"]
         (run_dir / RESUME_FILE).unlink(missing_ok=True)
         return report
 
     def _build(self):
-        """Step 3: the arm's parts, its budget meter and clock, and the agent optimizer for an agent arm."""
+        """Step 3: the arm's parts from the train split, its budget meter and clock, and the agent optimizer for
+        an agent arm."""
         from opalctl.driver.budget import BudgetMeter, make_clock
 
         protocol, device = self.protocol, self.protocol.training.device
-        data_paths = {split: self.lock.data_path(split) for split in protocol.data}
-        parts = build_arm(protocol, self.arm, self.seed, self.lock.parent_path(self.seed), data_paths)
+        parts = build_arm(protocol, self.arm, self.seed, self.lock.parent_path(self.seed),
+                          {"train": self.lock.data_path("train")})
         meter = BudgetMeter(protocol.budget.amount * self.arm.budget_multiplier, list(protocol.budget.fractions))
         clock = (self.clock_factory or (lambda name: make_clock(name, device)))(protocol.budget.clock)
         agent = None
@@ -450,27 +443,27 @@ class FormalRun:
             parts = replace(parts, optimizer=agent, clip=None)
         return parts, agent, meter, clock
 
-    def _anchor(self, parts, model_digest: str) -> dict[str, Any]:
-        """Step 2 (after the build, whose digest it checks): the first run of a seed evaluates the anchor, so the
-        RNG is kept as if it were not there at all."""
-        saved_rng = rng_state()
-        parent_digest = model_digest
-        if self.arm.model:
-            parent = parts.task.build(self.lock.parent_path(self.seed), {}, self.seed, self.protocol.training.device)
-            parent_digest = checkpoints.model_sha256(parent.model.state_dict())
-        anchor = prepare_anchor(self.lock, parts.task, parts.splits, self.seed, self.paths.anchor,
-                                self.protocol.training.device, parent_digest)
-        set_rng_state(saved_rng)
-        return anchor
+
+def confine_training(run_dir: Path) -> dict[str, Any] | None:
+    """The operating system's confinement of an agent arm's training process (``opalctl.sandbox``): no network,
+    no writes outside the run folder and the temporary folder, no reads of the evaluation splits. None where this
+    opalctl has no sandbox module."""
+    try:
+        from opalctl.sandbox import confine_process, training_paths
+    except ImportError:
+        return None
+    confinement = confine_process(writable=[Path(run_dir), Path(tempfile.gettempdir())],
+                                  readable=training_paths(), deny_network=True)
+    return confinement.to_json()
 
 
 def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False,
-        clock_factory=None, progress=None, say=None) -> dict[str, Any]:
+        clock_factory=None, progress=None, say=None, confine: bool = False) -> dict[str, Any]:
     from opalctl.protocol.lock import read_lock
 
     lock = read_lock(Path(lock_path))
     formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
-                       progress=progress, say=say)
+                       progress=progress, say=say, confine=confine)
     report = formal.execute(resume=resume)
     report["run_dir"] = str(formal.paths.run)
     return report

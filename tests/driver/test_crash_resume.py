@@ -5,9 +5,12 @@ selected model, with ``steps.jsonl.gz`` holding one line per update.
 The children are real ``python -m opalctl run`` processes. They are killed by themselves, at a chosen point:
 
 - mid-update: the task's ``loss`` kills the process at its N-th call in that process (``KILL_LOSS_AT``);
-- during an evaluation: the task's ``evaluate`` kills it at its N-th call (``KILL_EVALUATE_AT``);
 - during a checkpoint write: ``atomic_write_bytes`` is wrapped so that the K-th write of a named file leaves half
   the bytes in its temporary file and then kills the process.
+
+The evaluator process (driver/evaluator.py) is killed the same way, during an evaluation: the task's
+``evaluate``, which runs only there, kills it at its N-th call (``KILL_EVALUATE_AT``); the run then ends with one
+sentence and resumes like a killed one. A killed training process leaves no evaluator behind.
 
 The task adds a little noise drawn from torch's global generator to every batch, so a resume that failed to
 restore the RNG state would not end with the same weights.
@@ -16,6 +19,8 @@ restore the RNG state would not end with the same weights.
 from __future__ import annotations
 
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -119,8 +124,29 @@ def child(project, arm, *, resume, env=None, torn=None, seed=1):
     return project.process(args, env=project.env(**(env or {})), python=python)
 
 
+def evaluators_of(run_dir) -> list[int]:
+    """The evaluator processes alive for ``run_dir`` (its command line names the folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"opalctl.driver.evaluator" in words and str(run_dir).encode() in words:
+            found.append(int(entry.name))
+    return found
+
+
+def assert_no_evaluator_left(run_dir):
+    deadline = time.monotonic() + 10
+    while evaluators_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)  # it sees its input end once the killed process is gone, and ends
+    assert evaluators_of(run_dir) == [], "the evaluator of a killed run ends with it"
+
+
 def assert_killed(result, run_dir):
     assert result.returncode == KILLED, f"expected SIGKILL, got {result.returncode}: {result.stderr[-2000:]}"
+    assert_no_evaluator_left(run_dir)
     assert not (run_dir / "report.json").exists()
     assert (run_dir / "resume.pt").exists()
     steps = [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")]
@@ -196,7 +222,8 @@ def test_killed_mid_update_twice_then_resumed(crash, tools, main_cli):
 
 
 def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
-    """Torn writes: the 4th resume.pt (update 30), then report.json after the last stage."""
+    """Torn writes: the 4th resume.pt (update 30), then the 18th of the resumed session (update 200), just after
+    the last stage was judged."""
     expected = reference(crash, "adamw")
     run_dir = crash.run_dir("adamw", 1)
 
@@ -205,20 +232,33 @@ def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
     assert resume_meta(run_dir)["update"] == 20
     assert len(list(run_dir.glob(".resume.pt.*.tmp"))) == 1
 
-    assert_killed(child(crash, "adamw", resume=True, torn=("report.json", 1)), run_dir)
-    assert resume_meta(run_dir)["update"] == UPDATES
-    assert (run_dir / "stage-04.json").exists() and (run_dir / "selected.json").exists()
+    assert_killed(child(crash, "adamw", resume=True, torn=("resume.pt", 18)), run_dir)
+    assert resume_meta(run_dir)["update"] == UPDATES - 10
+    assert (run_dir / "stage-04.json").exists() and not (run_dir / "selected.json").exists()
 
     finish(crash, "adamw", run_dir)
     assert_same_run(tools, run_dir, expected, resumes=2)
 
 
-def test_killed_during_a_stage_evaluation_then_resumed(crash, tools):
-    """Evaluations 1-3 are the anchor's (three splits), 4-6 stage 1's, 7-9 stage 2's: die inside stage 2's."""
+def assert_evaluator_stopped(result, run_dir):
+    """The run ended with one sentence naming its evaluator, and left its folder to resume."""
+    assert result.returncode == 1, f"expected exit 1, got {result.returncode}: {result.stderr[-2000:]}"
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("opalctl: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"opalctl: error: the evaluator of {run_dir} stopped "), errors
+    assert result.stderr.strip().splitlines()[-1] == errors[0], "the sentence ends the output"
+    assert not (run_dir / "report.json").exists()
+    assert_no_evaluator_left(run_dir)
+
+
+def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sentence_and_it_resumes(crash, tools):
+    """Evaluations 1-3 are the anchor's (three splits), 4-6 stage 1's, 7-9 stage 2's: the evaluator dies inside
+    stage 2's."""
     expected = reference(crash, "adamw")
     run_dir = crash.run_dir("adamw", 1)
 
-    assert_killed(child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "8"}), run_dir)
+    result = child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "8"})
+    assert_evaluator_stopped(result, run_dir)
+    assert "exit status -9" in result.stderr and result.stderr.strip().endswith("resume the run with --resume")
     assert (run_dir / "stage-02.pt").exists() and not (run_dir / "stage-02.json").exists()
     assert resume_meta(run_dir)["update"] == 90
 
@@ -247,10 +287,11 @@ def test_resume_from_a_damaged_checkpoint_is_refused_naming_it(crash, tools, mai
     assert tools.snapshot(crash.runs) == before, "a refused resume changes nothing"
 
 
-def test_a_run_killed_during_the_anchor_evaluation_can_be_started_again(crash, tools, main_cli):
+def test_a_run_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash, tools, main_cli):
     run_dir = crash.run_dir("adamw", 1)
     result = child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "2"})
-    assert result.returncode == KILLED
+    assert_evaluator_stopped(result, run_dir)
+    assert result.stderr.strip().endswith("start the run again")
     assert not (run_dir / "start.json").exists() and not (run_dir / "resume.pt").exists()
 
     code, _, err = main_cli(crash.run_args("adamw", 1, "--resume"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -186,19 +187,28 @@ def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that
                                   bytes=initial.bytes))
 
 
-def test_a_run_judges_each_stage_from_its_checkpoint_file(project, tools, monkeypatch):
+def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(project, tools, monkeypatch):
+    from opalctl.driver.judge import Judge, SavedStage
+
     loaded = []
     load = checkpoints.load
 
     def spy(path, **kwargs):
-        loaded.append(path.name)
+        loaded.append(Path(path).name)
         return load(path, **kwargs)
 
     monkeypatch.setattr(checkpoints, "load", spy)
     project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
-    project.run("adamw", 1)
-    assert [name for name in loaded if name.startswith("stage-")] == ["stage-01.pt", "stage-02.pt", "stage-03.pt",
-                                                                       "stage-04.pt"]
+    report = project.run("adamw", 1)
+    assert not [name for name in loaded if name.startswith("stage-")], "the training process loads no stage"
+    lock, protocol, parts = built_parts(project, tools)
+    judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
+    run_dir = project.run_dir("adamw", 1)
+    for stage in report["stages"]:
+        saved = SavedStage(index=stage["stage"] - 1, path=run_dir / stage["checkpoint"]["file"],
+                           sha256=stage["checkpoint"]["sha256"], model_sha256=stage["checkpoint"]["model_sha256"],
+                           bytes=stage["checkpoint"]["bytes"])
+        assert judge.evaluate(saved) == stage["metrics"]
 
 
 def test_the_reports_stages_are_the_stage_records_themselves(project, tools):

@@ -1,0 +1,228 @@
+"""The evaluator process (driver/evaluator.py): results come from a process the training code never touched.
+
+Every run here that patches torch or records what it opens is a real ``python -m opalctl run`` child, so that
+nothing it does reaches this test process, whose own clean evaluation of the stage checkpoints is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opalctl import checkpoints
+
+UPDATES = 40  # stages at 10, 20, 30 and 40; a resume checkpoint every 2 updates
+
+PATCHING_TASK = '''
+import os
+
+import torch
+import torch.nn.functional as F
+
+from opalctl.tasks.digits import Digits
+
+
+def _patch_torch():
+    """What a hostile program would do in the training process: every count is full marks, every loss is 0."""
+    if getattr(torch.Tensor, "_bribed", False):
+        return
+    original_forward = torch.nn.Linear.forward
+    torch.Tensor.sum = lambda self, *args, **kwargs: torch.tensor(self.numel())
+    torch.nn.Linear.forward = lambda self, x: (original_forward(self, x) if torch.is_grad_enabled()
+                                               else torch.zeros(x.shape[0], self.out_features))
+    torch.Tensor._bribed = True
+    open(os.environ["PATCHED_MARK"], "w").write("patched")
+
+
+class PatchingDigits(Digits):
+    def loss(self, model, batch):
+        _patch_torch()
+        return F.cross_entropy(model(batch.inputs), batch.targets), {}
+'''
+
+KILLABLE_TASK = '''
+import os
+import signal
+
+from opalctl.tasks.digits import Digits
+
+CALLS = [0]
+
+
+class KillableDigits(Digits):
+    def loss(self, model, batch):
+        CALLS[0] += 1
+        if os.environ.get("KILL_LOSS_AT") == str(CALLS[0]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch)
+'''
+
+AUDITED_RUN = '''
+import atexit
+import json
+import sys
+
+import opalctl.protocol.verify
+
+opened = []
+checked = []  # the lock's re-hash of every file is done: from here on the run works
+require_unchanged = opalctl.protocol.verify.require_unchanged
+
+
+def after_the_check(lock):
+    require_unchanged(lock)
+    checked.append(True)
+
+
+def hook(event, args):
+    if event == "open" and checked and isinstance(args[0], (str, bytes)):
+        opened.append(args[0] if isinstance(args[0], str) else args[0].decode(errors="replace"))
+
+
+def write():
+    with open(sys.argv[1], "w") as handle:
+        json.dump(opened, handle)
+
+
+atexit.register(write)
+sys.addaudithook(hook)
+opalctl.protocol.verify.require_unchanged = after_the_check
+
+from opalctl.cli import main
+
+main(sys.argv[2:])
+'''
+
+
+def clean_metrics(project, tools, report, run_dir):
+    """Each stage checkpoint evaluated here, in a process no task or program patched."""
+    from opalctl.driver.build import build_arm
+    from opalctl.driver.judge import Judge, SavedStage
+    from opalctl.protocol.lock import read_lock
+
+    lock = read_lock(project.lock)
+    protocol = lock.protocol()
+    parts = build_arm(protocol, protocol.arms["adamw"], 1, lock.parent_path(1),
+                      {split: lock.data_path(split) for split in protocol.data})
+    judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
+    out = []
+    for stage in report["stages"]:
+        checkpoint = stage["checkpoint"]
+        out.append(judge.evaluate(SavedStage(index=stage["stage"] - 1, path=run_dir / checkpoint["file"],
+                                             sha256=checkpoint["sha256"], model_sha256=checkpoint["model_sha256"],
+                                             bytes=checkpoint["bytes"])))
+    return out
+
+
+def test_a_task_that_patches_torch_in_the_training_process_still_gets_the_clean_metrics_of_its_checkpoints(
+        project, tools, tmp_path):
+    entry = project.task_module(PATCHING_TASK, "PatchingDigits")
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    mark = tmp_path / "patched"
+    result = project.process(project.run_args("adamw", 1), env=project.env(PATCHED_MARK=str(mark)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert mark.read_text() == "patched", "the training process was patched"
+    run_dir = project.run_dir("adamw", 1)
+    report = tools.read(run_dir / "report.json")
+    metrics = [stage["metrics"] for stage in report["stages"]]
+    assert metrics == clean_metrics(project, tools, report, run_dir)
+    assert all(m["selection.correct"] < m["selection.total"] and m["selection.loss"] > 0 for m in metrics)
+    assert [tools.read(path)["metrics"] for path in sorted(run_dir.glob("stage-*.json"))] == metrics
+
+
+def test_the_training_process_never_opens_the_evaluation_split_files(project, tools, tmp_path):
+    """After the lock's check (which hashes every file before anything runs), the training process opens the
+    train split and no other."""
+    from opalctl.protocol.lock import read_lock
+
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    opened_file = tmp_path / "opened.json"
+    result = project.process(project.run_args("adamw", 1), python=["-c", AUDITED_RUN, str(opened_file)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    opened = {Path(path).resolve() for path in json.loads(opened_file.read_text())}
+    lock = read_lock(project.lock)
+    splits = {split: lock.data_path(split).resolve() for split in lock.protocol().data}
+    assert splits["train"] in opened, "the audit sees the files the run opens"
+    assert [split for split, path in splits.items() if path in opened] == ["train"]
+    assert tools.read(project.run_dir("adamw", 1) / "report.json")["anchor_metrics"]["selection.total"] > 0
+
+
+def killed_after_stage_one(project, tools):
+    """A run killed inside update 15: its resume checkpoint (update 14) carries stage 1."""
+    entry = project.task_module(KILLABLE_TASK, "KillableDigits")
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
+                   arms={"adamw": tools.ADAMW}, selection={**tools.LENIENT, "floors": {"retention.correct": 1000}})
+    run_dir = project.run_dir("adamw", 1)
+    result = project.process(project.run_args("adamw", 1), env=project.env(KILL_LOSS_AT="15"))
+    assert result.returncode != 0 and (run_dir / "stage-01.json").exists() and (run_dir / "resume.pt").exists()
+    return run_dir
+
+
+def forge_resume(run_dir: Path, change) -> None:
+    resume = run_dir / "resume.pt"
+    payload = checkpoints.load(resume, require_finite=False)
+    change(payload["extra"]["stages"][0])
+    checkpoints.save(resume, payload["model"], kind="resume", extra=payload["extra"], meta=payload["meta"])
+
+
+def forge_stage_file(run_dir: Path, change) -> None:
+    path = run_dir / "stage-01.json"
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+def better(record):
+    record["metrics"]["selection.correct"] += 7
+    record["promoted"], record["incumbent_after"] = True, 1
+
+
+@pytest.mark.parametrize("forged, named", [("resume", "resume.pt"), ("file", "stage-01.json"),
+                                           ("both", "resume.pt")])
+def test_a_forged_stage_record_is_refused_on_resume_naming_the_file(project, tools, main_cli, forged, named):
+    run_dir = killed_after_stage_one(project, tools)
+    if forged in ("resume", "both"):
+        forge_resume(run_dir, better)
+    if forged in ("file", "both"):
+        forge_stage_file(run_dir, better)
+    before = tools.snapshot(run_dir)
+    code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert "does not match a new evaluation of" in lines[0] and str(run_dir / named) in lines[0]
+    assert "metrics" in lines[0] and not (run_dir / "report.json").exists()
+    assert tools.snapshot(run_dir) == before, "a refused resume changes nothing"
+
+
+def test_a_stage_list_cut_short_in_the_resume_checkpoint_is_refused_at_the_next_stage(project, tools, main_cli):
+    run_dir = killed_after_stage_one(project, tools)
+    resume = run_dir / "resume.pt"
+    payload = checkpoints.load(resume, require_finite=False)
+    payload["extra"]["stages"] = []  # stage 1 forgotten: the next stage the training process sends is stage 2
+    checkpoints.save(resume, payload["model"], kind="resume", extra=payload["extra"], meta=payload["meta"])
+    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    assert code == 1 and "sent stage(s) [2] where stage 1 was next" in err
+    assert not (run_dir / "report.json").exists()
+
+
+def test_an_honest_resume_is_judged_again_and_ends_with_the_records_of_an_uninterrupted_run(project, tools,
+                                                                                          tmp_path):
+    run_dir = killed_after_stage_one(project, tools)
+    result = project.process(project.run_args("adamw", 1, "--resume"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference = project.run("adamw", 1, runs_dir=tmp_path / "reference")
+    got = tools.read(run_dir / "report.json")
+    for key in ("final_model_sha256", "rows_digest", "selected", "promoted_stages", "anchor_metrics"):
+        assert got[key] == reference[key], key
+    assert [(s["metrics"], s["decision"]) for s in got["stages"]] == \
+        [(s["metrics"], s["decision"]) for s in reference["stages"]]
+
+
+def test_the_report_and_start_record_say_which_confinement_the_training_process_had(project, tools):
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    report = project.run("adamw", 1)
+    start = tools.read(project.run_dir("adamw", 1) / "start.json")
+    # a plain arm runs no agent code: it is never confined
+    assert report["confinement"] is None and "confinement" in start and start["confinement"] is None
