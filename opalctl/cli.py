@@ -187,7 +187,8 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, runs_dir: str | No
 
     say = None if json_mode else console.message
     with console.progress(f"{arm} seed {seed}", json_mode) as progress:
-        report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, progress=progress, say=say)
+        report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, progress=progress, say=say,
+                            confine=(click.get_current_context().obj or {}).get("own_process", False))
     if json_mode:
         console.print_json(report)
         return
@@ -321,7 +322,10 @@ def demo(folder: str, steps: int, runs_dir: str | None, json_mode: bool) -> None
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the click group and turn anticipated errors into a sentence and an exit code."""
     try:
-        cli.main(args=argv, prog_name="opalctl", standalone_mode=False)
+        # a process opalctl owns (argv None: the console script, python -m opalctl) may confine itself for an agent
+        # arm's run; a caller's process (main(ARGS) from Python, the tests) never is: confinement lasts as long as
+        # the process
+        cli.main(args=argv, prog_name="opalctl", standalone_mode=False, obj={"own_process": argv is None})
     except OpalctlError as error:
         sys.stderr.write(f"opalctl: error: {error.message}\n" + "".join(f"  {line}\n" for line in error.details))
         sys.exit(error.exit_code)

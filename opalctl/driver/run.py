@@ -37,7 +37,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -446,14 +445,11 @@ class FormalRun:
 
 def confine_training(run_dir: Path) -> dict[str, Any] | None:
     """The operating system's confinement of an agent arm's training process (``opalctl.sandbox``): no network,
-    no writes outside the run folder and the temporary folder, no reads of the evaluation splits. None where this
-    opalctl has no sandbox module."""
-    try:
-        from opalctl.sandbox import confine_process, training_paths
-    except ImportError:
-        return None
-    confinement = confine_process(writable=[Path(run_dir), Path(tempfile.gettempdir())],
-                                  readable=training_paths(), deny_network=True)
+    no writes outside the run folder, no reads of the evaluation splits. Not the temporary folder: writable
+    means readable, and a project's data may well lie beneath it."""
+    from opalctl.sandbox import confine_process, training_paths
+
+    confinement = confine_process(writable=[Path(run_dir)], readable=training_paths(), deny_network=True)
     return confinement.to_json()
 
 

@@ -50,15 +50,12 @@ def check_in_child(workspace: Path, facts: dict[str, Any], running: dict[str, st
 
 
 def _confine_if_possible(workspace: Path) -> None:
-    """No network and no writes for the programs on trial, where the OS layer (``opalctl.sandbox``) exists."""
-    try:
-        from opalctl.sandbox import confine_process, training_paths
-    except ImportError:
-        return
-    import tempfile
+    """No network, no writes, and nothing to read beyond what training reads and the workspace, for the programs
+    on trial (where the kernel has Landlock): what they could read, they could print into the check's answer,
+    which the agent reads."""
+    from opalctl.sandbox import confine_process, training_paths
 
-    confine_process(writable=[Path(tempfile.gettempdir())], readable=[*training_paths(), Path(workspace)],
-                    deny_network=True)
+    confine_process(writable=[], readable=[*training_paths(), Path(workspace)], deny_network=True)
 
 
 def main() -> int:
