@@ -3,7 +3,8 @@
 ``chromium`` (Debian's package) is started with ``--remote-debugging-pipe``: it reads commands on fd 3 and writes
 answers and events on fd 4, each a JSON message ended by a NUL byte. ``Browser.load`` opens a page and returns
 what a test needs to judge it: every console message and error, every network request the page made, a PNG
-screenshot of the whole page and the DOM as loaded. Tests skip, naming the package, where there is no chromium.
+screenshot of the whole page and the DOM as loaded. Where there is no chromium, tests skip as needing a system
+component, naming the package (a failure in CI: tests/conftest.py).
 
 Also here: a small digits grid (three arms, one an agent with the heuristic backend, two seeds, 60 updates),
 made once per module that asks for it.
@@ -142,7 +143,7 @@ class Browser:
 def browser(tmp_path_factory):
     executable = chromium_path()
     if executable is None:
-        pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium); the page is not opened")
+        pytest.skip("needs a system component: chromium (Debian: apt-get install -y chromium); the page is not opened")
     started = Browser(executable, tmp_path_factory.mktemp("chromium-profile"))
     yield started
     started.close()
