@@ -8,13 +8,14 @@ sentence on stderr and their exit code: 1 a failure while working, 2 bad input, 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
 import click
 
 from opalctl import __version__
-from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, OpalctlError
+from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, Interrupted, OpalctlError
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
 json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
@@ -178,17 +179,20 @@ runs_dir_option = click.option("--runs-dir", default=None, type=click.Path(file_
 @click.option("--arm", required=True, help="The arm to train.")
 @click.option("--seed", required=True, type=int, help="The seed (one of the lock's seeds).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@click.option("--restart", is_flag=True,
+              help="Start a started, unfinished run again from update 0; its folder is kept as seed-S.abandoned-N.")
 @runs_dir_option
 @json_option
-def run_command(lock: str, arm: str, seed: int, resume: bool, runs_dir: str | None, json_mode: bool) -> None:
+def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, runs_dir: str | None,
+                json_mode: bool) -> None:
     """One formal run of ARM on SEED under the lock's budget."""
     from opalctl import console
     from opalctl.driver.run import run as formal_run
 
     say = None if json_mode else console.message
     with console.progress(f"{arm} seed {seed}", json_mode) as progress:
-        report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, progress=progress, say=say,
-                            confine=(click.get_current_context().obj or {}).get("own_process", False))
+        report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, restart=restart, progress=progress,
+                            say=say, confine=(click.get_current_context().obj or {}).get("own_process", False))
     if json_mode:
         console.print_json(report)
         return
@@ -326,18 +330,24 @@ def main(argv: list[str] | None = None) -> None:
         # arm's run; a caller's process (main(ARGS) from Python, the tests) never is: confinement lasts as long as
         # the process
         cli.main(args=argv, prog_name="opalctl", standalone_mode=False, obj={"own_process": argv is None})
+    except Interrupted as error:  # a run stopped by a signal: which one, and what continues it
+        sys.stderr.write(f"opalctl: {error.message}\n")
+        sys.exit(error.exit_code)
     except OpalctlError as error:
         sys.stderr.write(f"opalctl: error: {error.message}\n" + "".join(f"  {line}\n" for line in error.details))
         sys.exit(error.exit_code)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as error:
+        if isinstance(error.__cause__, KeyboardInterrupt):  # click's own word for Ctrl-C outside a run
+            sys.stderr.write("opalctl: interrupted (SIGINT)\n")
+            sys.exit(EXIT_SIGNALLED + signal.SIGINT)
         sys.stderr.write("opalctl: aborted\n")
         sys.exit(EXIT_FAILURE)
     except click.ClickException as error:
         sys.stderr.write(f"opalctl: error: {error.format_message()}\n")
         sys.exit(EXIT_BAD_INPUT if isinstance(error, click.UsageError) else error.exit_code)
     except KeyboardInterrupt:
-        sys.stderr.write("opalctl: interrupted\n")
-        sys.exit(130)
+        sys.stderr.write("opalctl: interrupted (SIGINT)\n")
+        sys.exit(EXIT_SIGNALLED + signal.SIGINT)
     except SystemExit:
         raise
     except BaseException as error:  # a bug in opalctl: say so, keep the traceback available

@@ -8,14 +8,26 @@ The exit codes: 0 done; 1 a failure while working (``OpalctlError``) or a bug; 2
 frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGRAM_HUNG``): a program call ran past
 its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``opal/hung.jsonl``
 naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
-resume checkpoint with that version marked failed (it never runs again); 130 interrupted by the user (Ctrl-C).
+resume checkpoint with that version marked failed (it never runs again); 129, 130 and 143 a run stopped by SIGHUP,
+SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops at once, keeps what it
+wrote and prints the command that continues it, ``opalctl run LOCK --arm A --seed S --resume``.
+
+A full disk, a used-up quota or a folder that cannot be written is a ``StorageFault`` (exit 1), raised by
+``opalctl.files.storage``: its sentence names the file being written and says that freeing space (or making the
+folder writable) and then ``opalctl run ... --resume`` continues; a run replaces that placeholder with its own
+command (``StorageFault.for_command``).
 """
+
+from __future__ import annotations
+
+import signal
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_CHANGED = 3
 EXIT_PROGRAM_HUNG = 4  # ended by the agent optimizer's watchdog, see the docstring
+EXIT_SIGNALLED = 128  # plus the signal's number: 129 SIGHUP, 130 SIGINT, 143 SIGTERM
 
 
 class OpalctlError(Exception):
@@ -42,3 +54,26 @@ class InputChanged(OpalctlError):
     """A frozen input no longer matches its lock (exit 3)."""
 
     exit_code = EXIT_CHANGED
+
+
+class StorageFault(OpalctlError):
+    """A write the storage refused: the disk is full, the quota used up, the folder read-only (exit 1).
+
+    Its sentence ends with ``CONTINUE``, which a caller that knows the exact command replaces (``for_command``);
+    the message alone carries it, so the fault keeps its words across a process boundary (the evaluator's)."""
+
+    CONTINUE = "`opalctl run ... --resume` continues"
+
+    def for_command(self, command: str) -> StorageFault:
+        """The same fault, its sentence ending with ``command`` (the one that continues this very run)."""
+        return StorageFault(self.message.replace(self.CONTINUE, f"`{command}` continues"), details=self.details)
+
+
+class Interrupted(OpalctlError):
+    """A run stopped by a signal (exit 128 + the signal's number); ``message`` is what the CLI prints after
+    ``opalctl: ``, saying which signal and what to type to continue."""
+
+    def __init__(self, signum: int, command: str, *, what: str = "resume"):
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"interrupted ({self.signal_name}); {what} with: {command}")
+        self.exit_code = EXIT_SIGNALLED + int(signum)

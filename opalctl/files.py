@@ -3,17 +3,25 @@
 A record that is half written is worse than no record, so every file opalctl produces is written to a
 temporary name in the same folder, flushed and fsynced, then renamed over the target (rename is atomic on
 POSIX), and the folder is fsynced so the rename itself survives a crash.
+
+A write the storage refuses (a full disk, a used-up quota, a read-only folder) is told in one sentence naming the
+file and the way on (``storage``), never as an internal error: every atomic write goes through it, and so does
+any writer that holds a file open (the steps records).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from opalctl.errors import StorageFault
 
 CHUNK = 1 << 20
 
@@ -47,6 +55,38 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
+# what the storage says, and what frees it: a full disk or quota wants space, a refused write a writable folder
+_FULL = "free space there"
+_WRITABLE = "make the folder writable"
+STORAGE_ERRNOS = {errno.ENOSPC: ("the disk is full", _FULL), errno.EDQUOT: ("the disk quota is used up", _FULL),
+                  errno.EROFS: ("the file system is read-only", _WRITABLE),
+                  errno.EACCES: ("writing is not permitted", _WRITABLE),
+                  errno.EPERM: ("writing is not permitted", _WRITABLE)}
+
+
+def storage_fault(path: str | os.PathLike, number: int | None, reason: str = "") -> StorageFault | None:
+    """The one sentence for a write of ``path`` the storage refused with ``number`` (an errno), or None when
+    ``number`` is not the storage's refusal."""
+    if number not in STORAGE_ERRNOS:
+        return None
+    what, remedy = STORAGE_ERRNOS[number]
+    said = f" ({reason})" if reason else ""
+    return StorageFault(f"cannot write {path}: {what}{said}; {remedy}, then {StorageFault.CONTINUE} the run")
+
+
+@contextlib.contextmanager
+def storage(path: str | os.PathLike) -> Iterator[None]:
+    """Turn the storage's refusal of a write inside the block into a ``StorageFault`` naming ``path``; any other
+    OSError passes unchanged."""
+    try:
+        yield
+    except OSError as error:
+        fault = storage_fault(path, error.errno, error.strerror or "")
+        if fault is None:
+            raise
+        raise fault from None
+
+
 def _fsync_folder(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -65,8 +105,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, durable: bool = Tru
     """Write via a temporary file and a rename; ``durable`` also fsyncs file and folder (skip it only for records
     whose loss in a power cut is harmless, such as an agent's decision transcripts). ``before_replace`` runs once
     the temporary file is written, just before the rename: it waits for whatever must be on the disk before this
-    file may replace the old one (the records a checkpoint counts); when it raises, the old file stays."""
+    file may replace the old one (the records a checkpoint counts); when it raises, the old file stays. A write
+    the storage refuses is a ``StorageFault`` naming ``path`` (and leaves no temporary file)."""
     target = Path(path)
+    with storage(target):
+        _write_replace(target, data, durable, before_replace)
+
+
+def _write_replace(target: Path, data: bytes, durable: bool, before_replace: Callable[[], object] | None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

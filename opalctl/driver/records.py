@@ -28,13 +28,16 @@ full of the model's work, and Python or torch work done there costs several time
   digests; tested), for reading and for testing the fast path against.
 
 The helper answers only when asked to make the file durable (``begin_sync``, at every checkpoint, and ``close``):
-it fsyncs and replies with the file's length and the running digest. A checkpoint does not wait for that reply
-before it encodes the run's state, since it records a line count, which the training process knows: the helper
-writes and fsyncs the last lines while the state is encoded, and only the checkpoint's rename, which makes it
-the one a resume reads, waits for the reply (``finish_sync``), so that no checkpoint ever counts lines the disk
-may not hold. When the training process dies, the helper reads the end of its input and exits without writing
-more; it holds the run folder's lock while it lives, so no resumed run can cut the file back while it still
-writes.
+it fsyncs and replies with the file's length, the running digest of rows (``seen``) and the sha256 of the file's
+bytes so far. A checkpoint waits for that reply before it encodes the run's state: it carries the line count, the
+rows digest and the bytes' sha256 of the lines it counts, so that no checkpoint ever counts lines the disk may not
+hold, and a resume refuses a file rewritten since (``locate`` recomputes both; the file may be valid gzip with
+the same number of lines and still not be the one the run wrote). When the training process dies, the helper
+reads the end of its input and exits without writing more; it holds the run folder's lock while it lives, so no
+resumed run can cut the file back while it still writes, and it ignores the signals that stop a run (SIGINT,
+SIGTERM, SIGHUP, which a terminal sends the whole process group): the run stops, the helper then sees its input
+end. A write the storage refuses (a full disk, a read-only folder) ends the run in the sentence of
+``opalctl.files.storage``, naming this file.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from opalctl.errors import OpalctlError
+from opalctl.files import CHUNK, storage_fault
 from opalctl.formats import StepRow, step_line
 from opalctl.scalars import read_floats
 
@@ -68,6 +72,7 @@ _HEADER = struct.Struct("<cII")
 _FIELD_CODES = {"update": "q", "charge": "d", "used": "d", "wall": "d", "loss": "d", "ids": "q"}
 _CODES = tuple(_FIELD_CODES[name] for name in StepRow._fields)
 _READ_BYTES = 1 << 16  # how much of a steps file a reader decompresses at a time
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # they stop the run, which then ends the helper
 PIPE_BYTES = 1 << 20  # the pipe's buffer, where the system allows it (Linux: /proc/sys/fs/pipe-max-size)
 
 
@@ -114,8 +119,8 @@ def format_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: lis
 
 
 class StepsFile:
-    """The writing end, wherever it runs: the file cut back to ``offset``, the running digest, and one method per
-    frame kind."""
+    """The writing end, wherever it runs: the file cut back to ``offset``, the running digest of rows, the sha256
+    of the file's bytes (those it kept first), and one method per frame kind."""
 
     def __init__(self, path: str, offset: int, seen: str, cpu_charges: bool):
         self.path = path
@@ -123,16 +128,21 @@ class StepsFile:
         self.cpu_charges = cpu_charges
         self.handle = open(path, "r+b" if os.path.exists(path) else "w+b")
         self.handle.truncate(offset)
+        self.bytes_digest = hashlib.sha256()
+        while block := self.handle.read(CHUNK):
+            self.bytes_digest.update(block)
         self.handle.seek(0, os.SEEK_END)
 
     def state(self) -> dict[str, Any]:
-        return {"offset": self.handle.tell(), "seen": self.seen}
+        return {"offset": self.handle.tell(), "seen": self.seen, "sha256": self.bytes_digest.hexdigest()}
 
     def write(self, count: int, body: bytes) -> None:
         columns, ids = decode_lines(count, body)
         lines, self.seen = format_lines(self.seen, self.cpu_charges, columns, ids)
-        self.handle.write(gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0))
+        member = gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0)
+        self.handle.write(member)
         self.handle.flush()
+        self.bytes_digest.update(member)
 
     def sync(self) -> dict[str, Any]:
         os.fsync(self.handle.fileno())
@@ -196,7 +206,7 @@ class HelperProcess:
         self.end()
         for line in answer.decode(errors="replace").splitlines():
             if line.startswith('{"error"'):
-                raise OpalctlError(f"the run's steps records {self.path} cannot be written: {json.loads(line)['error']}")
+                raise write_failure(self.path, json.loads(line))
         last = (stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
         raise OpalctlError(f"the process writing the run's steps records {self.path} stopped "
                            f"(exit status {self.process.returncode}: {last[:300]}); resume the run with --resume")
@@ -214,7 +224,7 @@ class InProcess:
             self.file = StepsFile(str(path), offset, seen, cpu_charges)
             self.answers.append(self.file.state())
         except OSError as error:
-            self.answers.append({"error": f"{error.strerror or error} ({path})"})
+            self.answers.append(_os_error(error, str(path)))
 
     def send(self, data: bytes) -> None:
         if self.ended or self.file is None:
@@ -224,7 +234,11 @@ class InProcess:
         while position < len(data):
             kind, count, id_bytes = _HEADER.unpack_from(data, position)
             position += _HEADER.size
-            answer = _handle(self.file, kind, count, data[position:position + frame_body_bytes(count, id_bytes)])
+            try:
+                answer = _handle(self.file, kind, count, data[position:position + frame_body_bytes(count, id_bytes)])
+            except OSError as error:  # as the helper answers it
+                self.end()
+                raise write_failure(self.path, _os_error(error, str(self.path))) from None
             position += frame_body_bytes(count, id_bytes) if kind == b"L" else 0
             if answer is not None:
                 self.answers.append(answer)
@@ -236,6 +250,18 @@ class InProcess:
         if self.file is not None and not self.ended:
             self.file.handle.close()
         self.ended = True
+
+
+def _os_error(error: OSError, path: str) -> dict[str, Any]:
+    """A write error as the helper answers it."""
+    return {"error": f"{error.strerror or error} ({path})", "errno": error.errno, "reason": error.strerror or ""}
+
+
+def write_failure(path: Path, answer: dict[str, Any]) -> OpalctlError:
+    """The writing end's error answer as the error the run ends with: the storage's refusal in the sentence every
+    writer uses (``opalctl.files.storage``), anything else as it was said."""
+    return (storage_fault(path, answer.get("errno"), answer.get("reason", ""))
+            or OpalctlError(f"the run's steps records {path} cannot be written: {answer['error']}"))
 
 
 def _handle(steps: StepsFile, kind: bytes, count: int, body: bytes) -> dict[str, Any] | None:
@@ -258,8 +284,9 @@ class StepsWriter:
     (when the charges are CPU seconds), examples and non-finite losses since they were last taken
     (``take_sums``), and the last loss. ``lines`` counts the lines sent to the file, those it held at the start
     included (``offset``, ``seen`` and ``lines`` on resume come from ``locate``; the writing end cuts the file
-    back to ``offset``, 0 for a new run). ``seen``, the running digest of rows seen, is as of the last
-    ``finish_sync`` or ``close``. ``in_process`` chooses the plain twin over the helper process.
+    back to ``offset``, 0 for a new run). ``seen``, the running digest of rows seen, and ``sha256``, the digest of
+    the file's bytes, are as of the last ``finish_sync`` or ``close``. ``in_process`` chooses the plain twin over
+    the helper process.
     """
 
     def __init__(self, path: Path, offset: int = 0, seen: str = SEEN_START, cpu_charges: bool = False,
@@ -271,6 +298,7 @@ class StepsWriter:
         # so the loop may hold its bound ``append``
         self.pending: list[tuple] = []
         self.seen = seen
+        self.sha256 = ""  # the sha256 of the file's bytes, as of the last reply
         self.sums = self._zero()
         self.last_loss = float("nan")
         end = InProcess if in_process else HelperProcess
@@ -356,8 +384,8 @@ class StepsWriter:
         answer = self.channel.receive()
         if "error" in answer:
             self.channel.end()
-            raise OpalctlError(f"the run's steps records {self.path} cannot be written: {answer['error']}")
-        self.seen = answer["seen"]
+            raise write_failure(self.path, answer)
+        self.seen, self.sha256 = answer["seen"], answer["sha256"]
         return int(answer["offset"])
 
 
@@ -375,7 +403,8 @@ def _read_exactly(stream, size: int) -> bytes | None:
 
 def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
     """The helper process: write the lines it is sent, make the file durable and reply when asked."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; the helper then sees its input end
+    for number in STOP_SIGNALS:  # they stop the run; the helper then sees its input end
+        signal.signal(number, signal.SIG_IGN)
     source, answers = sys.stdin.buffer, sys.stdout.buffer
 
     def reply(answer: dict) -> None:
@@ -403,7 +432,7 @@ def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
                 if kind == b"C":
                     return 0
     except OSError as error:
-        reply({"error": f"{error.strerror or error} ({path})"})
+        reply(_os_error(error, path))
         return 1
 
 
@@ -434,29 +463,40 @@ def read_steps(path: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def locate(path: Path, lines: int) -> tuple[int, str]:
+class StepsEnd(NamedTuple):
+    """Where a steps file's first lines end: the byte offset, the rows digest and the sha256 of the bytes there."""
+
+    offset: int
+    seen: str
+    sha256: str
+
+
+def locate(path: Path, lines: int) -> StepsEnd:
     """Where a steps file's first ``lines`` lines end, as a resume needs it: the byte offset to cut the file back
-    to, and the running digest after the last of them. It reads the file from its start; a file that does not hold those lines
-    whole, each numbered in turn, is refused in one sentence."""
+    to, the running digest of rows after the last of them, and the sha256 of the file's bytes up to there (a
+    resume compares both digests with those its checkpoint carries). It reads the file from its start; a file that
+    does not hold those lines whole, each numbered in turn, is refused in one sentence."""
     path = Path(path)
     if lines == 0:
-        return 0, SEEN_START
+        return StepsEnd(0, SEEN_START, hashlib.sha256(b"").hexdigest())
     if not path.is_file():
         raise OpalctlError(f"the run's steps records {path} are missing, and its resume checkpoint counts {lines} "
-                           f"lines in them; move the run folder aside and start the run again")
-    count = 0
-    for text, end in _members(path.read_bytes()):
+                           f"lines in them; start the run again from update 0 with --restart (what it wrote is kept "
+                           f"aside)")
+    count, data = 0, path.read_bytes()
+    for text, end in _members(data):
         count += text.count(b"\n")
         if count == lines:
             last = json.loads(text[text.rstrip(b"\n").rfind(b"\n") + 1:])
             if last.get("update") != lines:
                 break
-            return end, last["seen"]
+            return StepsEnd(end, last["seen"], hashlib.sha256(memoryview(data)[:end]).hexdigest())
         if count > lines:
             break
     raise OpalctlError(f"the run's steps records {path} do not end a complete record at line {lines}, which its "
-                       f"resume checkpoint counts (they were changed or cut short); move the run folder aside and "
-                       f"start the run again")
+                       f"resume checkpoint counts (they were changed or cut short); start the run again from update 0 "
+                       f"with "
+                       f"--restart (what it wrote is kept aside)")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ from __future__ import annotations
 import fcntl
 import os
 import platform
+import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -50,8 +53,8 @@ from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening, stage_n
 from opalctl.driver.judge import Incumbent, StageFacts
 from opalctl.driver.ledger import Ledger
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
-from opalctl.errors import BadInput
-from opalctl.files import atomic_write_json, read_json
+from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
+from opalctl.files import atomic_write_json, read_json, sha256_file, storage, storage_fault
 from opalctl.formats import StageRecord, TrainingFacts
 
 RESUME_FILE = "resume.pt"
@@ -77,40 +80,139 @@ def runs_dir_default(value: str | os.PathLike | None) -> Path:
 # --------------------------------------------------------------------------------------------------------------
 # the folder
 
-def claim_folder(run: Path, resume: bool):
-    """Refuse a folder this start must not use, then hold its lock; returns the lock's open file."""
-    started = (run / RESUME_FILE).exists() or (run / "start.json").exists()
-    if resume:
-        if not started:
-            raise BadInput(f"there is no run to resume in {run}; start it without --resume")
-        if (run / "report.json").exists():
-            raise BadInput(f"run {run} already finished; its report is {run / 'report.json'}")
-    elif started or (run / "report.json").exists():
-        raise BadInput(f"run folder {run} already exists; a run is never overwritten (use --resume to continue "
-                       f"an interrupted run, or --runs-dir for a separate copy)")
-    run.mkdir(parents=True, exist_ok=True)
-    handle = open(run / ".running", "a+")
-    # The steps helper of a run that was just killed holds the lock for the few milliseconds it takes to see
-    # its input end (records.py), so a prompt resume waits a little before calling the folder busy.
-    deadline = time.monotonic() + LOCK_WAIT_SECONDS
-    while True:
+@dataclass(frozen=True)
+class RunCommand:
+    """The command line of this run as the user would type it again: what a refusal, an interruption or a storage
+    fault tells them to type next."""
+
+    lock: str
+    arm: str
+    seed: int
+    runs_dir: str | None = None  # only when one was given: the same environment finds the default again
+
+    def line(self, flag: str = "") -> str:
+        words = ["opalctl", "run", self.lock, "--arm", self.arm, "--seed", str(self.seed)]
+        words += ["--runs-dir", self.runs_dir] if self.runs_dir is not None else []
+        return shlex.join(words + ([flag] if flag else []))
+
+    def next_step(self, run: Path) -> tuple[str, str]:
+        """What continues ``run`` now, by what its folder holds: (verb, command line)."""
+        if (run / RESUME_FILE).exists():
+            return "resume", self.line("--resume")
+        if (run / "start.json").exists():
+            return "start it again", self.line("--restart")
+        return "start it again", self.line()
+
+
+class FolderLock:
+    """The lock of one arm and seed's run folder: a file beside the folder, in the arm's folder, so that a finished
+    folder holds its records and nothing else, and an abandoned attempt is moved aside under the lock (``--restart``).
+    The evaluator and the steps helper inherit it and hold it as long as they live; nothing is ever written into
+    it."""
+
+    def __init__(self, run: Path):
+        self.run, self.path = run, run.parent / f".{run.name}.lock"
+        with storage(self.path):
+            run.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def acquire(self) -> None:
+        # The steps helper of a run that was just killed holds the lock for the few milliseconds it takes to see
+        # its input end (records.py), so a prompt resume waits a little before calling the folder busy; a holder
+        # that is a live process on this host is busy at once.
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = self._live_holder()
+                if holder or time.monotonic() >= deadline:
+                    raise BadInput(f"another opalctl process{holder} is running {self.run} now; wait for it to "
+                                   f"finish") from None
+                time.sleep(0.05)
+
+    def _live_holder(self) -> str:
+        """`` (pid N)`` when the process that took the lock is alive (``/proc/locks`` names it; a killed run's
+        helpers hold it under the dead run's id), else ``""``, also where the system does not say."""
+        status = os.fstat(self.fd)
+        inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                handle.close()
-                raise BadInput(f"another opalctl process is running {run} now; wait for it to finish") from None
-            time.sleep(0.05)
-    if not (run / RESUME_FILE).exists() and (run / "opal").exists():
-        # an agent's records from a start that never reached its first resume checkpoint: nothing to keep
+            held = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+            pids = [fields[4] for fields in held if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode]]
+            states = [Path(f"/proc/{int(pid)}/stat").read_text().rpartition(")")[2].split()[0] for pid in pids]
+        except (OSError, ValueError, IndexError):
+            return ""
+        return next((f" (pid {pid})" for pid, state in zip(pids, states) if state != "Z"), "")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def claim_folder(run: Path, mode: str, command: RunCommand) -> FolderLock:
+    """Take the run folder's lock, then decide under it whether this start may use the folder (``mode``: start,
+    resume or restart), and make it ready; returns the held lock."""
+    lock = FolderLock(run)
+    try:
+        lock.acquire()
+        _may_use(run, mode, command)
+        with storage(run):
+            _prepare(run, mode)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _may_use(run: Path, mode: str, command: RunCommand) -> None:
+    """Refuse, naming the folder, a start this folder's state does not allow."""
+    resumable = (run / RESUME_FILE).exists()
+    started = resumable or (run / "start.json").exists()
+    if (run / "report.json").exists():
+        said = "restarted" if mode == "restart" else "overwritten"
+        raise BadInput(f"run {run} already finished (its report is {run / 'report.json'}) and a finished run is "
+                       f"never {said}; use --runs-dir for a separate copy")
+    if mode == "resume" and not started:
+        raise BadInput(f"there is no run to resume in {run}; start it without --resume")
+    if mode == "resume" and not resumable:
+        raise BadInput(f"run {run} has no resume checkpoint ({run / RESUME_FILE} is missing), so --resume cannot "
+                       f"continue it; start it again from update 0 with `{command.line('--restart')}`, which keeps "
+                       f"what it wrote aside")
+    if mode == "start" and started:
+        way = (f"continue it with `{command.line('--resume')}`" if resumable else
+               f"start it again from update 0 with `{command.line('--restart')}`, which keeps what it wrote aside")
+        raise BadInput(f"run folder {run} already holds a started run, and a run is never overwritten; {way}")
+
+
+def _prepare(run: Path, mode: str) -> None:
+    """Under the lock: move an abandoned attempt aside (``--restart``), or clear what a dead session left that no
+    record counts, then make the folder."""
+    started = (run / RESUME_FILE).exists() or (run / "start.json").exists()
+    if mode == "restart" and started:
+        aside = 1 + max([int(p.name.rpartition("-")[2]) for p in run.parent.glob(f"{run.name}.abandoned-*")
+                         if p.name.rpartition("-")[2].isdigit()], default=0)
+        run.rename(run.parent / f"{run.name}.abandoned-{aside}")
+    elif not started and (run / "opal").exists():
+        # an agent's records from a start that never wrote start.json: nothing of a run to keep
         shutil.rmtree(run / "opal")
-    return handle
+    if run.is_dir():
+        # the temporary files of writes a killed session never finished (files.atomic_write_bytes): no record
+        # names them, and the lock says that no process of this run is writing any more; a folder made by an
+        # older opalctl also held its lock in the folder itself
+        for leftover in [*run.glob(".*.tmp"), run / ".running"]:
+            leftover.unlink(missing_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
 
 
 def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts, total: float,
-                model_digest: str, anchor: dict[str, Any], confinement: dict[str, Any] | None) -> None:
-    """``initial.pt`` and ``start.json``: what this run starts from, written before its first update."""
+                model_digest: str, anchor: dict[str, Any], confinement: dict[str, Any] | None) -> str:
+    """``initial.pt`` and ``start.json``: what this run starts from, written before its first update; returns
+    start.json's sha256, which every resume checkpoint carries."""
     initial = checkpoints.save(paths.run / "initial.pt", parts.model.state_dict(), kind="initial",
                                meta={"update": 0})
     atomic_write_json(paths.run / "start.json", {
@@ -131,6 +233,7 @@ def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
     })
+    return sha256_file(paths.run / "start.json")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -144,6 +247,10 @@ class Carried:
     stages: list[StageRecord] = field(default_factory=list)
     next_checkpoint: int = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
     steps_lines: int = 0  # the lines steps.jsonl.gz holds for the updates before this session
+    # what a resume checks its files against (None: a checkpoint written by an opalctl that did not carry them)
+    start_sha256: str | None = None  # start.json's bytes
+    steps_seen: str | None = None  # the rows digest after those lines
+    steps_sha256: str | None = None  # the bytes of steps.jsonl.gz up to the end of those lines
 
 
 def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int) -> Carried:
@@ -153,8 +260,8 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int) -> Ca
                                    require_finite=False)
     except checkpoints.CheckpointRefused as error:
         raise checkpoints.CheckpointRefused(
-            f"cannot resume: {error.message}; move the run folder {run_dir} aside and start the run "
-            f"again") from None
+            f"cannot resume: {error.message}; start the run again from update 0 with --restart, which keeps "
+            f"what {run_dir} holds aside") from None
     extra = payload["extra"]
     parts.model.load_state_dict(payload["model"])
     parts.optimizer.load_state_dict(extra["optimizer"])
@@ -165,7 +272,36 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int) -> Ca
     ledger.load_state_dict(extra["totals"])
     return Carried(incumbent=Incumbent.from_json(extra["incumbent"]),
                    stages=[_stage_record(run_dir, stage) for stage in extra["stages"]],
-                   next_checkpoint=extra["next_checkpoint"], steps_lines=int(extra["steps_lines"]))
+                   next_checkpoint=extra["next_checkpoint"], steps_lines=int(extra["steps_lines"]),
+                   start_sha256=extra.get("start_sha256"), steps_seen=extra.get("steps_seen"),
+                   steps_sha256=extra.get("steps_sha256"))
+
+
+def check_start(run_dir: Path, carried: Carried) -> None:
+    """Refuse a resume whose start.json is gone or is not the one the run wrote."""
+    start, resume = run_dir / "start.json", run_dir / RESUME_FILE
+    if carried.start_sha256 is None:
+        return
+    if not start.is_file():
+        raise InputChanged(f"{start} is missing, and the resume checkpoint {resume} records what it held; restore "
+                           f"it, or start the run again from update 0 with --restart")
+    if sha256_file(start) != carried.start_sha256:
+        raise InputChanged(f"{start} is not the one this run wrote (its resume checkpoint {resume} records sha256 "
+                           f"{carried.start_sha256[:12]}); restore it, or start the run again from update 0 with "
+                           f"--restart")
+
+
+def check_steps(path: Path, found, carried: Carried, resume: Path) -> None:
+    """Refuse a resume whose steps records are not those its checkpoint counts (``found``: ``records.locate``'s
+    answer), however well formed they are."""
+    differs = [name for name, want, got in (("rows digest", carried.steps_seen, found.seen),
+                                            ("sha256", carried.steps_sha256, found.sha256))
+               if want is not None and want != got]
+    if differs:
+        which = " and ".join(differs) + (" differ" if len(differs) > 1 else " differs")
+        raise InputChanged(f"the run's steps records {path} are not those its resume checkpoint {resume} counts "
+                           f"(its {which}: the file was rewritten); restore it, or start the run again from update "
+                           f"0 with --restart")
 
 
 def _stage_record(run_dir: Path, stage: dict[str, Any]) -> StageRecord:
@@ -311,15 +447,15 @@ class BudgetLoop:
 
     def write_resume(self) -> None:
         with self.ledger.outside("checkpoint_wall"):
-            # the steps helper makes every line so far durable while the state is encoded; the checkpoint, which
-            # counts those lines, replaces the last one only once they are on the disk (records.py)
+            # every line so far is on the disk before the checkpoint that counts them is written, and the
+            # checkpoint carries their digests, which the steps helper computes (records.py)
             self.steps.begin_sync()
+            self.steps.finish_sync()
             checkpoints.save(self.run_dir / RESUME_FILE, self.parts.model.state_dict(), kind="resume",
-                             extra=self._loop_state(), meta={"update": self.meter.updates},
-                             before_replace=self.steps.finish_sync)
+                             extra=self._loop_state(), meta={"update": self.meter.updates})
 
     def _loop_state(self) -> dict[str, Any]:
-        """The state a resume continues from; call it after ``steps.begin_sync`` (every line sent)."""
+        """The state a resume continues from; call it after ``steps.finish_sync`` (every line on the disk)."""
         self.ledger.take(self.steps.take_sums())
         parts, carried = self.parts, self.carried
         return {
@@ -333,6 +469,9 @@ class BudgetLoop:
             "stages": [stage.to_json() for stage in carried.stages],
             "next_checkpoint": carried.next_checkpoint,
             "steps_lines": self.steps.lines,
+            "steps_seen": self.steps.seen,
+            "steps_sha256": self.steps.sha256,
+            "start_sha256": carried.start_sha256,
         }
 
 
@@ -344,7 +483,7 @@ class FormalRun:
 
     def __init__(self, lock, arm_name: str, seed: int, runs_dir: Path, *, clock_factory=None,
                  progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None,
-                 confine: bool = False):
+                 confine: bool = False, command: RunCommand | None = None):
         self.lock = lock
         self.protocol = lock.protocol()
         self.arm = choose_arm(self.protocol, arm_name, seed, f"lock {lock.path}", "the lock's")
@@ -356,13 +495,19 @@ class FormalRun:
         # the OS confinement lasts as long as the process: only a process that is this one run (`opalctl run`)
         # asks for it, never a caller that runs a formal run among its other work (a test, a notebook)
         self.confine = confine
+        self.command = command or RunCommand(str(lock.path), arm_name, seed, str(runs_dir))
 
-    def execute(self, resume: bool = False) -> dict[str, Any]:
+    def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
+        """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
+        from update 0, its folder moved aside (``seed-S.abandoned-N``)."""
         from opalctl.protocol.verify import require_unchanged
 
+        if resume and restart:
+            raise BadInput("--resume and --restart exclude each other; choose one")
         require_unchanged(self.lock)
         check_device(self.protocol, advice="run on a machine with a GPU or set training.device: cpu")
-        handle = claim_folder(self.paths.run, resume)
+        handle = claim_folder(self.paths.run, "resume" if resume else "restart" if restart else "start",
+                              self.command)
         try:
             return self._execute(resume, handle)
         finally:
@@ -390,20 +535,22 @@ class FormalRun:
         anchor = evaluator.answer()["anchor"]
         evaluator.ask(Message.CONFINED, {"confinement": confinement})
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
-        resuming = resume and (run_dir / RESUME_FILE).exists()
+        resuming = resume  # the folder's claim made sure there is a resume checkpoint
+        steps_path = run_dir / "steps.jsonl.gz"
         if resuming:
             evaluator.advice = "resume the run with --resume"
             carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes)
+            check_start(run_dir, carried)
+            check_steps(steps_path, locate(steps_path, carried.steps_lines), carried, run_dir / RESUME_FILE)
             verdict = evaluator.ask(Message.CARRIED, {"stages": [stage.to_json() for stage in carried.stages]})
             carried.incumbent = Incumbent.from_json(verdict["incumbent"])
             self.say(f"resuming {run_dir} at update {meter.updates}")
         else:
             carried = Carried()
             model_digest = checkpoints.model_sha256(parts.model.state_dict())
-            write_start(self.paths, self.lock, self.arm_name, self.seed, protocol, parts, meter.total, model_digest,
-                        anchor, confinement)
-        steps_path = run_dir / "steps.jsonl.gz"
-        steps_offset, seen = locate(steps_path, carried.steps_lines)  # a fresh run: offset 0, the file starts over
+            carried.start_sha256 = write_start(self.paths, self.lock, self.arm_name, self.seed, protocol, parts,
+                                               meter.total, model_digest, anchor, confinement)
+        steps_offset, seen, _ = locate(steps_path, carried.steps_lines)  # a new run: offset 0, the file starts over
         # A steps line carries a CPU figure only when the clock charges CPU seconds (see ledger.py for the CPU
         # figure under the other clocks). The steps helper holds the folder's lock too, so no resume cuts the file
         # back while it still writes.
@@ -453,13 +600,75 @@ def confine_training(run_dir: Path) -> dict[str, Any] | None:
     return confinement.to_json()
 
 
-def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False,
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP while a run works: each stops it as Ctrl-C does, with a KeyboardInterrupt in
+    the main thread, and the first is kept so the run ends in ``Interrupted`` (exit 128 + its number) saying what
+    continues it. A SIGTERM or SIGHUP goes through the SIGINT handler when one is installed over this one: the
+    agent optimizer's guard counts SIGINTs to tell the user's stop from agent code's own exceptions
+    (opal/guard.py). A signal the process ignores (nohup, a background job's SIGINT) stays ignored; nothing is
+    installed off the main thread."""
+
+    NUMBERS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.NUMBERS:
+                current = signal.getsignal(number)
+                if current != signal.SIG_IGN:
+                    self.previous[number] = current
+                    signal.signal(number, self.stop)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, previous in self.previous.items():
+            signal.signal(number, signal.SIG_DFL if previous is None else previous)
+        self.previous = {}
+
+    def stop(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if signum != signal.SIGINT and callable(on_interrupt) and on_interrupt != self.stop:
+            signal.raise_signal(signal.SIGINT)  # its handler runs as soon as this one returns
+            return
+        raise KeyboardInterrupt
+
+
+def told(error: BaseException, received: int | None, command: RunCommand, run: Path | None) -> OpalctlError | None:
+    """What a run that failed with ``error`` tells the user, when it is a stop or a storage fault: an
+    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a ``StorageFault`` whose
+    sentence ends with the command that continues the run; None for anything else."""
+    verb, line = command.next_step(run) if run is not None else ("start it again", command.line())
+    if received is not None:
+        return Interrupted(received, line, what=verb)
+    if isinstance(error, OSError):  # a writer that does not say it through files.storage
+        error = storage_fault(error.filename or run, error.errno, error.strerror or "") or error
+    return error.for_command(line) if isinstance(error, StorageFault) else None
+
+
+def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False, restart: bool = False,
         clock_factory=None, progress=None, say=None, confine: bool = False) -> dict[str, Any]:
+    """One formal run (the module docstring); a stop signal or a storage fault ends it in one sentence that says
+    what continues it (``told``)."""
     from opalctl.protocol.lock import read_lock
 
-    lock = read_lock(Path(lock_path))
-    formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
-                       progress=progress, say=say, confine=confine)
-    report = formal.execute(resume=resume)
+    command = RunCommand(str(lock_path), arm, seed, None if runs_dir is None else str(runs_dir))
+    run_dir = None
+    with StopSignals() as stops:
+        try:
+            lock = read_lock(Path(lock_path))
+            formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
+                               progress=progress, say=say, confine=confine, command=command)
+            run_dir = formal.paths.run
+            report = formal.execute(resume=resume, restart=restart)
+        except BaseException as error:
+            saying = told(error, stops.received, command, run_dir)
+            if saying is None:
+                raise
+            raise saying from None
     report["run_dir"] = str(formal.paths.run)
     return report

@@ -197,3 +197,64 @@ ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
 ADAMW_HIGH = {"optimizer": {"name": "AdamW", "lr": 3.0e-2}}
 DENOMINATORS = ["selection.total", "retention.total"]
 LENIENT = {"denominators": DENOMINATORS, "floors": {"retention.correct": 128}, "improve_any": ["selection.correct"]}
+
+# A run stopped at a known update ---------------------------------------------------------------------------
+
+PAUSE_TASK = '''
+import os
+import time
+from pathlib import Path
+
+from opalctl.tasks.digits import Digits
+
+
+class PausingDigits(Digits):
+    """At the N-th loss of its training process: with FAIL_AT=N it fails; with PAUSE_AT=N it writes its process
+    id into PAUSE_FILE and waits until RELEASE_FILE exists (a signal ends the wait), so a test acts on a run that
+    stands still mid-update."""
+
+    def loss(self, model, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        if os.environ.get("FAIL_AT") == str(self.calls):
+            raise RuntimeError("the test stops this run here")
+        if os.environ.get("PAUSE_AT") == str(self.calls):
+            Path(os.environ["PAUSE_FILE"]).write_text(str(os.getpid()))
+            release, deadline = Path(os.environ.get("RELEASE_FILE", os.devnull + ".never")), time.monotonic() + 120
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().loss(model, batch)
+'''
+
+# the files a finished run folder holds with the fractions [0.25, 0.5, 0.75, 1.0]: its records and nothing else
+FINISHED_FILES = sorted(["initial.pt", "last.json", "report.json", "selected.json", "start.json", "steps.jsonl.gz",
+                         *[f"stage-0{k}.{ext}" for k in range(1, 5) for ext in ("json", "pt")]])
+
+
+def wait_for(path: Path, child: subprocess.Popen, timeout: float = CHILD_TIMEOUT) -> None:
+    """Until ``path`` exists; a child that ended first fails the test with its output."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if child.poll() is not None:
+            out, err = child.communicate()
+            raise AssertionError(f"the child ended (exit {child.returncode}) before {path}: {err[-2000:]}")
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.02)
+
+
+def spawn(project: Project, args: list[str], *, new_session: bool = False, **env: str) -> subprocess.Popen:
+    """``python -m opalctl ARGS`` started and left running (``project.process`` waits for its end); with
+    ``new_session`` in a process group of its own, as a terminal would start it."""
+    return subprocess.Popen([sys.executable, "-m", "opalctl", *args], cwd=project.folder.parent,
+                            env=project.env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
+
+
+@pytest.fixture
+def pausing(project, tools) -> Project:
+    """The project frozen on ``PAUSE_TASK``: 20 updates of adamw, stages and resume checkpoints every 5."""
+    entry = project.task_module(PAUSE_TASK, "PausingDigits")
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 20, "fractions": [0.25, 0.5, 0.75, 1.0]},
+                   training={"checkpoint_every": 0.25}, arms={"adamw": ADAMW})
+    return project

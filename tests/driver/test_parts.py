@@ -63,7 +63,7 @@ def test_the_steps_helper_and_the_in_process_writer_write_the_same_bytes_digests
     assert fast.read_bytes() == plain.read_bytes()
     assert repr(fast_figures) == repr(plain_figures)  # repr: the nan loss compares equal to itself
     # and the twin resumes like the helper: the file cut back to a line count, the digest continued
-    offset, seen = locate(plain, 6)
+    offset, seen, _ = locate(plain, 6)
     resumed = StepsWriter(plain, offset=offset, seen=seen, lines=6, cpu_charges=cpu_charges, in_process=True)
     for row in rows[6:]:
         resumed.add(*row)

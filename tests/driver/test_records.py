@@ -71,9 +71,9 @@ def test_a_resumed_writer_cuts_the_file_back_and_continues_the_running_digest(tm
     whole.close()
     reference = list(read_steps(path))
     assert whole.lines == 5 and synced[1] == reference[2]["seen"]
-    offset, seen = locate(path, 3)  # as --resume finds where the checkpoint's lines end
+    offset, seen, _ = locate(path, 3)  # as --resume finds where the checkpoint's lines end
     assert (offset, seen) == synced
-    assert locate(path, 0) == (0, SEEN_START)
+    assert locate(path, 0)[:2] == (0, SEEN_START)
     resumed = StepsWriter(path, offset=offset, seen=seen, lines=3)
     for update in range(4, 6):
         resumed.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))

@@ -427,7 +427,7 @@ def test_a_folder_locked_by_another_process_is_refused_after_a_short_wait(projec
     run_dir = project.run_dir("adamw", 1)
     run_dir.mkdir(parents=True)
     monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 0.2)
-    holder = open(run_dir / ".running", "a+")  # another process's lock (flock locks are per open file)
+    holder = open(run_dir.parent / ".seed-1.lock", "a+")  # another process's lock (flock locks are per open file)
     fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
     with pytest.raises(BadInput, match="another opalctl process is running .* now; wait for it to finish"):
         project.run("adamw", 1)

@@ -1,0 +1,125 @@
+"""One run per folder, decided under the folder's lock; a resume that cannot continue asks for ``--restart``,
+which keeps the abandoned attempt; a resume refuses records that are not those its checkpoint counts; a finished
+folder holds its records and nothing else."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from opalctl.driver.records import read_steps
+
+
+def names(folder):
+    return sorted(path.name for path in folder.iterdir())
+
+
+def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second_is_refused_naming_the_folder(
+        pausing, tools, main_cli, tmp_path):
+    project, run_dir = pausing, pausing.run_dir("adamw", 1)
+    pause, release, lone_runs = tmp_path / "paused", tmp_path / "release", tmp_path / "lone"
+    together = [tools.spawn(project, project.run_args("adamw", 1)) for _ in range(2)]
+    lone = tools.spawn(project, project.run_args("adamw", 1, runs=lone_runs), PAUSE_AT="12", PAUSE_FILE=str(pause),
+                       RELEASE_FILE=str(release))
+    ended = sorted(((child.wait(timeout=tools.CHILD_TIMEOUT), *child.communicate()) for child in together),
+                   key=lambda result: result[0])
+    assert [code for code, _, _ in ended] == [0, 2], [err[-2000:] for _, _, err in ended]
+    refusal = ended[1][2].strip().splitlines()
+    assert len(refusal) == 1 and refusal[0].startswith("opalctl: error: ") and str(run_dir) in refusal[0]
+
+    # while the lone run stands at update 12, a second --resume (or run) of it is refused at once, changing nothing
+    tools.wait_for(pause, lone)
+    lone_dir = project.run_dir("adamw", 1, runs=lone_runs)
+    before = tools.snapshot(lone_dir.parent)
+    for more in (["--resume"], []):
+        code, out, err = main_cli(project.run_args("adamw", 1, *more, runs=lone_runs))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"another opalctl process (pid {lone.pid}) is running {lone_dir} now" in err
+    assert tools.snapshot(lone_dir.parent) == before
+    release.touch()
+    assert lone.wait(timeout=tools.CHILD_TIMEOUT) == 0, lone.communicate()[1][-2000:]
+
+    survivor, alone = tools.read(run_dir / "report.json"), tools.read(lone_dir / "report.json")
+    assert survivor["final_model_sha256"] == alone["final_model_sha256"] and survivor["resumes"] == 0
+    assert [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")] == list(range(1, 21))
+    # a finished folder holds its records and nothing else: no lock, no marker, no temporary file
+    assert names(run_dir) == names(lone_dir) == tools.FINISHED_FILES
+    assert names(run_dir.parent) == [".seed-1.lock", "seed-1"]
+
+
+def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_aside_and_never_restarts_a_finished_run(
+        pausing, tools, main_cli, monkeypatch, tmp_path):
+    project, run_dir = pausing, pausing.run_dir("adamw", 1)
+    monkeypatch.setenv("FAIL_AT", "13")
+    with pytest.raises(RuntimeError, match="the test stops this run here"):
+        project.run("adamw", 1)
+    monkeypatch.delenv("FAIL_AT")
+    (run_dir / "resume.pt").unlink()
+    abandoned = tools.snapshot(run_dir)
+    before = tools.snapshot(project.runs)
+
+    for more in (["--resume"], []):
+        code, out, err = main_cli(project.run_args("adamw", 1, *more))
+        lines = err.strip().splitlines()
+        assert code == 2 and out == "" and len(lines) == 1 and str(run_dir) in lines[0], err
+        assert f"{' '.join(project.run_args('adamw', 1, '--restart'))}`" in lines[0]
+    assert "resume.pt is missing" in main_cli(project.run_args("adamw", 1, "--resume"))[2]
+    assert tools.snapshot(project.runs) == before, "a refused start changes nothing"
+
+    code, _, err = main_cli(project.run_args("adamw", 1, "--restart"))
+    assert code == 0, err
+    assert tools.snapshot(run_dir.parent / "seed-1.abandoned-1") == abandoned, "the abandoned attempt is kept whole"
+    restarted = tools.read(run_dir / "report.json")
+    uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
+    assert restarted["final_model_sha256"] == uninterrupted["final_model_sha256"] and restarted["resumes"] == 0
+    assert names(run_dir) == tools.FINISHED_FILES
+
+    finished = tools.snapshot(project.runs)
+    code, out, err = main_cli(project.run_args("adamw", 1, "--restart"))
+    assert code == 2 and "already finished" in err and "never restarted" in err and str(run_dir) in err
+    assert tools.snapshot(project.runs) == finished
+
+
+def rewrite_steps(path, forge):
+    """The steps file written again as valid gzip with as many lines, ``forge`` changing the lines' dicts."""
+    lines = list(read_steps(path))
+    forge(lines)
+    path.write_bytes(gzip.compress("".join(json.dumps(line) + "\n" for line in lines).encode()))
+
+
+def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_changed_or_missing_start_record(
+        pausing, tools, main_cli, monkeypatch):
+    project, run_dir = pausing, pausing.run_dir("adamw", 1)
+    monkeypatch.setenv("FAIL_AT", "13")  # the resume checkpoint of update 10 counts 10 steps lines
+    with pytest.raises(RuntimeError):
+        project.run("adamw", 1)
+    monkeypatch.delenv("FAIL_AT")
+    steps, start = run_dir / "steps.jsonl.gz", run_dir / "start.json"
+    written = {path: path.read_bytes() for path in (steps, start)}
+
+    def forged_loss(lines):
+        lines[3]["loss"] = 0.5  # every rows digest still chains: only the bytes tell
+
+    def edited_start():
+        record = tools.read(start)
+        record["seed"] = 2
+        start.write_text(json.dumps(record, indent=2) + "\n")
+
+    for damage, named, words in [(lambda: rewrite_steps(steps, forged_loss), steps, "rewritten"),
+                                 (edited_start, start, "is not the one this run wrote"),
+                                 (start.unlink, start, "is missing")]:
+        damage()
+        before = tools.snapshot(project.runs)
+        code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
+        lines = err.strip().splitlines()
+        assert code == 3 and out == "" and len(lines) == 1, err
+        assert str(named) in lines[0] and words in lines[0] and "--restart" in lines[0], lines[0]
+        assert tools.snapshot(project.runs) == before, "a refused resume changes nothing"
+        for path, data in written.items():
+            path.write_bytes(data)
+
+    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    assert code == 0, err
+    assert tools.read(run_dir / "report.json")["resumes"] == 1
