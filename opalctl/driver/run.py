@@ -26,8 +26,14 @@ parts' own states, and ``BudgetLoop`` the loop over them. ``FormalRun.execute`` 
 A resume checkpoint holds everything the loop needs (model, optimizer, sampler, schedule, budget meter, RNG
 states, running totals, the incumbent, the stage records, how many lines of ``steps.jsonl.gz`` precede it), so
 ``--resume`` after a crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run; the
-evaluator judges the carried stages again from their files before the loop continues. A run folder that exists
-is never reused except by ``--resume``.
+evaluator judges the carried stages again from their files before the loop continues, and the resume refuses a
+start.json or a steps file that is not the one its checkpoint records (their digests travel in it).
+
+One run per folder: the folder's lock (a file beside it, ``FolderLock``) is taken first, and only then is it
+decided whether this start may use the folder (``claim_folder``): a started or finished run is never started
+over, ``--resume`` needs a resume checkpoint, and ``--restart`` starts a started, unfinished run again from update
+0 after moving its folder aside whole (``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP) or a
+storage fault ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
 """
 
 from __future__ import annotations
