@@ -6,6 +6,8 @@ expectations are computed here from the scripted charges and from the stage reco
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from opalctl import checkpoints
@@ -416,23 +418,38 @@ def test_an_unknown_arm_or_seed_is_refused(project, tools, main_cli, arm, seed, 
     assert not project.runs.exists()
 
 
-def test_a_folder_locked_by_another_process_is_refused_after_a_short_wait(project, tools, monkeypatch):
+HELD_BY_A_HELPER = """
+import fcntl, subprocess, sys
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+# a child inherits the lock and holds it a while after its taker is gone, as a killed run's steps helper does
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], pass_fds=[handle.fileno()])
+"""
+
+
+def test_a_folder_locked_by_a_live_process_is_refused_at_once_and_one_a_killed_runs_helper_holds_is_waited_for(
+        project, tools, monkeypatch):
     import fcntl
-    import threading
+    import subprocess
+    import sys
 
     from opalctl.driver import run as run_module
     from opalctl.errors import BadInput
 
     project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
     run_dir = project.run_dir("adamw", 1)
-    run_dir.mkdir(parents=True)
+    lock = run_dir.parent / ".seed-1.lock"
+    run_dir.parent.mkdir(parents=True)
+    with open(lock, "a+") as holder:  # a live process holds it (this one; flock locks are per open file)
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(BadInput, match=rf"another opalctl process \(pid {os.getpid()}\) is running .* now; "
+                                           r"wait for it to finish"):
+            project.run("adamw", 1)
+    assert not run_dir.exists()
+    subprocess.run([sys.executable, "-c", HELD_BY_A_HELPER, str(lock)], check=True)
     monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 0.2)
-    holder = open(run_dir.parent / ".seed-1.lock", "a+")  # another process's lock (flock locks are per open file)
-    fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
     with pytest.raises(BadInput, match="another opalctl process is running .* now; wait for it to finish"):
         project.run("adamw", 1)
-    assert not (run_dir / "start.json").exists()
-    # a lock let go within the wait (the steps helper of a run killed a moment ago) is taken
+    # a lock let go within the wait is taken
     monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 30.0)
-    threading.Timer(0.3, holder.close).start()
     assert project.run("adamw", 1)["updates"] == 8

@@ -78,3 +78,23 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resum
     report = tools.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] >= 1
     assert sorted(p.name for p in run_dir.iterdir()) == tools.FINISHED_FILES
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper process", "in-process twin"])
+def test_the_steps_records_on_a_full_disk_end_in_the_sentence_every_writer_uses_naming_their_file(disk, in_process):
+    import numpy as np
+
+    from opalctl.driver.records import StepsWriter
+    from opalctl.errors import StorageFault
+
+    (disk / "ballast").write_bytes(b"\0" * (os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize))
+    path = disk / "steps.jsonl.gz"
+    writer = StepsWriter(path, in_process=in_process)
+    with pytest.raises(StorageFault) as refused:
+        for update in range(1, 2049):
+            writer.add(update, 1.0, float(update), 0.001, 0.5, np.arange(64) + update)
+        writer.begin_sync()
+        writer.finish_sync()
+    writer.abandon()
+    assert refused.value.message == (f"cannot write {path}: the disk is full (No space left on device); free space "
+                                     f"there, then `opalctl run ... --resume` continues the run")
