@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import time
+
+import pytest
 
 STOPS = [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, True)]
 
@@ -44,3 +47,21 @@ def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_o
         assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
         assert report["rows_digest"] == uninterrupted["rows_digest"]
         assert sorted(p.name for p in run_dir.iterdir()) == tools.FINISHED_FILES
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_sigterm_or_sighup_inside_agent_code_stops_the_run_as_a_ctrl_c_does_and_is_not_taken_for_its_failure(
+        number):
+    from opalctl.driver.run import StopSignals
+    from opalctl.opal.guard import Interrupts, contained
+
+    def agent_code():
+        signal.raise_signal(number)
+        time.sleep(5)  # the signal's handler ends the wait
+        return "went on"
+
+    with StopSignals() as stops:
+        Interrupts.shared().install()  # as wrapping an agent optimizer does, over the run's handler
+        with pytest.raises(KeyboardInterrupt):
+            contained(agent_code)
+    assert stops.received == number
