@@ -31,7 +31,7 @@ start.json or a steps file that is not the one its checkpoint records (their dig
 
 One run per folder: the folder's lock (a file beside it, ``FolderLock``) is taken first, and only then is it
 decided whether this start may use the folder (``claim_folder``): a started or finished run is never started
-over, ``--resume`` needs a resume checkpoint, and ``--restart`` starts a started, unfinished run again from update
+over, ``--resume`` needs a resume checkpoint (or a run that never got past update 0), and ``--restart`` starts a started, unfinished run again from update
 0 after moving its folder aside whole (``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP) or a
 storage fault ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
 """
@@ -103,7 +103,7 @@ class RunCommand:
 
     def next_step(self, run: Path) -> tuple[str, str]:
         """What continues ``run`` now, by what its folder holds: (verb, command line)."""
-        if (run / RESUME_FILE).exists():
+        if (run / RESUME_FILE).exists() or at_update_0(run):
             return "resume", self.line("--resume")
         if (run / "start.json").exists():
             return "start it again", self.line("--restart")
@@ -175,9 +175,18 @@ def claim_folder(run: Path, mode: str, command: RunCommand) -> FolderLock:
     return lock
 
 
+def at_update_0(run: Path) -> bool:
+    """A started run that never got past update 0: start.json, but neither a resume checkpoint nor a steps record
+    (killed while writing its first resume checkpoint). Continuing it is starting it from update 0 again: nothing
+    it trained is lost."""
+    steps = run / "steps.jsonl.gz"
+    return (run / "start.json").exists() and not (run / RESUME_FILE).exists() and (
+        not steps.exists() or steps.stat().st_size == 0)
+
+
 def _may_use(run: Path, mode: str, command: RunCommand) -> None:
     """Refuse, naming the folder, a start this folder's state does not allow."""
-    resumable = (run / RESUME_FILE).exists()
+    resumable = (run / RESUME_FILE).exists() or at_update_0(run)
     started = resumable or (run / "start.json").exists()
     if (run / "report.json").exists():
         said = "restarted" if mode == "restart" else "overwritten"
@@ -203,8 +212,8 @@ def _prepare(run: Path, mode: str) -> None:
         aside = 1 + max([int(p.name.rpartition("-")[2]) for p in run.parent.glob(f"{run.name}.abandoned-*")
                          if p.name.rpartition("-")[2].isdigit()], default=0)
         run.rename(run.parent / f"{run.name}.abandoned-{aside}")
-    elif not started and (run / "opal").exists():
-        # an agent's records from a start that never wrote start.json: nothing of a run to keep
+    elif (not started or at_update_0(run)) and (run / "opal").exists():
+        # an agent's records from a start that never trained an update: nothing of a run to keep
         shutil.rmtree(run / "opal")
     if run.is_dir():
         # the temporary files of writes a killed session never finished (files.atomic_write_bytes): no record
@@ -541,7 +550,7 @@ class FormalRun:
         anchor = evaluator.answer()["anchor"]
         evaluator.ask(Message.CONFINED, {"confinement": confinement})
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
-        resuming = resume  # the folder's claim made sure there is a resume checkpoint
+        resuming = resume and (run_dir / RESUME_FILE).exists()  # else the claim found it at update 0 (at_update_0)
         steps_path = run_dir / "steps.jsonl.gz"
         if resuming:
             evaluator.advice = "resume the run with --resume"
