@@ -64,7 +64,7 @@ from opalctl.files import atomic_write_json, read_json, sha256_file, storage, st
 from opalctl.formats import StageRecord, TrainingFacts
 
 RESUME_FILE = "resume.pt"
-LOCK_WAIT_SECONDS = 5.0  # how long a run waits for its folder's lock before calling it busy
+LOCK_WAIT_SECONDS = 30.0  # how long a run waits for a folder's lock no live run holds before calling it busy
 
 
 @dataclass
@@ -126,9 +126,9 @@ class FolderLock:
         return self.fd
 
     def acquire(self) -> None:
-        # The steps helper of a run that was just killed holds the lock for the few milliseconds it takes to see
-        # its input end (records.py), so a prompt resume waits a little before calling the folder busy; a holder
-        # that is a live process on this host is busy at once.
+        # A lock taken by a live process is busy at once. The evaluator and the steps helper of a run that was just
+        # killed hold it until they see their input end (records.py), the evaluator after the evaluation it is in
+        # (seconds on a loaded machine), so a prompt resume waits for them before calling the folder busy.
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
             try:
