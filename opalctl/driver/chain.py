@@ -342,11 +342,7 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     start = _shape(StartRecord, folder.start, out)
     if start is not None:
         out += check_start(start, folder.checkpoints.get("initial.pt"), lock_sha256)
-    if folder.anchor.sha256 is None and not anchor_required:
-        out.append(Finding(folder.anchor.name, "is not there (the run folder was copied without the anchors?): the "
-                                               "anchor the stages were judged against is not checked", NOTE))
-    anchor = _shape(AnchorRecord, folder.anchor, out) if folder.anchor.sha256 is not None or anchor_required \
-        else None
+    anchor = _shape(AnchorRecord, folder.anchor, out) if folder.anchor.sha256 is not None else None
     if anchor is not None:
         out += check_anchor(anchor, folder.anchor.name, start)
     anchor_digest = anchor_sha256(anchor.to_json()) if anchor is not None else None
@@ -362,14 +358,24 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     out += check_completion(folder)
     out += check_steps(folder.steps, stages) if folder.report.sha256 is not None or folder.steps.sha256 else []
     if folder.report.sha256 is None:
-        return out
+        return out + _anchor_missing(folder, anchor_required)
     if (last := _shape(LastRecord, folder.last, out)) is not None:
         out += check_last(last, stages)
     if (selected := _shape(SelectedRecord, folder.selected, out)) is not None:
         out += check_selected(selected, stages, anchor)
     if (report := _shape(RunReport, folder.report, out)) is not None:
         out += check_report(report, folder.report.value, folder, stages, start)
-    return out
+    return out + _anchor_missing(folder, anchor_required)
+
+
+def _anchor_missing(folder: RunFolder, required: bool) -> list[Finding]:
+    """A missing anchor record, said last: a folder copied without its anchors is told what else is wrong first."""
+    if folder.anchor.sha256 is not None:
+        return []
+    if required:
+        return [Finding(folder.anchor.name, "is missing (the stages were judged against it)", DAMAGED)]
+    return [Finding(folder.anchor.name, "is not there (the run folder was copied without the anchors?): the anchor "
+                                        "the stages were judged against is not checked", NOTE)]
 
 
 def failures(findings: list[Finding]) -> list[Finding]:

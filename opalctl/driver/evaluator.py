@@ -206,6 +206,7 @@ class Evaluator:
         self.incumbent = Incumbent()
         self.stages: list[StageRecord] = []
         self.confinement: dict[str, Any] | None = None
+        self.machine: dict[str, Any] | None = None  # the machine while the run trained (RunReport.machine)
 
     def _anchor(self, device: str) -> dict[str, Any]:
         from opalctl import checkpoints
@@ -304,18 +305,22 @@ class Evaluator:
                                  expected_shapes=self.judge.shapes, require_finite=False)
         outcome = RunOutcome(stages=self.stages, incumbent=self.incumbent, training=training,
                              final_model=final["model"], confinement=self.confinement)
+        from opalctl.files import atomic_write_json
+
         report = close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
                            self.splits)
-        return seal_report(self.run_dir, report, self.stages, self.anchor_sha256)
+        # report.json once more, now with its digests (atomically: a crash leaves the one or the other); the lead's
+        # merge moves the sealing into closing.close_run, which then writes report.json once
+        sealed = sealed_report(self.run_dir, {**report, "machine": self.machine}, self.stages, self.anchor_sha256)
+        atomic_write_json(self.run_dir / "report.json", sealed)
+        return sealed
 
 
-def seal_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord], anchor_digest: str) -> dict[str, Any]:
-    """``report.json`` with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory,
-    the other records from their files, and the report's own digest last.
-
-    It rewrites the report closing.close_run has just written (atomically: a crash leaves the one or the other);
-    the lead's merge moves this call into close_run, so that report.json is written once."""
-    from opalctl.files import atomic_write_json, sha256_file
+def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
+                  anchor_digest: str) -> dict[str, Any]:
+    """The report with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory, the
+    other records from their files in ``run_dir``, and the report's own digest last."""
+    from opalctl.files import sha256_file
 
     steps = run_dir / "steps.jsonl.gz"
     digests = RunDigests(
@@ -325,7 +330,6 @@ def seal_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord]
         anchor=anchor_digest)
     sealed = {**report, "digests": digests.to_json()}
     sealed["digests"]["report"] = report_sha256(sealed)
-    atomic_write_json(run_dir / "report.json", sealed)
     return sealed
 
 

@@ -267,8 +267,8 @@ def run_failure(result: dict[str, Any]) -> InputChanged:
     """The refusal of a run folder (or a lock's run folders) that does not verify: one sentence, and one line per
     finding under it."""
     runs = [result] if result["kind"] == "run" else [run for run in result["runs"] if not run["ok"]]
-    details = [f"{run['run_dir']}/{finding['file']}: {finding['problem']}" for run in runs
-               for finding in run["findings"]]
+    details = [f"{os.path.normpath(os.path.join(run['run_dir'], finding['file']))}: {finding['problem']}"
+               for run in runs for finding in run["findings"]]
     if result["kind"] == "runs" and result["problems"]:
         details = [f"{result['lock']}: {describe(result['problems'])}"] + details
     where = f"run {result['run_dir']}" if result["kind"] == "run" else f"the runs of lock {result['lock']}"
