@@ -79,21 +79,34 @@ def freeze(protocol: str, force: bool, json_mode: bool) -> None:
 
 
 @cli.command()
-@click.argument("lock", type=click.Path(dir_okay=False))
+@click.argument("target", type=click.Path())
+@click.option("--runs", "with_runs", is_flag=True, help="With a lock: check every run folder of it too.")
+@click.option("--runs-dir", default=None, type=click.Path(file_okay=False),
+              help="Where run folders live (default: $OPALCTL_RUNS or ./runs).")
 @json_option
-def verify(lock: str, json_mode: bool) -> None:
-    """Re-hash every record of LOCK; exit 3 listing each file that changed."""
+def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) -> None:
+    """Re-hash every record of a lock, or check a run folder's chain of digests; exit 3 naming each mismatch.
+
+    TARGET is a lock file (with --runs, its run folders too) or a run folder (runs/NAME-SHA/ARM/seed-S)."""
     from opalctl import console
     from opalctl.errors import EXIT_CHANGED
-    from opalctl.protocol.verify import verify as run_verify
+    from opalctl.protocol.verify import run_failure, verify_target
 
-    result = run_verify(lock)
+    result = verify_target(target, runs=with_runs, runs_dir=runs_dir)
     if json_mode:
         console.print_json(result)
+    elif result["kind"] != "lock":
+        for note in result.get("notes", []):
+            console.message(f"note: {note['file']}: {note['problem']}")
+        if not result["ok"]:
+            raise run_failure(result)
+        checked = result.get("runs", [result])
+        sys.stdout.write(f"ok: {len(checked)} run folder(s) of {target} verify, every record and checkpoint of "
+                         f"the chain\n")
     elif result["ok"]:
-        sys.stdout.write(f"ok: {result['checked']} records of {lock} match (sha256 {result['sha256'][:12]})\n")
+        sys.stdout.write(f"ok: {result['checked']} records of {target} match (sha256 {result['sha256'][:12]})\n")
     else:
-        console.table(f"{len(result['problems'])} changed input(s) in {lock}", ["role", "path", "status"],
+        console.table(f"{len(result['problems'])} changed input(s) in {target}", ["role", "path", "status"],
                       [[p["role"], p["path"], p["status"]] for p in result["problems"]])
     if not result["ok"]:
         if not json_mode:

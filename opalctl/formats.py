@@ -8,29 +8,59 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
-- ``RunReport``: ``report.json``;
-- ``read_jsonl``: the one reader of a ``.jsonl`` file, tolerant of a last line cut short by a crash.
+- ``RunReport``: ``report.json``, with ``RunDigests``, the end of the chain of digests (below);
+- ``StartRecord``, ``AnchorRecord``, ``LastRecord``, ``SelectedRecord``: ``start.json``, ``anchor.json``,
+  ``last.json`` and ``selected.json`` as they are read back;
+- ``read_record``: the one reader of a JSON record file, ``read_jsonl`` the one reader of a ``.jsonl`` file.
 
 Records carry ``format`` (``FORMAT_VERSION``); a record written before versioning has none and is read as
-version 1. ``from_json`` refuses a record that lacks a field, in one sentence naming the record.
+version 1. ``from_json`` refuses a record that lacks a field or holds a value of another type, in one sentence
+naming the record; a field added later has a default, so that older records still read.
+
+The chain of digests, from the lock to the verdict (each record names only records written before it, so it
+has no loop; ``opalctl verify RUN_DIR`` checks it, driver/chain.py holds the checks):
+
+- ``start.json`` names the lock's sha256 and ``initial.pt``'s sha256 and ``model_sha256``;
+- ``anchor.json`` names the lock, the parent and the data, and carries ``sha256``, the digest of its own content
+  (``anchor_sha256``: everything but ``eval_seconds``, so that evaluating the same parent again gives the same
+  digest);
+- each ``stage-NN.json`` names its checkpoint's sha256 and ``model_sha256`` and the anchor's digest;
+- ``last.json`` and ``selected.json`` name the checkpoint of a stage (or the anchor's);
+- ``report.json`` carries ``digests`` (``RunDigests``): the sha256 of every stage record, of ``start.json``, of
+  ``steps.jsonl.gz``, of ``last.json`` and ``selected.json``, the anchor's digest, and ``report``, the digest of
+  the report itself without that one entry (an edited figure is seen without any other file).
+
+A record's digest is the sha256 of its bytes as opalctl writes them (``files.canonical_json``), so
+``record_sha256(value)`` of a record read back is its file's sha256 when nothing changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import types
+import typing
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from opalctl.errors import OpalctlError
+from opalctl.errors import InputChanged, OpalctlError
+from opalctl.files import canonical_json
 
 FORMAT_VERSION = 1
+DAMAGED = "the record is damaged"  # what a refusal says when its caller has nothing better to advise
 
 
 class RecordDamaged(OpalctlError):
-    """A record on disk cannot be read as what it should be (exit 1); the sentence names the file."""
+    """A record on disk cannot be read as what it should be (exit 1): missing, empty, not UTF-8, not JSON, or not
+    of its shape; the sentence names the file."""
+
+
+class RecordChanged(InputChanged):
+    """A run's record reads well but no longer matches the digest or the record that vouches for it: it was
+    edited after opalctl wrote it (exit 3); the sentence names the file."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -114,10 +144,11 @@ def step_line_plain(update: int, charge: float, used: float, wall: float, loss: 
 # --------------------------------------------------------------------------------------------------------------
 # records as dataclasses
 
-def _from_json(cls, data: Any, what: str):
-    """``cls`` from a JSON object, refusing a missing field or another format in one sentence naming ``what``."""
+def _from_json(cls, data: Any, what: str, advice: str = DAMAGED):
+    """``cls`` from a JSON object, refusing a missing field, a value of another type or another format in one
+    sentence naming ``what`` and ending in ``advice``."""
     if not isinstance(data, dict):
-        raise RecordDamaged(f"{what} is not a JSON object; the record is damaged")
+        raise RecordDamaged(f"{what} is not a JSON object; {advice}")
     version = data.get("format", 1)
     if version != FORMAT_VERSION:
         raise RecordDamaged(f"{what} has format {version!r}, which this opalctl does not read (it reads "
@@ -125,8 +156,35 @@ def _from_json(cls, data: Any, what: str):
     known = {f.name for f in fields(cls)}
     missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
     if missing:
-        raise RecordDamaged(f"{what} lacks {', '.join(missing)}; the record is damaged")
+        raise RecordDamaged(f"{what} lacks {', '.join(missing)}; {advice}")
+    hints = typing.get_type_hints(cls)
+    wrong = [name for name in known if name in data and not _is_a(data[name], hints[name])]
+    if wrong:
+        raise RecordDamaged(f"{what} holds a value of the wrong type in {', '.join(sorted(wrong))}; {advice}")
     return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's type (``int``, ``float``, ``str``, ``bool``, ``None``, ``Any``, unions,
+    ``list[T]`` and ``dict[str, T]``); a JSON integer is a float too, a boolean is no number."""
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, option) for option in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_is_a(entry, item) for entry in value)
+    if origin is dict:
+        _key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(isinstance(k, str) and _is_a(v, item) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 class _Record:
@@ -138,8 +196,8 @@ class _Record:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any, what: str | None = None):
-        return _from_json(cls, data, what or cls.WHAT)
+    def from_json(cls, data: Any, what: str | None = None, advice: str = ""):
+        return _from_json(cls, data, what or cls.WHAT, advice or DAMAGED)
 
 
 @dataclass
@@ -167,6 +225,14 @@ class StageRecord(_Record):
     shared_state_with: list[int]  # other stages reached by the same update (same weights)
     loss: float | None  # the last update's training loss before this stage
     format: int = FORMAT_VERSION
+    # the digest of the anchor record it was judged against (``anchor_sha256``); None: written before the chain
+    anchor_sha256: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["anchor_sha256"] is None:
+            del data["anchor_sha256"]  # a record written before the chain reads back to its own bytes
+        return data
 
 
 @dataclass
@@ -244,6 +310,10 @@ class RunReport(_Record):
     # the OS confinement of the last session's training process (opalctl.sandbox), None where none was applied
     confinement: dict[str, Any] | None = None
     format: int = FORMAT_VERSION
+    # RunDigests.to_json(): the end of the chain of digests; None: written before the chain
+    digests: dict[str, Any] | None = None
+    # the machine while the run trained (driver/sharing.py's MachineWatch.to_json()); None where not measured
+    machine: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -252,8 +322,138 @@ class RunReport(_Record):
         return data
 
 
+@dataclass
+class RunDigests(_Record):
+    """``report.json``'s ``digests``: the sha256 of every record the verdict rests on (module docstring)."""
+
+    WHAT = "the report's digests"
+
+    start: str  # start.json
+    steps: str | None  # steps.jsonl.gz (None: the run has no steps file)
+    stages: dict[str, str]  # "stage-01.json" -> its sha256, every stage
+    last: str  # last.json
+    selected: str  # selected.json
+    anchor: str  # anchor_sha256 of anchors/seed-S/anchor.json
+    report: str = ""  # report_sha256: the report without this entry ("" until it is sealed)
+
+
+def report_sha256(report: dict[str, Any]) -> str:
+    """The digest of a report's content: the report with ``digests.report`` left out."""
+    digests = {key: value for key, value in (report.get("digests") or {}).items() if key != "report"}
+    return record_sha256({**report, "digests": digests})
+
+
+@dataclass
+class StartRecord(_Record):
+    """``start.json``: what a run starts from (written before its first update, by driver/run.py)."""
+
+    WHAT = "a start record"
+
+    lock: str
+    lock_sha256: str
+    protocol: str
+    arm: str
+    seed: int
+    budget: dict[str, Any]  # clock, total, fractions, threads
+    initial: dict[str, Any]  # file, sha256, model_sha256 of initial.pt
+    anchor: dict[str, Any]  # folder (relative to the run folder), model_sha256
+    arm_config: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    inherited: Any = None
+    initialised: Any = None
+    confinement: dict[str, Any] | None = None
+    started_at: str | None = None
+    host: str | None = None
+    format: int = FORMAT_VERSION
+
+
+@dataclass
+class AnchorRecord(_Record):
+    """``anchors/seed-S/anchor.json``: the parent's metrics, evaluated once per lock and seed (driver/evaluator.py)."""
+
+    WHAT = "an anchor record"
+
+    lock_sha256: str
+    seed: int
+    parent: dict[str, Any]  # path, sha256
+    data: dict[str, str]  # the lock's data roles -> sha256
+    model_sha256: str
+    metrics: dict[str, float | int]
+    eval_seconds: float
+    sha256: str | None = None  # anchor_sha256 of this record; None: written before the chain
+    format: int = FORMAT_VERSION
+
+
+def anchor_sha256(anchor: dict[str, Any]) -> str:
+    """The digest of an anchor record's content: all of it but its own digest, its format and ``eval_seconds``
+    (how long it took is no part of what it says)."""
+    return record_sha256({key: value for key, value in anchor.items()
+                          if key not in ("sha256", "format", "eval_seconds")})
+
+
+@dataclass
+class LastRecord(_Record):
+    """``last.json``: the last stage and its checkpoint (driver/closing.py)."""
+
+    WHAT = "a last-stage record"
+
+    stage: int
+    update: int
+    file: str
+    sha256: str
+    model_sha256: str
+    bytes: int | None = None
+
+
+@dataclass
+class SelectedRecord(_Record):
+    """``selected.json``: the model the promotion policy hands over: a stage, or the anchor, flagged."""
+
+    WHAT = "a selected-model record"
+
+    source: str  # "stage" or "anchor"
+    stage: int | None
+    flagged: bool
+    checkpoint: dict[str, Any]  # file, sha256, model_sha256
+    metrics: dict[str, float | int]
+    reason: str | None = None
+
+
 # --------------------------------------------------------------------------------------------------------------
-# reading .jsonl files
+# reading record files
+
+def record_sha256(value: Any) -> str:
+    """The sha256 of a record as opalctl writes it (``files.canonical_json``): its file's sha256, unchanged."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+def decode_record(data: bytes) -> tuple[Any, str | None]:
+    """A record file's bytes as JSON: ``(value, None)``, or ``(None, why)`` with ``why`` a clause ("is empty")."""
+    if not data.strip():
+        return None, "is empty"
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except UnicodeDecodeError:
+        return None, "is not UTF-8 text"
+    except ValueError:
+        return None, "is not JSON (cut short or damaged)"
+
+
+def read_record(path: str | Path, cls: type | None = None, advice: str = DAMAGED) -> Any:
+    """A JSON record file, as ``cls`` when given; refused as ``RecordDamaged`` in one sentence naming the file and
+    ending in ``advice`` when it is missing, empty, not UTF-8, not JSON or (with ``cls``) not of that shape."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RecordDamaged(f"{path} is missing; {advice}") from None
+    except OSError as error:
+        raise RecordDamaged(f"{path} cannot be read ({error.strerror or error}); {advice}") from None
+    value, why = decode_record(data)
+    if why is not None:
+        raise RecordDamaged(f"{path} {why}; {advice}")
+    return value if cls is None else cls.from_json(value, what=str(path), advice=advice)
+
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
     """Each JSON object of a ``.jsonl`` file, in order. A last line cut short by a crash (no newline at its end,

@@ -7,9 +7,13 @@ pre-registered policy would hand over; ``--stage last`` or ``--stage N`` compare
 (``values``). Every metric the task reports is compared, with the final training loss. Paired differences to
 the baseline are taken seed by seed, each with its verdict in words (``verdict``).
 
-A report is read tolerantly: only the keys compare needs (``REPORT_KEYS``, and in each stage its ``metrics`` and
-seconds) must be there, so reports written before ``opalctl.formats.RunReport`` held every field still compare;
-a report that lacks one of those is refused as damaged, naming the file.
+Each run folder is checked before its report is used, as ``opalctl verify`` checks it without opening the
+checkpoints (protocol/verify.py): a report whose chain of digests names a stage record, the steps file or a
+checkpoint that no longer matches, or whose own figures were edited, is refused in one sentence naming the file
+(exit 3; exit 1 for a record that cannot be read), so compare never shows what ``show`` would not. A report
+written before the chain (no ``digests``, stages without ``anchor_sha256``) is read tolerantly: only the keys
+compare needs (``REPORT_KEYS``, and in each stage its ``metrics`` and seconds) must be there; a report that lacks
+one of those is refused as damaged, naming the file.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, st
 from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
-from opalctl.files import read_json
-from opalctl.formats import RecordDamaged
+from opalctl.formats import RecordDamaged, read_record
 
 # the fields of a RunReport that compare reads (a test checks they are RunReport's)
 REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages", "selected", "stages",
@@ -60,6 +63,8 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
 
 
 def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dict[str, list[int]]]:
+    from opalctl.protocol.verify import checked_run_folder
+
     base = Path(runs_dir) / f"{lock.name}-{lock.sha12}"
     if not base.is_dir():
         raise BadInput(f"there are no runs of lock {lock.path} under {runs_dir} (looked for {base}); run "
@@ -74,24 +79,31 @@ def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dic
                 continue
             report_path = folder / "report.json"
             if not report_path.exists():
+                checked_run_folder(folder)  # a run that closed and lost its report is refused, not "unfinished"
                 unfinished.setdefault(arm, []).append(seed)
                 continue
             report = read_report(report_path)
             if report.get("lock_sha256") != lock.sha256:
                 raise BadInput(f"run {folder} was made from lock {str(report.get('lock_sha256'))[:12]}, not "
                                f"{lock.sha12} ({lock.path}); compare only runs of one lock")
+            if _chained(report):
+                checked_run_folder(folder)
             finished.setdefault(arm, {})[seed] = report
     if not finished:
         raise BadInput(f"no finished runs of lock {lock.path} under {base}; finish at least one run first")
     return base, finished, unfinished
 
 
+def _chained(report: dict[str, Any]) -> bool:
+    """Whether a report belongs to the chain of digests (it, or one of its stages, names a digest of it)."""
+    stages = report.get("stages")
+    return report.get("digests") is not None or (isinstance(stages, list) and any(
+        isinstance(stage, dict) and "anchor_sha256" in stage for stage in stages))
+
+
 def read_report(path: Path) -> dict[str, Any]:
     """A run's ``report.json``, with at least the keys compare reads (``RecordDamaged`` naming the file if not)."""
-    try:
-        report = read_json(path)
-    except ValueError:
-        raise RecordDamaged(f"{path} is not JSON; the record is damaged (run the arm again)") from None
+    report = read_record(path, advice="the record is damaged (run the arm again)")
     if not isinstance(report, dict):
         raise RecordDamaged(f"{path} is not a JSON object; the record is damaged (run the arm again)")
     missing = [key for key in REPORT_KEYS if key not in report]
@@ -146,7 +158,12 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
 
 def _run_values(run_dir: Path, report: dict, stage: str | int) -> dict[str, Any]:
     """One run's value of every metric at ``stage``, with its final training loss."""
-    return {**stage_metrics(report, stage, run_dir), TRAIN_LOSS: final_train_loss(run_dir)}
+    try:
+        loss = final_train_loss(run_dir)
+    except ValueError:  # a report before the chain has no digest of its steps file: it is read, and may not decode
+        raise RecordDamaged(f"{run_dir / 'steps.jsonl.gz'} holds a line that is not JSON; the record is damaged "
+                            f"(run the arm again)") from None
+    return {**stage_metrics(report, stage, run_dir), TRAIN_LOSS: loss}
 
 
 def _baseline(lock, baseline: str | None, arms: list[str], finished: dict[str, dict[int, dict]]) -> str:

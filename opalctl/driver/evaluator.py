@@ -31,7 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import OpalctlError
-from opalctl.formats import RecordDamaged, StageRecord, TrainingFacts
+from opalctl.formats import (
+    AnchorRecord,
+    RecordChanged,
+    RecordDamaged,
+    RunDigests,
+    StageRecord,
+    TrainingFacts,
+    anchor_sha256,
+    read_record,
+    record_sha256,
+    report_sha256,
+)
 
 # the record fields a judge computes; a carried record must match a new evaluation in every one of them
 JUDGED_FIELDS = ("stage", "fraction", "checkpoint", "metrics", "incumbent_before", "decision", "promoted",
@@ -191,9 +202,11 @@ class Evaluator:
         self.judge = Judge.build(self.task, self.splits, self.lock.parent_path(self.seed), self.arm, self.seed,
                                  device, self.protocol)
         self.anchor = self._anchor(device)
+        self.anchor_sha256 = anchor_sha256(self.anchor)
         self.incumbent = Incumbent()
         self.stages: list[StageRecord] = []
         self.confinement: dict[str, Any] | None = None
+        self.machine: dict[str, Any] | None = None  # the machine while the run trained (RunReport.machine)
 
     def _anchor(self, device: str) -> dict[str, Any]:
         from opalctl import checkpoints
@@ -233,7 +246,8 @@ class Evaluator:
             raise RecordDamaged(f"the training process of {self.run_dir} sent stage(s) "
                                 f"{[stage.index + 1 for stage in saved]} where stage {len(self.stages) + 1} was next; "
                                 f"move the run folder aside and start the run again")
-        records, self.incumbent = self.judge.judge(saved, facts, self.incumbent, self.anchor["metrics"])
+        records, self.incumbent = self.judge.judge(saved, facts, self.incumbent, self.anchor["metrics"],
+                                                   self.anchor_sha256)
         self.stages.extend(records)
         return records
 
@@ -250,8 +264,10 @@ class Evaluator:
         return {"stages": [record.to_json() for record in records], "incumbent": self.incumbent.to_json()}
 
     def carried(self, stages: list[StageRecord]) -> dict[str, Any]:
-        """Judge a resume's carried stages again from their files; each must match its record and its file."""
+        """Judge a resume's carried stages again from their files; each must match its record, and its stage file
+        must be, byte for byte, the record carried: the evaluator keeps the records as they were written."""
         from opalctl.driver.judge import StageFacts
+        from opalctl.files import sha256_file
 
         groups: list[list[StageRecord]] = []
         for record in stages:  # the stages one update reached share its weights and are judged together
@@ -270,7 +286,13 @@ class Evaluator:
             for again, record in zip(self._judge(saved, facts), group, strict=True):
                 stage_file = self.run_dir / f"{stage_name(record.stage - 1)}.json"
                 _require_same(again, record, f"stage {record.stage}'s record in {resume_file}", saved[0].path)
-                _require_same(again, _read_stage_file(stage_file), f"stage record {stage_file}", saved[0].path)
+                on_disk = _read_stage_file(stage_file)
+                _require_same(again, on_disk, f"stage record {stage_file}", saved[0].path)
+                if sha256_file(stage_file) != record_sha256(record.to_json()):
+                    raise RecordChanged(f"stage record {stage_file} is not the record {resume_file} carries (it was "
+                                        f"edited); move the run folder {self.run_dir} aside and start the run again")
+        # the records as written (their eval_seconds too), so that report.json's stages are the stage files
+        self.stages[:len(stages)] = stages
         return self._verdict()
 
     # -- the close -------------------------------------------------------------------------------------------
@@ -283,18 +305,36 @@ class Evaluator:
                                  expected_shapes=self.judge.shapes, require_finite=False)
         outcome = RunOutcome(stages=self.stages, incumbent=self.incumbent, training=training,
                              final_model=final["model"], confinement=self.confinement)
-        return close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
-                         self.splits)
+        from opalctl.files import atomic_write_json
+
+        report = close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
+                           self.splits)
+        # report.json once more, now with its digests (atomically: a crash leaves the one or the other); the lead's
+        # merge moves the sealing into closing.close_run, which then writes report.json once
+        sealed = sealed_report(self.run_dir, {**report, "machine": self.machine}, self.stages, self.anchor_sha256)
+        atomic_write_json(self.run_dir / "report.json", sealed)
+        return sealed
+
+
+def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
+                  anchor_digest: str) -> dict[str, Any]:
+    """The report with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory, the
+    other records from their files in ``run_dir``, and the report's own digest last."""
+    from opalctl.files import sha256_file
+
+    steps = run_dir / "steps.jsonl.gz"
+    digests = RunDigests(
+        start=sha256_file(run_dir / "start.json"), steps=sha256_file(steps) if steps.is_file() else None,
+        stages={f"{stage_name(stage.stage - 1)}.json": record_sha256(stage.to_json()) for stage in stages},
+        last=sha256_file(run_dir / "last.json"), selected=sha256_file(run_dir / "selected.json"),
+        anchor=anchor_digest)
+    sealed = {**report, "digests": digests.to_json()}
+    sealed["digests"]["report"] = report_sha256(sealed)
+    return sealed
 
 
 def _read_stage_file(path: Path) -> StageRecord:
-    from opalctl.files import read_json
-
-    try:
-        return StageRecord.from_json(read_json(path), what=f"stage record {path}")
-    except (OSError, ValueError):
-        raise RecordDamaged(f"stage record {path} cannot be read; move the run folder aside and start the run "
-                            f"again") from None
+    return read_record(path, StageRecord, advice=f"move the run folder {path.parent} aside and start the run again")
 
 
 def _require_same(judged: StageRecord, claimed: StageRecord, what: str, checkpoint: Path) -> None:
@@ -302,48 +342,48 @@ def _require_same(judged: StageRecord, claimed: StageRecord, what: str, checkpoi
     mine, theirs = judged.to_json(), claimed.to_json()
     differ = [key for key in mine if key != "eval_seconds" and mine[key] != theirs.get(key)]
     if differ:
-        raise RecordDamaged(f"{what} does not match a new evaluation of {checkpoint} ({', '.join(differ[:4])} "
+        raise RecordChanged(f"{what} does not match a new evaluation of {checkpoint} ({', '.join(differ[:4])} "
                             f"differ); move the run folder {checkpoint.parent} aside and start the run again")
 
 
 def prepare_anchor(lock, task, splits, seed: int, folder: Path, parent, model_digest: str) -> dict[str, Any]:
-    """Evaluate the parent once per lock and seed; when it was done before, check it instead of redoing it."""
+    """Evaluate the parent once per lock and seed; when it was done before, check its record instead of redoing
+    it: it must be of this lock, parent and data, and its metrics must match its digest (a record written before
+    the chain has none: its metrics are evaluated again and must be the same)."""
     from opalctl.driver.evaluation import evaluate_all
-    from opalctl.files import atomic_write_json, read_json
+    from opalctl.files import atomic_write_json
 
     record_path = folder / "anchor.json"
     parent_record = lock.records[f"parent.seed-{seed}"]
     data_records = {role: record["sha256"] for role, record in lock.records.items() if role.startswith("data.")}
+    again = f"delete the folder {folder} so it is evaluated again"
     if record_path.exists():
-        try:
-            anchor = read_json(record_path)
-        except ValueError:
-            raise OpalctlError(f"anchor record {record_path} is damaged; delete the folder {folder} so it is "
-                               f"evaluated again") from None
+        anchor = read_record(record_path, AnchorRecord, advice=again).to_json()
         problems = []
-        if anchor.get("lock_sha256") != lock.sha256:
+        if anchor["lock_sha256"] != lock.sha256:
             problems.append("it was made from another lock")
-        if anchor.get("parent", {}).get("sha256") != parent_record["sha256"]:
+        if anchor["parent"].get("sha256") != parent_record["sha256"]:
             problems.append("the parent's digest differs")
-        if anchor.get("data") != data_records:
+        if anchor["data"] != data_records:
             problems.append("the data digests differ")
-        if anchor.get("model_sha256") != model_digest:
+        if anchor["model_sha256"] != model_digest:
             problems.append("the parent loads to other weights")
         if problems:
-            raise OpalctlError(f"anchor record {record_path} does not match this run ({'; '.join(problems)}); "
-                               f"delete the folder {folder} so it is evaluated again")
+            raise OpalctlError(f"anchor record {record_path} does not match this run ({'; '.join(problems)}); {again}")
+        if anchor["sha256"] is None and evaluate_all(task, parent, splits) != anchor["metrics"]:
+            raise RecordChanged(f"anchor record {record_path}'s metrics are not the parent's (evaluated again); "
+                                f"it was edited: {again}")
+        if anchor["sha256"] is not None and anchor["sha256"] != anchor_sha256(anchor):
+            raise RecordChanged(f"anchor record {record_path} no longer matches its digest (it was edited after it "
+                                f"was written); {again}")
         return anchor
     started = time.perf_counter()
     metrics = evaluate_all(task, parent, splits)
-    anchor = {
-        "lock_sha256": lock.sha256,
-        "seed": seed,
-        "parent": {"path": parent_record["path"], "sha256": parent_record["sha256"]},
-        "data": data_records,
-        "model_sha256": model_digest,
-        "metrics": metrics,
-        "eval_seconds": time.perf_counter() - started,
-    }
+    anchor = AnchorRecord(lock_sha256=lock.sha256, seed=seed,
+                          parent={"path": parent_record["path"], "sha256": parent_record["sha256"]},
+                          data=data_records, model_sha256=model_digest, metrics=metrics,
+                          eval_seconds=time.perf_counter() - started).to_json()
+    anchor["sha256"] = anchor_sha256(anchor)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record_path, anchor)
     return anchor

@@ -17,7 +17,8 @@ from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.formats import StageRecord
+from opalctl.files import sha256_file
+from opalctl.formats import RecordChanged, RecordDamaged, StageRecord
 
 
 @dataclass
@@ -103,8 +104,14 @@ class Judge:
                    protocol.limits.checkpoint_bytes)
 
     def evaluate(self, saved: SavedStage) -> dict[str, float | int]:
-        """The metrics of the model in ``saved``'s file, which must be the model its record names."""
+        """The metrics of the model in ``saved``'s file, which must be the file and the model its record names."""
         started = time.perf_counter()
+        advice = f"move the run folder {saved.path.parent} aside and start the run again"
+        if not saved.path.is_file():
+            raise RecordDamaged(f"checkpoint {saved.path} of stage {saved.index + 1} is missing; {advice}")
+        if sha256_file(saved.path) != saved.sha256:
+            raise RecordChanged(f"checkpoint {saved.path} is not the file stage {saved.index + 1} saved (its sha256 "
+                                f"differs from the stage's record); restore it from a copy you trust, or {advice}")
         payload = checkpoints.load(saved.path, limit_bytes=self.limit_bytes, expected_shapes=self.shapes,
                                    require_finite=False)  # a diverged stage is judged, not refused
         if payload["model_sha256"] != saved.model_sha256:
@@ -114,10 +121,10 @@ class Judge:
         self.load_seconds += time.perf_counter() - started
         return evaluate_all(self.task, self.model, self.splits)
 
-    def judge(self, saved: list[SavedStage], facts: StageFacts, incumbent: Incumbent,
-              anchor_metrics: dict[str, Any]) -> tuple[list[StageRecord], Incumbent]:
+    def judge(self, saved: list[SavedStage], facts: StageFacts, incumbent: Incumbent, anchor_metrics: dict[str, Any],
+              anchor_sha256: str | None = None) -> tuple[list[StageRecord], Incumbent]:
         """The records of the stages one update reached (they share its weights, so they are evaluated once) and
-        the incumbent after them, decided in order."""
+        the incumbent after them, decided in order; each names the anchor record it was judged against."""
         from opalctl.driver.promotion import decide
 
         started = time.perf_counter()
@@ -136,5 +143,6 @@ class Judge:
                 checkpoint={**checkpoint, "bytes": stage.bytes}, metrics=metrics, eval_seconds=eval_seconds,
                 incumbent_before=before, decision=decision.to_json(), promoted=decision.promoted,
                 incumbent_after=incumbent.label,
-                shared_state_with=[other.index + 1 for other in saved if other.index != stage.index]))
+                shared_state_with=[other.index + 1 for other in saved if other.index != stage.index],
+                anchor_sha256=anchor_sha256))
         return records, incumbent

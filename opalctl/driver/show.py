@@ -1,8 +1,11 @@
 """``opalctl show RUN_DIR``: one run read back from its records: stages, promotions and their reasons.
 
-It only reads files; a run still in progress (or interrupted) shows the stages written so far. Every record is
-read through ``opalctl.formats``: a stage file that lacks a field, or an events line damaged in the middle of the
-file, is refused in one sentence naming the file; only a last events line cut short by a crash is skipped.
+It only reads files; a run still in progress (or interrupted) shows the stages written so far. The folder is
+read and its chain of digests checked as ``opalctl verify`` checks it (protocol/verify.py, driver/chain.py), the
+checkpoints hashed but not opened: a record that cannot be read (exit 1) or no longer matches its digest (exit 3)
+is refused in one sentence naming the file, so ``show`` never shows what ``compare`` would not. An events line
+damaged in the middle of the file is refused the same way; only a last events line cut short by a crash is
+skipped.
 """
 
 from __future__ import annotations
@@ -11,26 +14,28 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
-from opalctl.files import read_json
-from opalctl.formats import Event, StageRecord, read_jsonl
+from opalctl.formats import Event, RecordDamaged, StageRecord, StartRecord, read_jsonl
 
 
 def show(run_dir: str | Path) -> dict[str, Any]:
+    from opalctl.protocol.verify import checked_run_folder, is_run_folder
+
     folder = Path(run_dir)
-    if not (folder / "start.json").is_file():
+    if not folder.is_dir() or not is_run_folder(folder):
         raise BadInput(f"{folder} is not a run folder (it has no start.json); give runs/<name>-<sha>/<arm>/seed-<S>")
-    start = read_json(folder / "start.json")
-    stages = [StageRecord.from_json(read_json(path), what=str(path)) for path in sorted(folder.glob("stage-*.json"))]
+    read = checked_run_folder(folder)
+    start = StartRecord.from_json(read.start.value)
+    stages = [StageRecord.from_json(record.value) for record in read.stages]
     return {
         "run_dir": str(folder),
-        "arm": start["arm"],
-        "seed": start["seed"],
-        "lock_sha256": start["lock_sha256"],
-        "budget": start["budget"],
-        "status": "finished" if (folder / "report.json").exists() else "unfinished",
+        "arm": start.arm,
+        "seed": start.seed,
+        "lock_sha256": start.lock_sha256,
+        "budget": start.budget,
+        "status": "finished" if read.report.sha256 is not None else "unfinished",
         "stages": [_stage_row(stage) for stage in stages],
-        "selected": _optional_json(folder / "selected.json"),
-        "report": _optional_json(folder / "report.json"),
+        "selected": read.selected.value,
+        "report": read.report.value,
         "decisions": agent_decisions(folder / "opal" / "events.jsonl"),
     }
 
@@ -38,21 +43,17 @@ def show(run_dir: str | Path) -> dict[str, Any]:
 def _stage_row(stage: StageRecord) -> dict[str, Any]:
     return {"stage": stage.stage, "fraction": stage.fraction, "update": stage.update,
             "budget_used": stage.budget_used, "metrics": stage.metrics, "promoted": stage.promoted,
-            "incumbent_after": stage.incumbent_after, "reasons": stage.decision["reasons"],
+            "incumbent_after": stage.incumbent_after, "reasons": list(stage.decision.get("reasons") or []),
             "refused_by": _refused_by(stage.decision)}
 
 
 def _refused_by(decision: dict[str, Any]) -> list[str]:
     """The promotion rules whose checks failed, each once, in the order checked."""
     rules: list[str] = []
-    for check in decision.get("checks", []):
-        if not check.get("passed", True) and check.get("rule") not in rules:
+    for check in decision.get("checks") or []:
+        if isinstance(check, dict) and not check.get("passed", True) and check.get("rule") not in rules:
             rules.append(check.get("rule"))
     return rules
-
-
-def _optional_json(path: Path) -> Any:
-    return read_json(path) if path.exists() else None
 
 
 def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
@@ -60,9 +61,17 @@ def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
     and for an applied one the files it changed with lines added and removed (``diff``)."""
     if not events_path.exists():
         return None
+    try:
+        return _decisions(read_jsonl(events_path))
+    except (KeyError, TypeError, AttributeError):
+        raise RecordDamaged(f"{events_path} holds an event without the fields of its kind; the record is damaged, "
+                            f"so its decisions cannot be shown") from None
+
+
+def _decisions(events) -> list[dict[str, Any]]:
     decisions: dict[int, dict[str, Any]] = {}
     reverted: dict[int, dict[str, Any]] = {}
-    for event in read_jsonl(events_path):
+    for event in events:
         kind = event.get("kind")
         if kind == Event.REQUESTED:
             decisions[event["decision"]] = {"decision": event["decision"], "asked_at": event["update"],

@@ -1,4 +1,5 @@
-"""``opalctl verify``: re-hash every record of a lock and say, file by file, what changed.
+"""``opalctl verify``: re-hash every record of a lock and say, file by file, what changed; and check a run
+folder's chain of digests (``verify RUN_DIR``, ``verify LOCK --runs``).
 
 Like ``dvc status``: each record is ``ok``, ``changed`` (same size, other bytes), ``resized`` or ``missing``.
 The formal run calls the same function before it trains anything, so a run can never start on inputs that are
@@ -10,6 +11,11 @@ hand (a split pointed at sealed data, its record and digest recomputed) agrees w
 bad input (exit 2, the sentence ``freeze`` would give naming the lock and the key), not a changed input (exit 3):
 no file can be restored to fix it, only a new freeze of a valid protocol. A changed record is reported first,
 because restoring it may be the whole fix (a task module that is importable again).
+
+A run folder is read here (``read_run_folder``: every record the chain names, every checkpoint opened with
+``checkpoints.load`` within the lock's limit, the steps file decoded) and checked by driver/chain.py's pure
+functions; ``show`` and ``compare`` read it the same way without opening the checkpoints (their files' sha256
+only), and refuse the first finding in one sentence.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import InputChanged
-from opalctl.files import sha256_file
+from opalctl.driver.chain import CHANGED, CheckpointFile, Finding, RecordFile, RunFolder, StepsFile, failures
+from opalctl.errors import BadInput, InputChanged, OpalctlError
+from opalctl.files import sha256_bytes, sha256_file
+from opalctl.formats import RecordChanged, RecordDamaged, decode_record
 from opalctl.protocol.lock import Lock, protocol_digest, read_lock
 
 
@@ -92,3 +100,179 @@ def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, A
 
 def verify(path: str | Path) -> dict[str, Any]:
     return verify_lock(read_lock(Path(path)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# run folders
+
+def _record(folder: Path, name: str) -> RecordFile:
+    try:
+        data = (folder / name).read_bytes()
+    except FileNotFoundError:
+        return RecordFile(name, None)
+    except OSError as error:
+        return RecordFile(name, "", error=f"cannot be read ({error.strerror or error})")
+    value, why = decode_record(data)
+    return RecordFile(name, sha256_bytes(data), value=value, error=why)
+
+
+def _checkpoint(folder: Path, name: str, load: bool, limit_bytes: int) -> CheckpointFile:
+    from opalctl import checkpoints
+
+    path = folder / name
+    if not path.is_file():
+        return CheckpointFile(name, None)
+    found = CheckpointFile(name, sha256_file(path), loaded=load)
+    if load:
+        try:
+            found.model_sha256 = checkpoints.load(path, limit_bytes=limit_bytes, require_finite=False)["model_sha256"]
+        except checkpoints.CheckpointRefused as error:
+            found.error = error.message.removeprefix(f"checkpoint {path}").lstrip(" :")
+    return found
+
+
+def _steps(path: Path) -> StepsFile:
+    from opalctl.driver.records import read_steps
+
+    if not path.is_file():
+        return StepsFile(None)
+    found = StepsFile(sha256_file(path))
+    try:
+        for line in read_steps(path):
+            found.lines += 1
+            found.numbered = found.numbered and line.get("update") == found.lines
+            found.last_update, found.last_seen = line.get("update"), line.get("seen")
+    except ValueError:  # a line that is not UTF-8 or not JSON inside a gzip member that reads
+        found.error = f"holds a line that is not JSON after line {found.lines}"
+    if found.error is None and found.lines == 0 and path.stat().st_size > 0:
+        found.error = "holds no complete gzip member (it is not gzip, or was cut short)"
+    return found
+
+
+def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes: int | None = None) -> RunFolder:
+    """Every record of a run folder that the chain names, as it is on the disk (driver/chain.py checks it)."""
+    from opalctl import checkpoints
+
+    folder = Path(run_dir)
+    limit = limit_bytes or checkpoints.DEFAULT_LIMIT_BYTES
+    stages = [_record(folder, path.name) for path in sorted(folder.glob("stage-*.json"))]
+    anchor_name = f"../../anchors/{folder.name}/anchor.json"  # the layout of driver/run.py's RunPaths
+    found = RunFolder(start=_record(folder, "start.json"), stages=stages, last=_record(folder, "last.json"),
+                      selected=_record(folder, "selected.json"), report=_record(folder, "report.json"),
+                      anchor=_record(folder, anchor_name), steps=_steps(folder / "steps.jsonl.gz"),
+                      resumable=(folder / "resume.pt").exists())
+    for name in ["initial.pt"] + [stage.name.replace(".json", ".pt") for stage in stages]:
+        found.checkpoints[name] = _checkpoint(folder, name, load_checkpoints, limit)
+    return found
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder opalctl ran in: it holds a start record, or any record only a run writes."""
+    return any((path / name).exists() for name in ("start.json", "report.json", "resume.pt", "stage-01.json"))
+
+
+def _lock_of_run(folder: RunFolder, given: Lock | None) -> tuple[Lock | None, list[Finding]]:
+    """The lock the run's start record names (or the one given) and a note when it cannot be used."""
+    if given is not None:
+        return given, []
+    start = folder.start.value if isinstance(folder.start.value, dict) else {}
+    path = start.get("lock")
+    if not isinstance(path, str):
+        return None, []
+    try:
+        lock = read_lock(Path(path))
+    except OpalctlError:
+        return None, [Finding("start.json", f"names lock {path}, which cannot be read here: the run is checked "
+                                            f"without it", "note")]
+    if lock.sha256 != start.get("lock_sha256"):
+        return None, [Finding("start.json", f"names lock {path}, which is now another lock: the run is checked "
+                                            f"without it", "note")]
+    return lock, []
+
+
+def verify_run(run_dir: str | Path, lock: Lock | None = None) -> dict[str, Any]:
+    """Check a run folder's whole chain and every checkpoint in it; never raises for a finding, it reports it."""
+    from opalctl.driver.chain import check_run
+
+    folder = Path(run_dir)
+    if not folder.is_dir() or not is_run_folder(folder):
+        raise BadInput(f"{folder} is not a run folder (it has no start.json); give runs/<name>-<sha>/<arm>/seed-<S> "
+                       f"or a lock file")
+    quick = read_run_folder(folder, load_checkpoints=False)
+    lock_used, notes = _lock_of_run(quick, lock)
+    limit = lock_used.protocol().limits.checkpoint_bytes if lock_used is not None else None
+    findings = notes + check_run(read_run_folder(folder, load_checkpoints=True, limit_bytes=limit),
+                                 lock.sha256 if lock is not None else None)
+    problems = failures(findings)
+    return {"run_dir": str(folder), "ok": not problems, "lock": str(lock_used.path) if lock_used else None,
+            "findings": [finding.to_json() for finding in problems],
+            "notes": [finding.to_json() for finding in findings if finding not in problems]}
+
+
+def verify_runs(lock_path: str | Path, runs_dir=None) -> dict[str, Any]:
+    """The lock (as ``verify``), then every run folder of it under the runs folder."""
+    from opalctl.driver.run import runs_dir_default
+
+    lock = read_lock(Path(lock_path))
+    base = runs_dir_default(runs_dir) / f"{lock.name}-{lock.sha12}"
+    folders = sorted(path for arm in lock.resolved["arms"] for path in (base / arm).glob("seed-*")
+                     if path.is_dir())
+    runs = [verify_run(path, lock) for path in folders]
+    checked = verify_lock(lock)
+    return {**checked, "ok": checked["ok"] and all(run["ok"] for run in runs), "runs_base": str(base),
+            "runs": runs}
+
+
+def refuse_damaged(run_dir: Path, findings: list[Finding]) -> None:
+    """Raise the first failing finding as one sentence naming its file: exit 3 for a record that no longer
+    matches (``RecordChanged``), 1 for one that cannot be read (``RecordDamaged``)."""
+    problems = failures(findings)
+    if not problems:
+        return
+    first = problems[0]
+    path = os.path.normpath(Path(run_dir) / first.file)
+    more = f" and {len(problems) - 1} more finding(s)" if len(problems) > 1 else ""
+    sentence = (f"{path} {first.problem}{more}; the run's records are not what opalctl wrote, so nothing is shown "
+                f"(`opalctl verify {run_dir}` lists every finding)")
+    raise (RecordChanged if first.kind == CHANGED else RecordDamaged)(sentence)
+
+
+def checked_run_folder(run_dir: str | Path) -> RunFolder:
+    """A run folder read for ``show`` and ``compare`` (checkpoints hashed, not opened), refused when its chain
+    has any finding."""
+    from opalctl.driver.chain import check_run
+
+    folder = read_run_folder(run_dir, load_checkpoints=False)
+    # a finished run's verdict rests on its anchor record; an unfinished folder copied alone may be shown without
+    refuse_damaged(Path(run_dir), check_run(folder, anchor_required=folder.report.sha256 is not None))
+    return folder
+
+
+def verify_target(target: str | Path, *, runs: bool = False, runs_dir=None) -> dict[str, Any]:
+    """``opalctl verify TARGET``: a run folder (``kind`` "run"), a lock (``kind`` "lock"), or with ``runs`` a lock
+    and every run folder of it (``kind`` "runs")."""
+    path = Path(target)
+    if path.is_dir():
+        if runs or runs_dir is not None:
+            raise BadInput(f"--runs and --runs-dir go with a lock file, and {path} is a folder; give the lock")
+        return {"kind": "run", **verify_run(path)}
+    if runs:
+        return {"kind": "runs", **verify_runs(path, runs_dir)}
+    if runs_dir is not None:
+        raise BadInput("--runs-dir goes with --runs; add --runs to check the lock's run folders")
+    return {"kind": "lock", **verify(path)}
+
+
+def run_failure(result: dict[str, Any]) -> InputChanged:
+    """The refusal of a run folder (or a lock's run folders) that does not verify: one sentence, and one line per
+    finding under it."""
+    runs = [result] if result["kind"] == "run" else [run for run in result["runs"] if not run["ok"]]
+    details = [f"{os.path.normpath(os.path.join(run['run_dir'], finding['file']))}: {finding['problem']}"
+               for run in runs for finding in run["findings"]]
+    if result["kind"] == "runs" and result["problems"]:
+        details = [f"{result['lock']}: {describe(result['problems'])}"] + details
+    where = f"run {result['run_dir']}" if result["kind"] == "run" else f"the runs of lock {result['lock']}"
+    count = len(details)
+    return InputChanged(f"{where} do{'es' if result['kind'] == 'run' else ''} not verify ({count} finding"
+                        f"{'s' if count != 1 else ''}); restore the files named from a copy you trust, or run the "
+                        f"arm again in another --runs-dir", details=details)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opalctl.formats import Event
+from opalctl.formats import Event, RecordDamaged
 
 CURVE_POINTS = 1500
 
@@ -37,12 +37,21 @@ class Curve:
 
 def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
     """The run's loss against training seconds, thinned to ``CURVE_POINTS`` unless ``every_update``; empty
-    without records."""
-    from opalctl.driver.records import read_steps
-
+    without records. A finished run's steps file was checked against its digest already (``show``); an
+    unfinished run's that does not decode is refused naming it."""
     path = Path(run_dir) / "steps.jsonl.gz"
     if not path.is_file():
         return Curve()
+    try:
+        return _curve(path, every_update)
+    except (ValueError, KeyError, TypeError):
+        raise RecordDamaged(f"{path} holds a line that is not a steps record; the record is damaged, so the loss "
+                            f"cannot be drawn") from None
+
+
+def _curve(path: Path, every_update: bool) -> Curve:
+    from opalctl.driver.records import read_steps
+
     lines = list(read_steps(path))
     on_cpu = bool(lines) and lines[0].get("cpu") is not None
     curve = Curve(seconds_key="train_cpu_seconds" if on_cpu else "train_wall_seconds")

@@ -84,6 +84,13 @@ def selected_metric(run_dir: Path, metric: str):
     return read(run_dir / "selected.json")["metrics"][metric]
 
 
+def unfinish(run_dir: Path) -> None:
+    """Make a finished run look unfinished: none of its closing records (one that lost only report.json is
+    damaged, and refused)."""
+    for name in ("report.json", "last.json", "selected.json"):
+        (run_dir / name).unlink()
+
+
 def copy_runs(grid, tmp_path) -> Path:
     target = tmp_path / "runs"
     shutil.copytree(grid["runs"], target)
@@ -162,7 +169,7 @@ def test_compare_prints_a_table(grid, opalctl):
 
 def test_compare_lists_unfinished_seeds(grid, opalctl, tmp_path):
     runs = copy_runs(grid, tmp_path)
-    (runs / grid["base"].name / "high" / "seed-2" / "report.json").unlink()
+    unfinish(runs / grid["base"].name / "high" / "seed-2")
     code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
     assert code == 0, err
     high = {row["arm"]: row for row in json.loads(out)["arms"]}["high"]
@@ -195,7 +202,7 @@ def test_compare_without_finished_runs_is_refused(grid, opalctl, tmp_path):
     assert code == 2 and out == "" and "there are no runs" in err and len(err.strip().splitlines()) == 1
     runs = copy_runs(grid, tmp_path)
     for report in (runs / grid["base"].name).glob("*/seed-*/report.json"):
-        report.unlink()
+        unfinish(report.parent)
     code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
     assert code == 2 and out == "" and "no finished runs" in err
 
@@ -401,7 +408,7 @@ def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypat
 def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
     runs = copy_runs(grid, tmp_path)
     for arm, seed in (("adamw", 2), ("high", 2), ("twin", 1)):  # adamw {1}, high {1}: n=1; twin {2}: n=0
-        (runs / grid["base"].name / arm / f"seed-{seed}" / "report.json").unlink()
+        unfinish(runs / grid["base"].name / arm / f"seed-{seed}")
     code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()]

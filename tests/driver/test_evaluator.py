@@ -190,7 +190,7 @@ def test_a_forged_stage_record_is_refused_on_resume_naming_the_file(project, too
     before = tools.snapshot(run_dir)
     code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
     lines = err.strip().splitlines()
-    assert code == 1 and len(lines) == 1, err
+    assert code == 3 and len(lines) == 1, err  # an edited record: it no longer matches (exit 3)
     assert "does not match a new evaluation of" in lines[0] and str(run_dir / named) in lines[0]
     assert "metrics" in lines[0] and not (run_dir / "report.json").exists()
     assert tools.snapshot(run_dir) == before, "a refused resume changes nothing"
