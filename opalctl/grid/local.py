@@ -39,6 +39,26 @@ def child_environment(threads: int, wave_size: int, executor: str, base: dict[st
     return env
 
 
+def spawn_run(run: GridRun, lock_path, runs_dir, resumed: bool, env: dict[str, str],
+              ignore: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start ``opalctl run`` for ``run`` in a session of its own, its output appended to its ``grid.log`` after
+    a line that says when and how it was started; ``ignore``: signals the child starts with ignored."""
+    args = run.command(lock_path, runs_dir, resumed)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def ignore_signals() -> None:
+        for signum in ignore:
+            signal.signal(signum, signal.SIG_IGN)
+
+    with open(run.log, "ab") as log:
+        log.write(f"--- opalctl grid {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: opalctl "
+                  f"{' '.join(args)}\n".encode())
+        log.flush()
+        return subprocess.Popen([sys.executable, "-m", "opalctl", *args], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=ignore_signals if ignore else None)
+
+
 @dataclass
 class Child:
     """One run's process while it lives."""
@@ -81,14 +101,7 @@ class LocalPool:
         return self.outcomes
 
     def _start(self, run: GridRun, resumed: bool, env: dict[str, str]) -> None:
-        args = run.command(self.plan.lock_path, self.plan.runs_dir, resumed)
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run.log, "ab") as log:
-            log.write(f"--- opalctl grid {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: opalctl "
-                      f"{' '.join(args)}\n".encode())
-            log.flush()
-            process = subprocess.Popen([sys.executable, "-m", "opalctl", *args], stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = spawn_run(run, self.plan.lock_path, self.plan.runs_dir, resumed, env)
         self.active.append(Child(run, process, resumed, RunProgress(run.run_dir)))
         self.notify(event(run.arm, run.seed, RUNNING, resumed=resumed, run_dir=str(run.run_dir),
                           log=str(run.log)))

@@ -22,8 +22,12 @@ LOCK_MARKER = ".running"  # the file a run holds locked while it trains (driver/
 
 def grid_status(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 runs_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    from opalctl.grid.slurm import recorded_jobs
+
     plan = plan_grid(lock_path, arms=arms, seeds=seeds, runs_dir=runs_dir)
-    runs = [run_status(run) for run in plan.runs]
+    jobs = recorded_jobs(plan)
+    runs = [{**run_status(run), **({"slurm": jobs[run.arm, run.seed]} if (run.arm, run.seed) in jobs else {})}
+            for run in plan.runs]
     counts: dict[str, int] = {}
     for entry in runs:
         counts[entry["state"]] = counts.get(entry["state"], 0) + 1

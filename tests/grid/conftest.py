@@ -95,6 +95,15 @@ class GridProject:
             self.references[arm, seed] = run(self.lock, arm, seed, runs_dir=self.folder.parent / "reference")
         return self.references[arm, seed]
 
+    def status(self, *args: str, runs: Path) -> dict:
+        """``opalctl grid LOCK --status --json`` (a child process): where every run stands."""
+        command = [sys.executable, "-m", "opalctl", "grid", str(self.lock), "--status", *args, "--runs-dir",
+                   str(runs), "--json"]
+        done = subprocess.run(command, cwd=self.folder.parent, env=self.env(), capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
     def grid(self, *args: str, runs: Path, gate: Path | None = None) -> subprocess.Popen:
         """``python -m opalctl grid LOCK ARGS --runs-dir RUNS --json`` as a child process."""
         command = [sys.executable, "-m", "opalctl", "grid", str(self.lock), *args, "--runs-dir", str(runs), "--json"]
