@@ -22,7 +22,7 @@ from typing import Any
 
 from opalctl.errors import OpalctlError
 from opalctl.files import atomic_write_json
-from opalctl.grid.plan import GridPlan, GridRun
+from opalctl.grid.plan import DONE, RESUME, GridPlan, GridRun
 from opalctl.grid.progress import RunProgress
 from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING, RunOutcome, event, final_state
 from opalctl.grid.settings import SlurmSettings
@@ -131,7 +131,7 @@ class SlurmArray:
                  f"CPU(s) and {minutes} min each")
         return executor, minutes
 
-    def submit(self, pending: list[GridRun], resume: set[GridRun]):
+    def submit(self, pending: list[GridRun]):
         from opalctl.grid.slurm_task import SlurmRunTask
 
         if not _has_sbatch():
@@ -150,7 +150,7 @@ class SlurmArray:
         return array, dict(zip(pending, jobs))
 
     def run(self, pending: list[GridRun], resume: set[GridRun]) -> dict[GridRun, RunOutcome]:
-        array, jobs = self.submit(pending, resume)
+        array, jobs = self.submit(pending)
         watch = ArrayWatch(array, jobs, resume, self.notify)
         try:
             while not watch.finished() and not self.stop.requested:
@@ -190,7 +190,7 @@ class ArrayWatch:
         if listed is None and states is not None:
             since = self.missing_since.setdefault(run, time.monotonic())
             if cancelled or time.monotonic() - since > GONE_SECONDS:
-                return self._end(run, self._from_folder(run, job, None))
+                return self._end(run, self._from_folder(run, job, cancelled))
             return None
         self.missing_since.pop(run, None)
         if listed is not None and listed[0] == "RUNNING":
@@ -206,7 +206,7 @@ class ArrayWatch:
         try:
             answer = job.result()
         except Exception:  # submitit raises whatever ended the task (or its refusal to requeue it again)
-            outcome = self._from_folder(run, job, None)
+            outcome = self._from_folder(run, job, False)
             if outcome.state == FAILED:
                 outcome.log = str(job.paths.stderr)  # submitit's own log of the task says why
             return outcome
@@ -215,12 +215,15 @@ class ArrayWatch:
         return RunOutcome(run.arm, run.seed, state, str(run.run_dir), code, str(run.log),
                           {"job_id": job.job_id, "node": answer.get("node"), "restarts": answer.get("restarts")})
 
-    def _from_folder(self, run: GridRun, job, code: int | None) -> RunOutcome:
-        """A task that ended without a result (cancelled, killed at its limit): its folder says what is left."""
+    def _from_folder(self, run: GridRun, job, cancelled: bool) -> RunOutcome:
+        """A task that ended without a result (cancelled, killed at its limit): its folder says what is left; one
+        the grid cancelled before it started is interrupted, not failed."""
         need = run.need()
-        state = (RESUMED if run in self.resume else FINISHED) if need == "done" else \
-            INTERRUPTED if need == "resume" else FAILED
-        return RunOutcome(run.arm, run.seed, state, str(run.run_dir), code, str(run.log), {"job_id": job.job_id})
+        if need == DONE:
+            state = RESUMED if run in self.resume else FINISHED
+        else:
+            state = INTERRUPTED if need == RESUME or cancelled else FAILED
+        return RunOutcome(run.arm, run.seed, state, str(run.run_dir), None, str(run.log), {"job_id": job.job_id})
 
     def _end(self, run: GridRun, outcome: RunOutcome) -> None:
         from opalctl.grid.records import outcome_event
