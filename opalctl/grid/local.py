@@ -22,7 +22,7 @@ from typing import Any
 
 from opalctl.grid.plan import GridPlan, GridRun
 from opalctl.grid.progress import RunProgress
-from opalctl.grid.records import INTERRUPTED, RUNNING, RunOutcome, event, final_state, outcome_event
+from opalctl.grid.records import FAILED, INTERRUPTED, RUNNING, RunOutcome, event, final_state, outcome_event
 from opalctl.grid.signals import StopRequest
 
 POLL_SECONDS = 0.1  # how often the pool looks at its children
@@ -101,7 +101,12 @@ class LocalPool:
         return self.outcomes
 
     def _start(self, run: GridRun, resumed: bool, env: dict[str, str]) -> None:
-        process = spawn_run(run, self.plan.lock_path, self.plan.runs_dir, resumed, env)
+        try:
+            process = spawn_run(run, self.plan.lock_path, self.plan.runs_dir, resumed, env)
+        except OSError as error:  # its folder or log cannot be made: this run fails, the others go on
+            self._finish(run, RunOutcome(run.arm, run.seed, FAILED, str(run.run_dir), None,
+                                         f"{run.log} could not be written ({error.strerror or error})"))
+            return
         self.active.append(Child(run, process, resumed, RunProgress(run.run_dir)))
         self.notify(event(run.arm, run.seed, RUNNING, resumed=resumed, run_dir=str(run.run_dir),
                           log=str(run.log)))
