@@ -8,7 +8,7 @@ from typing import Any
 
 from opalctl import console
 from opalctl.errors import EXIT_FAILURE, OpalctlError
-from opalctl.grid.records import FAILED, INTERRUPTED, GridResult, resume_hint
+from opalctl.grid.records import DONE, FAILED, FINAL, INTERRUPTED, GridResult, resume_hint
 
 
 def closing_compare(result: GridResult) -> tuple[dict[str, Any] | None, str | None]:
@@ -34,9 +34,13 @@ def render_end(result: GridResult, comparison: dict[str, Any] | None, note: str 
     """The outcome table, the compare table, then what to do next, on stderr."""
     from opalctl.compare.render import render_compare
 
-    console.table(f"opalctl grid {result.lock} ({result.executor}, {result.jobs} at a time, "
-                  f"{result.wall_seconds:.1f} s)", ["arm", "seed", "state", "exit", "log"],
-                  [[o.arm, o.seed, o.state, o.exit_code, o.log if o.state == FAILED else ""] for o in result.outcomes])
+    counts = ", ".join(f"{result.count(state)} {state}" for state in FINAL if result.count(state))
+    console.paragraph(f"opalctl grid {result.lock}: {len(result.outcomes)} run(s), {counts} ({result.executor}, "
+                      f"{result.jobs} at a time, {result.wall_seconds:.1f} s)")
+    unfinished = [o for o in result.outcomes if o.state not in DONE]
+    if unfinished:  # the live table (or the JSON lines) showed the others already
+        console.table("runs not finished", ["arm", "seed", "state", "exit", "log"],
+                      [[o.arm, o.seed, o.state, o.exit_code, o.log] for o in unfinished])
     if comparison is not None:
         render_compare(comparison)
     elif note:
