@@ -1,0 +1,72 @@
+"""One run of a Slurm job array (grid/slurm.py), on the node: ``opalctl run`` in a child process, as locally.
+
+``SlurmRunTask`` is submitit's checkpointable callable. When Slurm warns of the time limit or of a preemption,
+submitit's signal (SIGUSR2) reaches this process, and ``checkpoint`` stops the run with SIGTERM (it stays
+resumable: docs/architecture.md), waits for it, and hands submitit a fresh task with the same arguments, which
+submitit requeues; the next start finds the run folder's resume checkpoint and continues with ``--resume``. The
+child starts with SIGUSR2 ignored, since Slurm signals every process of the job and that signal's default would
+kill the run before it could stop cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from opalctl.grid.local import GRACE_SECONDS, child_environment, spawn_run
+from opalctl.grid.plan import DONE, RESUME, GridRun
+
+POLL_SECONDS = 0.2
+
+
+def run_folder(lock: str, runs_dir: str, arm: str, seed: int) -> Path:
+    from opalctl.driver.run import RunPaths
+    from opalctl.protocol.lock import read_lock
+
+    return RunPaths.of(Path(runs_dir), read_lock(Path(lock)), arm, seed).run
+
+
+class SlurmRunTask(submitit.helpers.Checkpointable):
+    """``opalctl run`` of one (arm, seed), started with ``--resume`` whenever its folder holds a started run."""
+
+    def __init__(self):
+        self.child = None
+
+    def __call__(self, lock: str, runs_dir: str, arm: str, seed: int, threads: int, wave: int) -> dict[str, Any]:
+        run = GridRun(arm, seed, run_folder(lock, runs_dir, arm, seed))
+        need = run.need()
+        where = {"node": socket.gethostname(), "job_id": os.environ.get("SLURM_JOB_ID"),
+                 "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)}
+        if need == DONE:
+            return {"exit_code": 0, "resumed": False, "skipped": True, **where}
+        resumed = need == RESUME
+        env = child_environment(threads, wave, "slurm")
+        self.child = spawn_run(run, Path(lock), Path(runs_dir), resumed, env, ignore=(signal.SIGUSR2,))
+        # polled, not waited for: submitit's signal handler runs in this thread and must be able to reap the
+        # child itself (a blocking wait holds the lock that reaping takes, and the handler would wait forever)
+        while (code := self.child.poll()) is None:
+            time.sleep(POLL_SECONDS)
+        return {"exit_code": code, "resumed": resumed, "skipped": False, **where}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + GRACE_SECONDS
+            while child.poll() is None:
+                if time.monotonic() > deadline:
+                    child.kill()  # the resume checkpoint on disk is still whole
+                time.sleep(POLL_SECONDS)
+        return submitit.helpers.DelayedSubmission(SlurmRunTask(), *args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a child process is never pickled: a requeued task starts its own
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.child = None

@@ -1,0 +1,66 @@
+"""The Slurm executor against a real Slurm (ci/slurm/setup.sh makes a single-node one; CI runs it first).
+
+The grid submits one job array through submitit; one task is then preempted the way Slurm does it (submitit's
+signal, SIGUSR2, sent with ``scancel --signal``): the task stops its run cleanly, submitit requeues it, and its
+next start continues with ``--resume`` to the digests of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from opalctl.grid.plan import LOG_FILE
+
+pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None,
+                                reason="needs a system component: Slurm (sbatch); ci/slurm/setup.sh sets one up")
+
+
+def slurm_up() -> bool:
+    listed = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=30)
+    return listed.returncode == 0 and any(s.startswith(("idle", "mixed", "alloc")) for s in listed.stdout.split())
+
+
+def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_digests(grid_project, grid_tools,
+                                                                                     tmp_path):
+    if not slurm_up():
+        pytest.skip("needs a system component: a running Slurm (sinfo lists no usable node); run ci/slurm/setup.sh")
+    runs, gate = tmp_path / "runs", tmp_path / "gate"
+    gate.mkdir()
+    grid = grid_project.grid("--arm", "adamw", "--arm", "cosine", "--seed", "1", "--jobs", "2",
+                             "--executor", "slurm", runs=runs, gate=gate)
+    try:
+        grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
+                            "both tasks to be held in the middle of their budget")
+        assert grid.poll() is None, grid.communicate()[1]
+        jobs = json.loads(next(runs.glob("*/.slurm/jobs.json")).read_text())
+        assert jobs["time_limit_minutes"] >= 5, "an explicit limit from the pilot's projection, not submitit's"
+        preempted = next(entry for entry in jobs["runs"] if entry["arm"] == "adamw")
+        subprocess.run(["scancel", "--signal=USR2", preempted["job_id"]], check=True, timeout=30)
+        folder = runs / next(runs.iterdir()).name / "adamw" / "seed-1"
+        # the requeued task resumes after the update where it was held, so it finishes without the gate
+        grid_tools.wait_for(lambda: (folder / "report.json").exists() or grid.poll() is not None, 180,
+                            "the preempted task to be requeued and finish")
+        (gate / "open").write_text("")
+        stdout, stderr = grid.communicate(timeout=240)
+    finally:
+        grid_tools.stop(grid)
+    assert grid.returncode == 0, stderr
+    final = grid_tools.events(stdout)[-1]
+    states = {run["arm"]: run for run in final["runs"]}
+    assert states["adamw"]["state"] == "resumed" and states["cosine"]["state"] == "finished"
+    # Slurm may deliver the signal to the restarted task once more; each start then stops and resumes cleanly
+    assert states["adamw"]["slurm"]["job_id"] == preempted["job_id"] and states["adamw"]["slurm"]["restarts"] >= 1
+    report = json.loads((folder / "report.json").read_text())
+    assert grid_tools.same_run(report, grid_project.reference("adamw", 1)) == {}
+    assert report["resumes"] >= 1
+    log = (folder / LOG_FILE).read_text()
+    assert log.count("--resume") >= 1 and log.count("--- opalctl grid") == 1 + log.count("--resume"), \
+        "started once, every later start a resume"
+
+    status = grid_project.status("--arm", "adamw", "--arm", "cosine", "--seed", "1", runs=runs)
+    assert {(r["arm"], r["state"]) for r in status["runs"]} == {("adamw", "finished"), ("cosine", "finished")}
+    assert {r["slurm"]["job_id"] for r in status["runs"]} == {entry["job_id"] for entry in jobs["runs"]}
