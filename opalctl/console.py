@@ -35,7 +35,7 @@ def message(text: str) -> None:
 
 def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: bool = False,
           header: bool = True) -> None:
-    rows = [[_cell(v) for v in row] for row in rows]
+    rows = [[cell(v) for v in row] for row in rows]
     if rich_enabled(sys.stdout, json_mode):
         from rich.table import Table
 
@@ -55,7 +55,8 @@ def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: 
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A value as a table shows it: - for None, thousands grouped, four significant digits."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -96,7 +97,7 @@ def progress(description: str, json_mode: bool = False):
             if now - drawn < REDRAW_SECONDS and done < total:
                 return
             drawn = now
-            status = "  ".join(f"{k} {_cell(v)}" for k, v in fields.items())
+            status = "  ".join(f"{k} {cell(v)}" for k, v in fields.items())
             bar.update(task, completed=done / total if total else 0.0, status=status)
             bar.refresh()
 
