@@ -76,6 +76,10 @@ def freeze(protocol: str, force: bool, json_mode: bool) -> None:
         ("lock", result["lock"]), ("sha256", result["sha256"]), ("outcome", result["outcome"]),
         ("records", result["records"]), ("seeds", ", ".join(map(str, result["seeds"]))),
         ("arms", ", ".join(result["arms"]))])
+    if result["outcome"] == "replaced":
+        lock_name = os.path.basename(result["lock"]).removesuffix(".json")
+        console.message(f"the lock it replaced is kept beside it as {lock_name}.SHA12.json (SHA12: the first 12 hex "
+                        f"digits of its sha256, as in its run folders' names runs/{result['name']}-SHA12)")
 
 
 @cli.command()

@@ -77,6 +77,9 @@ def pairs(title: str, items: list[tuple[str, Any]]) -> None:
 def progress(description: str, json_mode: bool = False):
     """Yields ``update(done, total, **fields)``; draws a bar on a terminal (stderr), nothing otherwise.
 
+    ``stage`` (the stages done) with ``stages`` (how many there are) shows as ``stage 1/4``, the stage being
+    trained toward, numbered as the run's own lines number it (``stage 1/4 at update 300``).
+
     The bar is drawn by ``update`` itself, in the caller's thread and at most ``REDRAW_SECONDS`` apart, never by
     a refresh thread: a formal run calls ``update`` between two updates, and a thread drawing while an update runs
     would have its CPU time charged to training by the ``cpu`` clock, which counts every thread of the process.
@@ -97,11 +100,21 @@ def progress(description: str, json_mode: bool = False):
             if now - drawn < REDRAW_SECONDS and done < total:
                 return
             drawn = now
-            status = "  ".join(f"{k} {cell(v)}" for k, v in fields.items())
+            status = "  ".join(f"{k} {cell(v)}" for k, v in status_fields(fields).items())
             bar.update(task, completed=done / total if total else 0.0, status=status)
             bar.refresh()
 
         yield update
+
+
+def status_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The bar's fields as shown: ``stage`` done of ``stages`` becomes ``stage 1/4`` (never past the last)."""
+    shown = dict(fields)
+    if "stages" in shown:
+        stages = shown.pop("stages")
+        if "stage" in shown and stages:
+            shown["stage"] = f"{min(int(shown['stage']) + 1, int(stages))}/{int(stages)}"
+    return shown
 
 
 def _stdout_console():
