@@ -313,3 +313,13 @@ def test_a_real_loss_spike_in_a_run_fires_the_spike_rule_and_its_program_is_appl
     assert check.rule == "spike" and check.fired
     applied = read_settings((run_dir / "programs" / "v001" / "updater.py").read_text())
     assert applied == {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}
+
+
+def test_a_spike_wake_up_records_the_peak_and_the_threshold_the_analysis_saw(workspace):
+    from opalctl.opal.agents.heuristic import decided_by
+
+    answer, settings, changed = decide(workspace, facts(reason="wake: loss spike: 0.6352 against a median of 0.01564"))
+    assert settings == {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}
+    check = decided_by(_decision_folder(workspace, answer))
+    assert (check.rule, check.signal, check.value) == ("spike", "loss at the wake-up", 0.6352)
+    assert check.threshold == pytest.approx(3 * 0.01564) and check.comparison == ">"

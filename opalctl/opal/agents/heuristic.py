@@ -50,6 +50,7 @@ PLATEAU_START, PLATEAU_SLOPE = 0.3, 0.005
 ANNEAL_FROM_PROGRESS, ANNEAL_START = 0.5, 0.8
 MAX_SCALE = 8.0
 FITTED_SHARE = 1e-3  # a loss below this share of the first interval's mean: the data is fitted (see rule 2)
+WAKE_SPIKE = re.compile(r"spike: (?P<peak>[-+0-9.eE]+) against a median of (?P<median>[-+0-9.eE]+)")
 RULE_EVENT = "rule"  # the transcript entries this agent writes
 NO_LOSS_SENTENCE = "no loss was observed; nothing can be said of a trend"
 
@@ -196,13 +197,24 @@ def non_finite(s: Signals, settings: dict[str, Any]) -> tuple[Check, Edit | None
 def spike(s: Signals, settings: dict[str, Any]) -> tuple[Check, Edit | None]:
     peak = s.window.get("max")
     if "spike" in s.reason:
-        return Check("spike", "woken by the analysis", s.reason, fired=True), _calm(settings, "a loss spike")
+        return _spike_wake(s.reason), _calm(settings, "a loss spike")
     if peak is None or s.median is None:
         return Check("spike", "loss window max", peak, None), None
     threshold = max(SPIKE_FACTOR * s.median, s.median + SPIKE_MARGIN)
     check = Check("spike", "loss window max", peak, threshold, ">", fired=peak > threshold)
     return check, _calm(settings, f"a loss spike, {SPIKE_FACTOR:g}x the median {s.median:.4g}") if check.fired \
         else None
+
+
+def _spike_wake(reason: str) -> Check:
+    """The spike the analysis woke the agent for: the peak and the median the starting analysis names, or the
+    reason as it was written (a rewritten analysis may word it otherwise)."""
+    told = WAKE_SPIKE.search(reason)
+    try:
+        return Check("spike", "loss at the wake-up", float(told["peak"]), SPIKE_FACTOR * float(told["median"]), ">",
+                     fired=True)
+    except (TypeError, ValueError):
+        return Check("spike", "woken by the analysis", reason, fired=True)
 
 
 def _calm(settings: dict[str, Any], what: str) -> Edit:
