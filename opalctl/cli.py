@@ -297,6 +297,47 @@ def export(lock: str, tensorboard_dir: str, runs_dir: str | None, json_mode: boo
     console.message(f"next: tensorboard --logdir {result['tensorboard']}")
 
 
+@cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--arm", "arms", multiple=True, help="Run only this arm (repeat for more; default: every arm).")
+@click.option("--seed", "seeds", multiple=True, type=int, help="Run only this seed (repeat for more; default: all).")
+@click.option("--jobs", default=None, type=click.IntRange(1, None),
+              help="Runs at once (default: the cores divided by the lock's budget.threads).")
+@click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "slurm"]),
+              help="Where the runs train: child processes here, or a Slurm job array (through submitit).")
+@click.option("--status", "status_only", is_flag=True, help="Only say where each run stands (and its Slurm job).")
+@click.option("--slurm-config", default=None, type=click.Path(dir_okay=False),
+              help="A YAML file of Slurm settings (partition, account, time_limit_minutes, sbatch, ...).")
+@click.option("--partition", default=None, help="Slurm partition (over the file's).")
+@click.option("--account", default=None, help="Slurm account (over the file's).")
+@click.option("--time-limit", "time_limit_minutes", default=None, type=click.IntRange(1, None),
+              help="Slurm time limit per run, in minutes (default: the pilot's projection with a margin).")
+@click.option("--sbatch", "sbatch", multiple=True, help="Another sbatch option as KEY=VALUE (repeat for more).")
+@runs_dir_option
+@click.option("--json", "json_mode", is_flag=True, help="One JSON line per state change, then one for the grid.")
+def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | None, executor: str,
+         status_only: bool, slurm_config: str | None, partition: str | None, account: str | None,
+         time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None, json_mode: bool) -> None:
+    """Every arm and seed of LOCK, each an `opalctl run` of its own, then the comparison (docs/grid.md)."""
+    from opalctl import console
+    from opalctl.grid import live_display, run_grid
+    from opalctl.grid.settings import load_settings, parse_sbatch_options
+    from opalctl.grid.status import grid_status, render_status
+    from opalctl.grid.summary import closing_compare, exit_code, print_json_end, render_end
+
+    if status_only:
+        result = grid_status(lock, arms=list(arms) or None, seeds=list(seeds) or None, runs_dir=runs_dir)
+        console.print_json(result) if json_mode else render_status(result)
+        return
+    settings = load_settings(slurm_config, partition=partition, account=account,
+                             time_limit_minutes=time_limit_minutes, sbatch=parse_sbatch_options(sbatch))
+    result = run_grid(lock, arms=list(arms) or None, seeds=list(seeds) or None, jobs=jobs, executor=executor,
+                      runs_dir=runs_dir, display=live_display(json_mode), settings=settings)
+    comparison, note = closing_compare(result)
+    print_json_end(result, comparison, note) if json_mode else render_end(result, comparison, note)
+    sys.exit(exit_code(result))
+
+
 @cli.command(help=f"One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
                   f"its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
                   f"verdict and the report page (about {DEMO_MINUTES} minutes on 2 cores).")

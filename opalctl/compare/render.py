@@ -3,7 +3,8 @@ column per arm), then the paired figures (one row per arm and metric), then the 
 
 Long metric names get short labels with a legend (``labels``); every sentence goes to stdout whole when piped and
 wrapped to the terminal otherwise. Verdicts are printed for the primary metric and for every metric whose exact
-test reached the level (a claim), or for each metric chosen with ``--metric``.
+test reached the level (a claim), or for each metric chosen with ``--metric``. A warning follows when the arms of
+one seed trained under different concurrency (``concurrency``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from opalctl import console
+from opalctl.compare.concurrency import concurrency_warnings
 from opalctl.compare.labels import legend, short_labels
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
 
@@ -44,6 +46,8 @@ def render_compare(result: dict[str, Any], *, chosen: bool = False) -> None:
     if legend(labels):
         console.paragraph("legend: " + legend(labels) + "; ↑ higher is better, ↓ lower is better")
     _sentences(result, chosen)
+    for warning in concurrency_warnings(result):
+        console.paragraph("warning: " + warning)
 
 
 def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:

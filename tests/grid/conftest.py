@@ -1,0 +1,143 @@
+"""Fixtures for the grid's tests: one frozen digits protocol per module, on a task that can be held at an update.
+
+Real runs are costly (each ``opalctl run`` starts three Python processes), so the protocol is frozen once per
+module, on the ``updates`` clock with a small budget, and the uninterrupted reference of each (arm, seed) is run
+once, in this process, when a test first asks for it. The task (``GatedDigits``) is the built-in digits task
+whose ``loss`` stops at its ``GATE_AT``-th call in a process and waits there until the gate folder holds a file
+named ``open``; each waiting process leaves a file ``waiting-PID`` first, so a test knows when every run of a
+grid is in the middle of its budget. Waiting costs nothing on the ``updates`` clock, so a held run ends with the
+same digests as one that never waited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+UPDATES = 200  # checkpoint_every 0.05: a resume checkpoint every 10 updates
+GATE_AT = 120
+ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
+        "cosine": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "schedule": "cosine"},
+        "spare": {"optimizer": {"name": "SGD", "lr": 1.0e-2}}}
+
+GATED_TASK = '''
+import os
+import time
+from pathlib import Path
+
+from opalctl.tasks.digits import Digits
+
+CALLS = [0]
+
+
+class GatedDigits(Digits):
+    def loss(self, model, batch):
+        CALLS[0] += 1
+        gate = os.environ.get("GRID_TEST_GATE")
+        if gate and CALLS[0] == int(os.environ.get("GRID_TEST_GATE_AT", "0")):
+            gate = Path(gate)
+            if not (gate / "open").exists():
+                (gate / f"waiting-{os.getpid()}").write_text("")
+                while not (gate / "open").exists():
+                    time.sleep(0.02)
+        return super().loss(model, batch)
+'''
+
+
+class GridProject:
+    """A frozen digits protocol on the gated task, its gate, and uninterrupted reference runs."""
+
+    def __init__(self, template: Path, folder: Path):
+        shutil.copytree(template, folder)
+        self.folder = folder
+        tasks = folder / "tasks"
+        tasks.mkdir()
+        (tasks / "grid_gated_task.py").write_text(GATED_TASK)
+        self.task_path = str(tasks)
+        protocol = folder / "digits.yaml"
+        data = yaml.safe_load(protocol.read_text())
+        data["task"]["entry"] = "grid_gated_task:GatedDigits"
+        data["budget"] = {"clock": "updates", "amount": UPDATES, "threads": 1, "fractions": [0.5, 1.0]}
+        data["training"] = {**data["training"], "checkpoint_every": 0.05}
+        data["arms"] = ARMS
+        data["selection"] = {"denominators": ["selection.total", "retention.total"],
+                             "floors": {"retention.correct": 128}, "improve_any": ["selection.correct"]}
+        protocol.write_text(yaml.safe_dump(data, sort_keys=False))
+        from opalctl.protocol.freeze import freeze
+
+        if self.task_path not in sys.path:
+            sys.path.insert(0, self.task_path)
+        self.lock = Path(freeze(protocol, force=True)["lock"])
+        self.references: dict[tuple[str, int], dict] = {}
+
+    def env(self, gate: Path | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPALCTL_", "PYTEST_"))}
+        env["NO_COLOR"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join([self.task_path, *filter(None, [os.environ.get("PYTHONPATH")])])
+        if gate is not None:
+            env.update({"GRID_TEST_GATE": str(gate), "GRID_TEST_GATE_AT": str(GATE_AT)})
+        return env
+
+    def reference(self, arm: str, seed: int) -> dict:
+        """The report of an uninterrupted run of ``arm`` on ``seed`` (run in this process once)."""
+        if (arm, seed) not in self.references:
+            from opalctl.driver.run import run
+
+            self.references[arm, seed] = run(self.lock, arm, seed, runs_dir=self.folder.parent / "reference")
+        return self.references[arm, seed]
+
+    def grid(self, *args: str, runs: Path, gate: Path | None = None) -> subprocess.Popen:
+        """``python -m opalctl grid LOCK ARGS --runs-dir RUNS --json`` as a child process."""
+        command = [sys.executable, "-m", "opalctl", "grid", str(self.lock), *args, "--runs-dir", str(runs), "--json"]
+        return subprocess.Popen(command, cwd=self.folder.parent, env=self.env(gate), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def grid_project(digits_init_folder, tmp_path_factory) -> GridProject:
+    project = GridProject(digits_init_folder, tmp_path_factory.mktemp("grid") / "project")
+    yield project
+    if project.task_path in sys.path:
+        sys.path.remove(project.task_path)
+
+
+def wait_for(predicate, timeout: float = 120.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def stop(process: subprocess.Popen, signum: int = signal.SIGINT) -> None:
+    if process.poll() is None:
+        process.send_signal(signum)
+
+
+SAME_RUN_KEYS = ("final_model_sha256", "rows_digest", "updates", "promoted_stages", "selected")
+
+
+def same_run(report: dict, reference: dict) -> dict:
+    """The keys that differ between a run's report and its uninterrupted reference's (empty: the same run)."""
+    return {key: (report.get(key), reference.get(key)) for key in SAME_RUN_KEYS if report.get(key) != reference.get(key)}
+
+
+@pytest.fixture(scope="session")
+def grid_tools():
+    """This module's helpers (a conftest is not importable under --import-mode=importlib)."""
+    return sys.modules[__name__]

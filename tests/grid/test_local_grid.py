@@ -1,0 +1,65 @@
+"""The local executor against real ``opalctl run`` children: side by side, resumable, never running a run twice.
+
+The grid is a real ``python -m opalctl grid`` process (its Ctrl-C is a real SIGINT) whose children are real
+``opalctl run`` processes; every run is checked against an uninterrupted run of the same arm and seed on the
+``updates`` clock (final weights, rows seen, stages, selection). Real runs are costly, so one test walks the
+whole story: two arms start side by side while a third fails, Ctrl-C stops them in the middle, and the same
+command finishes each of them once.
+"""
+
+from __future__ import annotations
+
+import json
+
+from opalctl.grid.plan import LOG_FILE
+
+ARMS = ("--arm", "adamw", "--arm", "cosine", "--arm", "spare", "--seed", "2", "--jobs", "2")
+
+
+def run_folder(grid_project, runs, arm, seed):
+    from opalctl.driver.run import RunPaths
+    from opalctl.protocol.lock import read_lock
+
+    return RunPaths.of(runs, read_lock(grid_project.lock), arm, seed).run
+
+
+def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_once(grid_project, grid_tools,
+                                                                                  tmp_path):
+    runs, gate = tmp_path / "runs", tmp_path / "gate"
+    gate.mkdir()
+    broken = run_folder(grid_project, runs, "spare", 2)
+    (broken / ".running").mkdir(parents=True)  # this run cannot open its folder's lock: it fails at once
+    grid = grid_project.grid(*ARMS, runs=runs, gate=gate)
+    grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
+                        "both runs to be held in the middle of their budget")
+    grid_tools.stop(grid)
+    stdout, stderr = grid.communicate(timeout=120)
+    assert grid.returncode == 130, stderr
+    assert "grid stopped (SIGINT)" in stderr and "run the same command again to continue: opalctl grid" in stderr
+    lines = grid_tools.events(stdout)
+    started = [e["arm"] for e in lines if e["event"] == "run" and e["state"] == "running"]
+    assert started == ["adamw", "cosine"], "the arms of one seed start side by side, in the plan's order"
+    assert {run["arm"]: run["state"] for run in lines[-1]["runs"]} == \
+        {"adamw": "interrupted", "cosine": "interrupted", "spare": "interrupted"}
+    for arm in ("adamw", "cosine"):
+        folder = run_folder(grid_project, runs, arm, 2)
+        assert (folder / "resume.pt").exists() and not (folder / "report.json").exists()
+
+    (gate / "open").write_text("")
+    again = grid_project.grid(*ARMS, runs=runs, gate=gate)
+    stdout, stderr = again.communicate(timeout=240)
+    assert again.returncode == 1, stderr
+    final = grid_tools.events(stdout)[-1]
+    assert {run["arm"]: run["state"] for run in final["runs"]} == \
+        {"adamw": "resumed", "cosine": "resumed", "spare": "failed"}, "a failed run stops no other"
+    assert f"failed: spare seed 2 (exit 1); its output is in {broken / LOG_FILE}" in stderr
+    assert (broken / LOG_FILE).read_text().count("--- opalctl grid") == 1
+    for arm in ("adamw", "cosine"):
+        folder = run_folder(grid_project, runs, arm, 2)
+        report = json.loads((folder / "report.json").read_text())
+        assert grid_tools.same_run(report, grid_project.reference(arm, 2)) == {}
+        assert report["resumes"] == 1
+        log = (folder / LOG_FILE).read_text()
+        assert log.count("--- opalctl grid") == 2 and log.count("--resume") == 1, "started once, resumed once"
+        assert f"opalctl run {arm} seed 2" in log
+    assert [arm["arm"] for arm in final["compare"]["arms"]] == ["adamw", "cosine"]
