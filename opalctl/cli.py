@@ -15,6 +15,7 @@ import traceback
 import click
 
 from opalctl import __version__
+from opalctl.demo import MINUTES as DEMO_MINUTES
 from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, Interrupted, OpalctlError
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
@@ -76,6 +77,10 @@ def freeze(protocol: str, force: bool, json_mode: bool) -> None:
         ("lock", result["lock"]), ("sha256", result["sha256"]), ("outcome", result["outcome"]),
         ("records", result["records"]), ("seeds", ", ".join(map(str, result["seeds"]))),
         ("arms", ", ".join(result["arms"]))])
+    if result["outcome"] == "replaced":
+        lock_name = os.path.basename(result["lock"]).removesuffix(".json")
+        console.message(f"the lock it replaced is kept beside it as {lock_name}.SHA12.json (SHA12: the first 12 hex "
+                        f"digits of its sha256, as in its run folders' names runs/{result['name']}-SHA12)")
 
 
 @cli.command()
@@ -350,31 +355,42 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
     sys.exit(exit_code(result))
 
 
-@cli.command()
+@cli.command(help=f"One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
+                  f"its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
+                  f"verdict and the report page (about {DEMO_MINUTES} minutes on 2 cores).")
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
-@click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 10_000),
-              help="Pilot updates per arm.")
 @runs_dir_option
 @json_option
-def demo(folder: str, steps: int, runs_dir: str | None, json_mode: bool) -> None:
-    """The whole pipeline on the built-in digits task, on the embedded defaults (a few minutes)."""
+def demo(folder: str, runs_dir: str | None, json_mode: bool) -> None:
     from opalctl import console
     from opalctl.compare.render import render_compare
+    from opalctl.demo import StateLines
     from opalctl.demo import demo as run_demo
+    from opalctl.grid import live_display
 
-    result = run_demo(folder, steps=steps, runs_dir=runs_dir, say=console.message,
-                      progress_factory=lambda label: console.progress(label, json_mode))
+    display = None if json_mode else live_display() if console.rich_enabled(sys.stdout) else StateLines(
+        console.message)
+    try:
+        result = run_demo(folder, runs_dir=runs_dir, say=console.message, display=display)
+    finally:
+        getattr(display, "close", lambda: None)()
     if json_mode:
         console.print_json(result)
         return
-    console.table("pilot of each arm (not formal)", ["arm", "cpu s/update", "updates/cpu-s", "projected updates",
-                                                     "checkpoint"],
-                  [[p["arm"], p["cpu_seconds_per_update"], p["updates_per_cpu_second"], p["projected_updates"],
-                    console.size(p["checkpoint_bytes"])] for p in result["pilots"]])
     render_compare(result["compare"])
+    for arm, rules in result["rules"].items():
+        console.paragraph(f"rules the heuristic fired in {arm}'s decisions: "
+                          + ", ".join(f"{rule} {count}" for rule, count in rules.items()))
+    console.paragraph("demo verdict, on the selected models (the protocol's answer):")
+    for sentence in result["verdict"]:
+        console.paragraph(sentence, indent="  ")
+    console.paragraph("and at the last stage (what training reached, whatever the promotion policy chose):")
+    for sentence in result["verdict_last"]:
+        console.paragraph(sentence, indent="  ")
+    console.paragraph(f"report page: {result['report_page']}")
     console.message(f"lock {result['lock']} ({result['verified_records']} records verified); runs under "
-                    f"{result['compare']['runs']}")
+                    f"{result['compare']['runs']}; each run: opalctl show {result['compare']['runs']}/ARM/seed-S")
 
 
 def main(argv: list[str] | None = None) -> None:

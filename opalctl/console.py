@@ -35,7 +35,7 @@ def message(text: str) -> None:
 
 def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: bool = False,
           header: bool = True) -> None:
-    rows = [[_cell(v) for v in row] for row in rows]
+    rows = [[cell(v) for v in row] for row in rows]
     if rich_enabled(sys.stdout, json_mode):
         from rich.table import Table
 
@@ -55,7 +55,8 @@ def table(title: str, columns: list[str], rows: Iterable[list[Any]], json_mode: 
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """A value as a table shows it: - for None, thousands grouped, four significant digits."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -75,6 +76,9 @@ def pairs(title: str, items: list[tuple[str, Any]]) -> None:
 @contextmanager
 def progress(description: str, json_mode: bool = False):
     """Yields ``update(done, total, **fields)``; draws a bar on a terminal (stderr), nothing otherwise.
+
+    ``stage`` (the stages done) with ``stages`` (how many there are) shows as ``stage 1/4``, the stage being
+    trained toward, numbered as the run's own lines number it (``stage 1/4 at update 300``).
 
     The bar is drawn by ``update`` itself, in the caller's thread and at most ``REDRAW_SECONDS`` apart, never by
     a refresh thread: a formal run calls ``update`` between two updates, and a thread drawing while an update runs
@@ -96,11 +100,21 @@ def progress(description: str, json_mode: bool = False):
             if now - drawn < REDRAW_SECONDS and done < total:
                 return
             drawn = now
-            status = "  ".join(f"{k} {_cell(v)}" for k, v in fields.items())
+            status = "  ".join(f"{k} {cell(v)}" for k, v in status_fields(fields).items())
             bar.update(task, completed=done / total if total else 0.0, status=status)
             bar.refresh()
 
         yield update
+
+
+def status_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The bar's fields as shown: ``stage`` done of ``stages`` becomes ``stage 1/4`` (never past the last)."""
+    shown = dict(fields)
+    if "stages" in shown:
+        stages = shown.pop("stages")
+        if "stage" in shown and stages:
+            shown["stage"] = f"{min(int(shown['stage']) + 1, int(stages))}/{int(stages)}"
+    return shown
 
 
 def _stdout_console():

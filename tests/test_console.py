@@ -38,3 +38,22 @@ def test_no_bar_off_a_terminal_or_with_json(monkeypatch):
     monkeypatch.setattr(console, "_stderr_console", lambda: (_ for _ in ()).throw(AssertionError("drawn")))
     with console.progress("adamw seed 1", json_mode=True) as update:
         update(1, 2, stage=0)
+
+
+def test_the_bar_numbers_stages_as_the_run_lines_do_from_1_of_4_to_4_of_4(monkeypatch):
+    screen = io.StringIO()
+    monkeypatch.setattr(console, "rich_enabled", lambda stream=None, json_mode=False: not json_mode)
+    monkeypatch.setattr(console, "_stderr_console", lambda: Console(file=screen, force_terminal=True, width=100))
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    shown = []
+    with console.progress("adamw seed 1") as update:
+        for done, stage in ((10, 0), (30, 1), (60, 2), (80, 3), (100, 4)):
+            before = len(screen.getvalue())
+            update(done, 100, stage=stage, stages=4, loss=0.5)
+            shown.append(screen.getvalue()[before:])
+            clock[0] += console.REDRAW_SECONDS
+    # training toward stage 1 is "stage 1/4"; once every stage is done (the end) it stays "stage 4/4"
+    for text, expected in zip(shown, ["1/4", "2/4", "3/4", "4/4", "4/4"]):
+        assert f"stage {expected}" in text and "stage 0" not in text and "stages" not in text
+    assert console.status_fields({"stage": 2, "loss": 1.0}) == {"stage": 2, "loss": 1.0}  # without a count: as given

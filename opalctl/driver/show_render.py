@@ -1,14 +1,16 @@
 """How ``opalctl show RUN`` prints, legible at 100 columns: the stages with short metric labels and the rules that
 refused each (the full reasons with ``--reasons``), the agent's decisions (the rationale whole when piped, cut to
-fit on a terminal), then ``selected:``. Everything is data and goes to stdout; only hints go to stderr.
+fit on a terminal) and, for the offline heuristic, which rule decided each on which signal, then ``selected:``. Everything is data and goes to stdout; only hints go to stderr.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from opalctl import console
 from opalctl.compare.labels import legend, short_labels
+from opalctl.opal.agents.heuristic import Check, decided_by
 
 RATIONALE_ON_TERMINAL = 48  # characters of a rationale shown in the table on a terminal
 
@@ -30,6 +32,7 @@ def render_show(result: dict[str, Any], *, reasons: bool = False) -> None:
         console.message("(--reasons prints every refusal's reason in full)")
     if result["decisions"]:
         _decisions(result["decisions"])
+        _rules(result)
     _closing_lines(result)
 
 
@@ -47,6 +50,24 @@ def _decisions(decisions: list[dict[str, Any]]) -> None:
                                       "rationale"], rows)
     if cut:
         console.message("(piped, or with --json, the rationale is printed whole)")
+
+
+def rule_of(run_dir: str | Path, decision: int) -> Check | None:
+    """The rule that decided decision ``decision`` of a formal run's agent (the heuristic records one; other
+    backends do not)."""
+    return decided_by(Path(run_dir) / "opal" / "decisions" / f"{decision:03d}")
+
+
+def _rules(result: dict[str, Any]) -> None:
+    rows = []
+    for d in result["decisions"]:
+        check = rule_of(result["run_dir"], d["decision"])
+        if check is not None:
+            rows.append([d["decision"], d.get("answered_at"), check.rule, check.signal, check.value,
+                         f"{check.comparison} {console.cell(check.threshold)}" if check.threshold is not None else "-"])
+    if rows:
+        console.table("heuristic rules (the one that decided each decision)",
+                      ["decision", "at", "rule", "signal", "value", "threshold"], rows)
 
 
 def _closing_lines(result: dict[str, Any]) -> None:

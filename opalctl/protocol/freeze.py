@@ -19,7 +19,7 @@ from typing import Any
 
 import opalctl
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.files import atomic_write_text, canonical_json, file_record, sha256_bytes
+from opalctl.files import atomic_write_bytes, atomic_write_text, canonical_json, file_record, sha256_bytes
 from opalctl.protocol.lock import FORMAT, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
 
@@ -205,23 +205,43 @@ def lock_path_for(protocol: Protocol, protocol_path: Path) -> Path:
 
 
 def write_lock(lock_path: Path, text: str, force: bool) -> str:
-    """Write the lock unless the same one is there: ``written``, ``unchanged`` or ``replaced`` (with ``force``)."""
+    """Write the lock unless the same one is there: ``written``, ``unchanged`` or ``replaced`` (with ``force``).
+
+    A replaced lock is kept beside the new one as ``NAME.lock.SHA12.json`` (``kept_lock_path``): the run folders
+    made from it (``runs/NAME-SHA12``) keep the lock that says what they ran, and ``opalctl verify`` or
+    ``opalctl compare`` still take it."""
     outcome = "written"
     try:
         if lock_path.is_dir():
             raise BadInput(f"{lock_path} is a folder where the lock goes; move it, or rename the protocol")
         if lock_path.exists():
-            if lock_path.read_bytes() == text.encode("utf-8"):
+            previous = lock_path.read_bytes()
+            if previous == text.encode("utf-8"):
                 return "unchanged"
             if not force:
                 raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
-                               f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it")
+                               f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it (the "
+                               f"old lock is then kept as {lock_path.name.removesuffix('.json')}.SHA12.json)")
+            keep_replaced(lock_path, previous)
             outcome = "replaced"
         atomic_write_text(lock_path, text)
     except OSError as error:
         raise OpalctlError(f"the lock {lock_path} cannot be written ({error.strerror or type(error).__name__}); "
                            f"make its folder writable or free space, then freeze again") from None
     return outcome
+
+
+def kept_lock_path(lock_path: Path, previous: bytes) -> Path:
+    """Where a replaced lock is kept: ``NAME.lock.SHA12.json``, named by the digest its run folders carry."""
+    return lock_path.with_name(f"{lock_path.name.removesuffix('.json')}.{sha256_bytes(previous)[:12]}.json")
+
+
+def keep_replaced(lock_path: Path, previous: bytes) -> Path:
+    """Keep the lock about to be replaced (atomically, before the new one is written: nothing is lost either way)."""
+    kept = kept_lock_path(lock_path, previous)
+    if not (kept.is_file() and kept.read_bytes() == previous):
+        atomic_write_bytes(kept, previous)
+    return kept
 
 
 def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:

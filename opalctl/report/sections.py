@@ -1,5 +1,5 @@
-"""The parts both pages share: one run read for the page (``RunView``), the agent's decisions with rationale and
-diff, the limitations, and the figure inputs built from a set of runs."""
+"""The parts both pages share: one run read for the page (``RunView``), the agent's decisions with rationale,
+the rule that decided each (the offline heuristic's) and diff, the limitations, and the figure inputs built from a set of runs."""
 
 from __future__ import annotations
 
@@ -70,7 +70,10 @@ def seconds_label(seconds_key: str) -> str:
 
 
 def decisions_section(runs: list[RunView]) -> str:
-    """Every agent decision of these runs: when, what became of it, the whole rationale and the diff."""
+    """Every agent decision of these runs: when, what became of it, the rule that decided it (the heuristic's: which
+    rule fired on which signal), the whole rationale and the diff."""
+    from opalctl.driver.show_render import rule_of
+
     rows = []
     for run in runs:
         for d in run.shown["decisions"] or []:
@@ -78,15 +81,18 @@ def decisions_section(runs: list[RunView]) -> str:
                                       if d.get("reverted_at") is not None else "")
             diff = program_diff(run.run_dir, d.get("version"), d.get("files")) if d["outcome"] == "applied" else ""
             rationale = "\n\n".join(p for p in (d.get("summary"), d.get("rationale"), d.get("message")) if p)
+            rule = rule_of(run.run_dir, d["decision"])
             rows.append([f"<td>{html.text(run.arm)} s{run.seed}</td>", html.number_cell(d["decision"]),
                          html.number_cell(d["asked_at"]), f"<td>{html.text(d['reason'])}</td>",
                          f"<td>{html.text(outcome)}</td>", html.number_cell(d.get("answered_at")),
+                         f"<td>{html.text(rule.words() if rule is not None else '-')}</td>",
                          f"<td><pre>{html.text(rationale)}</pre></td>",
                          f"<td>{'<details><summary>diff</summary><pre>' + html.text(diff) + '</pre></details>' if diff else '-'}</td>"])
     if not rows:
         return html.section("Agent decisions", "<p class=\"muted\">No run here has an agent.</p>", anchor="decisions")
     return html.section("Agent decisions", html.table(
-        ["run", "#", "asked at", "why asked", "outcome", "answered at", "rationale", "diff"], rows, cells_ready=True),
+        ["run", "#", "asked at", "why asked", "outcome", "answered at", "rule (signal, value, threshold)", "rationale",
+         "diff"], rows, cells_ready=True),
         anchor="decisions")
 
 

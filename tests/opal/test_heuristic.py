@@ -215,3 +215,111 @@ def test_non_blocking_heuristic_answers_from_a_child_process(opal, run_dir):
     assert outcomes[0]["update"] >= 60
     assert read_settings((run_dir / "programs" / "v001" / "updater.py").read_text())["ANNEAL_START"] == 0.8
     assert (run_dir / "decisions" / "001" / "response.md").read_text().startswith("Observed:")
+
+
+# -- the rule each decision records (which rule fired on which signal) --------------------------------------------
+
+SPIKING = {"mean": 1.5, "min": 0.9, "max": 5.0, "count": 25, "nonfinite": 0}
+RULE_CASES = {
+    # rule: (facts built to trigger it, the settings it writes, its signal, value, threshold)
+    "non-finite loss": (facts(window={"mean": 1.0, "min": 0.8, "max": 1.2, "count": 25, "nonfinite": 3}),
+                        {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}, "non-finite losses in the window", 3, 0),
+    "spike": (facts(window=SPIKING), {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}, "loss window max", 5.0,
+              3.0),
+    "update size high": (facts(ratio=0.05), {"LR_SCALE": 0.5, "CLIP": None, "ANNEAL_START": None},
+                         "median update/weight ratio", 0.05, 3e-2),
+    "update size low": (facts(ratio=5e-5), {"LR_SCALE": 2.0, "CLIP": None, "ANNEAL_START": None},
+                        "median update/weight ratio", 5e-5, 1e-4),
+    "plateau": (facts(progress=0.35, slope=0.004, ratio=5e-3), {"LR_SCALE": 0.7, "CLIP": None, "ANNEAL_START": None},
+                "loss slope per 100 updates / mean loss", 0.004, 0.005),
+    "anneal": (facts(progress=0.6, slope=-0.2, ratio=5e-3), {"LR_SCALE": 1.0, "CLIP": None, "ANNEAL_START": 0.8},
+               "budget progress", 0.6, 0.5),
+}
+
+
+def _decision_folder(workspace, answer):
+    """Where the records put a decision's transcript (``decisions/NNN/transcript.json``)."""
+    folder = workspace.parent / "decisions" / "001"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "transcript.json").write_text(json.dumps(answer.transcript))
+    return folder
+
+
+@pytest.mark.parametrize("rule", list(RULE_CASES))
+def test_each_rule_records_which_signal_fired_it_and_writes_a_program_that_loads(workspace, rule):
+    from opalctl.opal.agents.heuristic import RULES, decided_by
+
+    given, written, signal, value, threshold = RULE_CASES[rule]
+    answer, settings, changed = decide(workspace, given)
+    assert changed and settings == written
+    check = decided_by(_decision_folder(workspace, answer))
+    assert (check.rule, check.signal, check.fired) == (rule, signal, True)
+    assert check.value == pytest.approx(value) and check.threshold == pytest.approx(threshold)
+    # every rule before it was checked and did not fire; none after it was checked
+    checked = [entry["rule"] for entry in answer.transcript]
+    assert checked[-1] == rule and [e["fired"] for e in answer.transcript] == [False] * (len(checked) - 1) + [True]
+    assert len(checked) <= len(RULES)
+    assert f"rule {check.words()}" in answer.rationale  # the Changed line says it in words too
+    source = (workspace / "updater.py").read_text()
+    assert check_source(source, "updater.py") == []
+    module = load_program("updater", source).module
+    assert {"LR_SCALE": module.LR_SCALE, "CLIP": module.CLIP, "ANNEAL_START": module.ANNEAL_START} == written
+
+
+def test_a_decision_where_nothing_fires_records_that_no_rule_fired(workspace):
+    from opalctl.opal.agents.heuristic import decided_by
+
+    answer, settings, changed = decide(workspace, facts(progress=0.45, slope=-0.2, ratio=5e-3))
+    assert not changed
+    check = decided_by(_decision_folder(workspace, answer))
+    assert check.rule == "none" and [e["rule"] for e in answer.transcript][:2] == ["non-finite loss", "spike"]
+
+
+@pytest.mark.parametrize("how", ["field", "empty bins"])
+def test_with_no_loss_observed_the_heuristic_keeps_and_says_nothing_can_be_said_of_a_trend(workspace, how):
+    from opalctl.opal.agents.heuristic import NO_LOSS_SENTENCE, decided_by
+
+    # late in the budget with a high update size: anneal and update-size rules would fire on a loss-less report
+    given = facts(progress=0.9, ratio=0.05, window={"mean": None, "min": None, "max": None, "count": 0,
+                                                    "nonfinite": 0},
+                  bins=[{"start": 1, "end": 25, "count": 0, "mean": None, "min": None, "max": None, "nonfinite": 0}])
+    if how == "field":
+        given["losses_observed"] = 0
+        given["losses"]["bins"] = []
+    answer, settings, changed = decide(workspace, given)
+    assert not changed and settings == DEFAULTS
+    assert_four_parts(answer.rationale, changed=False)
+    assert NO_LOSS_SENTENCE in answer.rationale and "steady" not in answer.rationale
+    assert decided_by(_decision_folder(workspace, answer)).rule == "no loss"
+
+
+def test_a_real_loss_spike_in_a_run_fires_the_spike_rule_and_its_program_is_applied(opal, run_dir):
+    from opalctl.opal.agents.heuristic import decided_by
+
+    # a task whose loss jumps 60-fold at update 150 (the batch's targets scaled): the analysis wakes the agent
+    model = opal.make_model()
+    optimizer = wrap(opal.adamw(model), model, backend="heuristic", total_steps=200, run_dir=run_dir, decisions=1,
+                     schedule=[0.95])
+    for update in range(200):
+        x, y = opal.DATA[update % opal.N_BATCHES]
+        optimizer.zero_grad()
+        loss = ((model(x) - y * (60.0 if update == 150 else 1.0)) ** 2).mean()
+        loss.backward()
+        optimizer.step(loss=loss)
+    optimizer.close()
+    woken = [e for e in opal.events(run_dir) if e["kind"] == "requested" and "spike" in str(e.get("reason"))]
+    assert woken, "the spike should wake the agent"
+    check = decided_by(run_dir / "decisions" / f"{woken[0]['decision']:03d}")
+    assert check.rule == "spike" and check.fired
+    applied = read_settings((run_dir / "programs" / "v001" / "updater.py").read_text())
+    assert applied == {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}
+
+
+def test_a_spike_wake_up_records_the_peak_and_the_threshold_the_analysis_saw(workspace):
+    from opalctl.opal.agents.heuristic import decided_by
+
+    answer, settings, changed = decide(workspace, facts(reason="wake: loss spike: 0.6352 against a median of 0.01564"))
+    assert settings == {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}
+    check = decided_by(_decision_folder(workspace, answer))
+    assert (check.rule, check.signal, check.value) == ("spike", "loss at the wake-up", 0.6352)
+    assert check.threshold == pytest.approx(3 * 0.01564) and check.comparison == ">"

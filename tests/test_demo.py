@@ -1,0 +1,95 @@
+"""``opalctl demo``: its protocol (what `protocols/demo.yaml` holds, and it freezes), its verdict in words, its
+progress lines, and the time it is held to, said the same way by ``demo --help`` and the README. The demo itself
+runs a grid of twelve formal runs: `make demo` runs it, the suite does not."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opalctl import demo
+from opalctl.compare.statistics import paired, summary
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_demo_help_and_the_readme_say_the_same_time(cli_inprocess):
+    shown = cli_inprocess("demo", "--help")
+    assert shown.code == 0
+    assert f"about {demo.MINUTES} minutes on 2 cores" in " ".join(shown.stdout.split())
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert readme.count(f"about {demo.MINUTES} minutes on 2 cores") >= 2, "the first lines and the command table"
+    assert "about 10 minutes" not in readme
+
+
+def test_the_shipped_demo_protocol_is_what_the_demo_writes():
+    assert (REPO / "protocols" / "demo.yaml").read_text(encoding="utf-8") == demo.DEMO_PROTOCOL
+
+
+def test_the_demo_protocol_has_a_control_for_the_agents_schedule_and_a_reproducible_clock(digits_init_folder,
+                                                                                         tmp_path, cli_inprocess):
+    protocol = yaml.safe_load(demo.DEMO_PROTOCOL)
+    assert protocol["name"] != "digits", "its runs must not meet the README's first session (runs/digits-SHA12)"
+    assert protocol["budget"]["clock"] == "updates"
+    arms = protocol["arms"]
+    agent = next(a for a in arms.values() if "agent" in a)
+    assert agent["agent"]["backend"] == "heuristic"
+    same_start = [a for a in arms.values() if a["optimizer"] == agent["optimizer"] and "agent" not in a]
+    # the heuristic's one schedule (ANNEAL_START 0.8) is anneal-end; its other moves react to what it sees
+    assert {a.get("schedule", "constant") for a in same_start} == {"constant", "anneal-end"}
+    assert demo.BASELINE in arms and "schedule" not in arms[demo.BASELINE]
+    folder = tmp_path / "demo"
+    shutil.copytree(digits_init_folder, folder)  # the session's project has seeds 1 and 2; the demo also runs 3
+    shutil.copy(folder / "parents" / "digits" / "seed-2.pt", folder / "parents" / "digits" / "seed-3.pt")
+    frozen = cli_inprocess("freeze", demo.write_protocol(folder), "--json")
+    assert frozen.code == 0, frozen.output
+    assert frozen.json()["arms"] == list(arms)
+
+
+def test_the_demo_never_overwrites_a_protocol_with_other_contents(tmp_path):
+    from opalctl.errors import BadInput
+
+    assert demo.write_protocol(tmp_path).read_text(encoding="utf-8") == demo.DEMO_PROTOCOL
+    assert demo.write_protocol(tmp_path) == tmp_path / "demo.yaml"  # the same text again: left alone
+    (tmp_path / "demo.yaml").write_text("name: mine\n")
+    with pytest.raises(BadInput, match="demo.yaml already exists"):
+        demo.write_protocol(tmp_path)
+    assert (tmp_path / "demo.yaml").read_text() == "name: mine\n"
+
+
+def _comparison(values: dict[str, dict[int, float]]) -> dict:
+    """What ``compare`` returns, for the one metric the verdict reads, built by compare's own statistics."""
+    base = values["hot"]
+    arms = []
+    for arm, mine in values.items():
+        row = {"arm": arm, "metrics": {"selection.correct": summary(mine.values())}, "paired": {}}
+        if arm != "hot":
+            row["paired"]["selection.correct"] = paired(base, mine, resamples=200)
+        arms.append(row)
+    return {"primary": "selection.correct", "baseline": "hot", "arms": arms}
+
+
+def test_the_verdict_says_whether_a_difference_is_larger_than_the_seeds_spread():
+    sentences = demo.verdict(_comparison({
+        "hot": {1: 50, 2: 52, 3: 49},
+        "tuned": {1: 290, 2: 293, 3: 291},     # far apart on every seed
+        "noisy": {1: 80, 2: 20, 3: 55},        # better on average, but the seeds disagree
+        "same": {1: 50, 2: 52, 3: 49},
+    }))
+    tuned, noisy, same = sentences
+    assert tuned.startswith("tuned: better than hot by 241 on selection.correct (3 of 3 seeds better, 0 worse), "
+                            "larger than the seeds' spread")
+    assert "no result of 3 seeds can reach p < 0.05" in tuned
+    assert noisy.startswith("noisy: better than hot by") and "within the seeds' spread" in noisy
+    assert "1 worse" in noisy
+    assert same == "same: the same selection.correct as hot on all 3 seeds (no difference)."
+
+
+def test_the_progress_lines_say_each_run_once_it_ends():
+    said = []
+    lines = demo.StateLines(said.append)
+    for arm, seed, state in [("a", 1, "queued"), ("a", 2, "queued"), ("a", 1, "running"), ("a", 1, "running"),
+                             ("a", 1, "finished"), ("a", 2, "running"), ("a", 2, "failed")]:
+        lines({"arm": arm, "seed": seed, "state": state})
+    assert [line.strip() for line in said] == ["a seed 1: finished (1 of 2)", "a seed 2: failed (2 of 2)"]
