@@ -52,6 +52,11 @@ class _FeedAndClose(TrainerCallback):
     def __init__(self, trainer: OpalTrainer):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.agent is None:
+            raise BadInput("OpalTrainer found no torch optimizer inside accelerate's wrapper to wrap (DeepSpeed, FSDP "
+                           "and model parallelism keep their own); train with transformers.Trainer there")
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         agent, loss = self.trainer.agent, self.trainer.update_loss.take()
         if agent is not None and loss is not None:
@@ -83,10 +88,13 @@ class OpalTrainer(Trainer):
 
     def _wrap_prepared(self, num_training_steps: int) -> None:
         """Put the agent optimizer inside accelerate's wrapper, around the optimizer accelerate prepared."""
+        if self.agent is not None:
+            raise BadInput("this OpalTrainer has already trained (its agent optimizer is closed); build a new "
+                           "OpalTrainer for another train()")
         prepared = self.optimizer
         inner = getattr(prepared, "optimizer", None)
-        if self.agent is not None or not isinstance(inner, torch.optim.Optimizer):
-            return  # already wrapped, or not yet prepared (create_scheduler is called again after prepare)
+        if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, AgentOptimizer):
+            return  # not prepared yet: the Trainer calls create_scheduler again once accelerate has prepared it
         settings = self.opal_settings
         if "progress" not in settings:
             settings = {**settings, "total_steps": num_training_steps}

@@ -37,9 +37,10 @@ def tiny_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def train(trainer_class, out: Path, *, resume: Path | None = None, save_at: int | None = None, **kwargs):
+def train(trainer_class, out: Path, *, resume: Path | None = None, save_at: int | None = None,
+          updates: int = UPDATES, **kwargs):
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=UPDATES, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        output_dir=str(out), max_steps=updates, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=3e-3, warmup_steps=10, lr_scheduler_type="linear", use_cpu=True, report_to=[], seed=0,
         save_strategy="steps" if save_at else "no", save_steps=save_at or 500, logging_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
@@ -131,3 +132,13 @@ def test_opal_settings_that_belong_to_the_trainer_are_refused_in_one_sentence(hf
                                                                                   report_to=[]),
                            opal={"scheduler": object()})
     assert str(raised.value).count(". ") == 0
+
+
+def test_a_second_train_on_the_same_opal_trainer_is_refused_in_one_sentence(hf):
+    module, root, _, _ = hf
+    trainer, _ = train(module.OpalTrainer, root / "twice", updates=5,
+                       opal={"backend": "keep", "run_dir": root / "twice-run"})
+    from opalctl.errors import BadInput
+
+    with pytest.raises(BadInput, match="has already trained"):
+        trainer.train()
