@@ -93,6 +93,7 @@ def trainer_round(wrapped: bool, updates: int, work: Path) -> float:
         trainer = OpalTrainer(**settings, opal={"backend": "keep", "run_dir": work / f"opal-{time.monotonic_ns()}"})
     else:
         trainer = transformers.Trainer(**settings)
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its log lines would break --json
     clock = settings["callbacks"][0]
     trainer.train()
     warm = min(10, updates // 4)
