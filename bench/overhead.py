@@ -10,6 +10,12 @@ Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the k
 ``ours-no-integrity`` (the same with ``eval_integrity=False``) and, when the package is installed, ``peer``
 (opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison.
 Targets: ours/bare at most 1.02; ours below the peer; integrity recording (ours / ours-no-integrity) under 1 %.
+
+``python bench/overhead.py trainer [--updates N] [--rounds R] [--json]`` is the Trainer mode: the plain
+``transformers.Trainer`` against ``opalctl.integrations.hf.OpalTrainer`` (keep backend, every default) on a tiny
+GPT-2 (2 layers, width 32, vocabulary 64, batch 8 of 16 tokens). Each round trains both from the same start, in
+alternating order; a round's figure is the median time between two consecutive updates' ends (a callback reads
+the clock there, after a few warm-up updates), and the ratio is the median over rounds. Target: at most 1.02.
 """
 
 from __future__ import annotations
@@ -59,7 +65,76 @@ def block(task, variant, updates: int, pass_loss: bool) -> float:
     return (time.perf_counter() - started) / updates
 
 
+def trainer_round(wrapped: bool, updates: int, work: Path) -> float:
+    """One Trainer run of ``updates``; the median seconds between two consecutive updates' ends after warm-up."""
+    import numpy as np
+    import torch
+    import transformers
+
+    class Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 64, size=(256, 16)))
+    rows = [{"input_ids": row, "labels": row} for row in tokens]
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)
+    args = transformers.TrainingArguments(output_dir=str(work / "out"), max_steps=updates, per_device_train_batch_size=8,
+                                          use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+                                          disable_tqdm=True, seed=0)
+    settings = dict(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows, callbacks=[Clock()])
+    if wrapped:
+        from opalctl.integrations.hf import OpalTrainer
+
+        trainer = OpalTrainer(**settings, opal={"backend": "keep", "run_dir": work / f"opal-{time.monotonic_ns()}"})
+    else:
+        trainer = transformers.Trainer(**settings)
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its log lines would break --json
+    clock = settings["callbacks"][0]
+    trainer.train()
+    warm = min(10, updates // 4)
+    return statistics.median(b - a for a, b in zip(clock.ends[warm:], clock.ends[warm + 1:]))
+
+
+def trainer_main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="overhead of OpalTrainer against the plain transformers.Trainer")
+    parser.add_argument("--updates", type=int, default=300, help="updates per round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {"trainer": [], "opal-trainer": []}
+    with tempfile.TemporaryDirectory(prefix="opalctl-overhead-trainer-") as folder:
+        trainer_round(True, 20, Path(folder))  # warm-up: imports, first-call costs
+        for index in range(args.rounds):
+            for wrapped in ((False, True) if index % 2 == 0 else (True, False)):
+                times["opal-trainer" if wrapped else "trainer"].append(trainer_round(wrapped, args.updates,
+                                                                                     Path(folder)))
+    median = {name: statistics.median(values) for name, values in times.items()}
+    ratio = statistics.median(w / p for p, w in zip(times["trainer"], times["opal-trainer"]))
+    result = {"bench": "overhead", "mode": "trainer", "updates_per_round": args.updates, "rounds": args.rounds,
+              "seconds_per_update": median, "ratios": {"opal-trainer/trainer": ratio},
+              "targets": {"opal-trainer/trainer": 1.02}}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    for name, value in median.items():
+        print(f"{name:18s} {1e6 * value:8.1f} us per update")
+    print(f"{'opal-trainer/trainer':26s} {ratio:.3f}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["trainer"]:
+        trainer_main(sys.argv[2:])
+        return
     args = block_arguments(__doc__.splitlines()[0])
 
     import torch

@@ -1,7 +1,8 @@
 """What the agent reads at a decision: the prompt, then the facts of the run in a fixed order.
 
 The same facts go to ``.opal/facts.json`` in the workspace as data (the heuristic agent reads that file), so an
-offline agent and an LLM decide from exactly the same information.
+offline agent and an LLM decide from exactly the same information. ``losses_observed`` counts the losses seen
+since the last decision (``Observer.observed_since``); at 0 the message says so in words, never as a trend.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from importlib import resources
 from typing import Any
 
 MAX_BINS = 16
+NO_LOSS = ("No loss was observed since the last decision: step() ran without one, so nothing can be said of the "
+           "loss or its trend.")
 
 
 def prompt_text(name: str) -> str:
@@ -56,7 +59,13 @@ def render(facts: dict[str, Any], sources: dict[str, str]) -> str:
                  f", {100 * facts['progress']:.1f} % of the budget used; {facts['remaining']} scheduled decision(s) "
                  f"remain after this one.")
     lines.append(f"Learning rates now: {', '.join(_number(x) for x in facts.get('lrs', []))}")
-    lines += ["", "## Loss since the last decision", "", "| updates | mean | min | max | non-finite |", "|---|---|---|---|---|"]
+    lines += ["", "## Loss since the last decision", ""]
+    observed = facts.get("losses_observed")
+    if observed == 0:
+        lines += [NO_LOSS, ""]
+    elif observed is not None:
+        lines += [f"{observed} loss(es) observed since the last decision.", ""]
+    lines += ["| updates | mean | min | max | non-finite |", "|---|---|---|---|---|"]
     for b in facts["losses"]["bins"]:
         lines.append(f"| {b['start']}-{b['end']} | {_number(b['mean'])} | {_number(b['min'])} | {_number(b['max'])} "
                      f"| {b.get('nonfinite', 0)} |")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -42,9 +43,36 @@ def losses_line_plain(loss_bin: dict[str, Any], update: int) -> str:
     return json.dumps({**loss_bin, "update": update}, sort_keys=True, separators=(",", ":")) + "\n"
 
 
+class NoLossWarning(UserWarning):
+    """``step()`` ran without a loss: the agent then decides without seeing how training goes."""
+
+
+class UnobservedUpdates:
+    """The updates whose ``step()`` saw no loss (none passed, no closure's, none fed through ``observe()`` since
+    the step before), and the one warning about them: an agent never reasons on no data without being told."""
+
+    def __init__(self):
+        self.fed = False  # observe() was called since the last step
+        self.count = 0
+        self.warned = False
+
+    def stepped_without_loss(self) -> None:
+        if self.fed:
+            self.fed = False
+            return
+        self.count += 1
+        if not self.warned:
+            self.warned = True
+            warnings.warn(NoLossWarning(
+                "opalctl: step() ran without a loss, so the agent is told that no loss was observed; pass "
+                "step(loss=...) or call observe(loss) before step() (under transformers.Trainer use "
+                "opalctl.integrations.hf.OpalTrainer)"), stacklevel=3)
+
+
 class Observer:
     """The losses since the last analysis (``pending_losses``), their bins, the analysis's memory and latest
-    report, the errors the agent is shown at its next decision, and the rollback state ``good``."""
+    report, the errors the agent is shown at its next decision, the rollback state ``good``, and the updates that
+    stepped without a loss (``unobserved``)."""
 
     def __init__(self, records, roles: dict[str, str], guard):
         self.records = records
@@ -57,9 +85,20 @@ class Observer:
         self.memory: dict[str, Any] = {}
         self.errors: list[dict[str, Any]] = []
         self.good: Snapshot | None = None
+        self.unobserved = UnobservedUpdates()
 
     def observe(self, loss) -> None:
         self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+
+    def feed(self, loss) -> None:
+        """The loss of the update about to step, from a framework that calls ``step()`` without one."""
+        self.observe(loss)
+        self.unobserved.fed = True
+
+    def observed_since(self, update: int) -> int:
+        """How many losses were observed after update ``update`` (the last decision's): the analysed bins that end
+        after it and the losses not analysed yet. 0 tells the agent it has no loss to reason on."""
+        return sum(b["count"] for b in self.loss_bins if b["end"] > update) + len(self.pending_losses)
 
     @staticmethod
     def analysis_due(t: int, every: int) -> bool:
@@ -90,6 +129,19 @@ class Observer:
             self.loss_bins = rebin(self.loss_bins, LOSS_BINS_KEPT // 2)
         self.records.write_line("losses", losses_line(loss_bin, t))
         return losses, loss_bin["nonfinite"]
+
+    def restore_after(self, snapshot: Snapshot | None, named, spec) -> tuple[str, bool]:
+        """Put back the state from before a failed step (its trial snapshot), or roll a non-finite state back to
+        the last checked one (``good``); says which, and whether it rolled back (the integrity watch then sees a
+        discontinuity)."""
+        if snapshot is not None:
+            snapshot.restore(named, spec)
+            return "exact", False
+        good = self.good
+        if good is not None and self.guard.check(full=True) is not None:
+            good.restore(named, spec)
+            return f"rolled back to update {good.update}", True
+        return "none (the state after the failed step is kept)", False
 
     def good_due(self, t: int, every: int) -> bool:
         """Whether to renew the rollback state: on every GOOD_EVERY-th check of an agent's program (a copy of the

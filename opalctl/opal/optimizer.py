@@ -58,13 +58,13 @@ from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
 from opalctl.opal.program_view import GradView, Spec, StepContext
 from opalctl.opal.records import OpalRecords
 from opalctl.opal.roles import role_of
-from opalctl.opal.schedule import DecisionSchedule, decision_fractions
+from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
 from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Snapshot, Version
 
 FORMAT = "opal-state/2"
 
 __all__ = ["AgentOptimizer", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", "PROGRAM_FILES", "GradView", "Spec",
-           "StepContext", "StepFailure", "StepTimeout", "Version"]
+           "StepContext", "StepFailure", "StepTimeout", "Version", "SchedulerShared"]
 
 
 def default_sources() -> dict[str, str]:
@@ -115,6 +115,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable parameters of the model: {missing[:3]}")
         self.spec = Spec(optimizer, scheduler, clip, total_steps, goal, self.named)
+        self.scheduler_owner = SchedulerOwnership.of(scheduler)  # None: no scheduler is the programs' to step
         self._progress_fn = progress
         self.manual_boundaries = manual_boundaries
         self._grads = GradView(self.named)
@@ -175,7 +176,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         return self.spec.optimizer.state
 
     @property
-    def base(self) -> torch.optim.Optimizer:
+    def base(self) -> torch.optim.Optimizer:  # the user's optimizer, which the starting program steps
         return self.spec.optimizer
 
     @property
@@ -239,7 +240,9 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------------------------------
     def step(self, closure=None, loss=None):
-        t = self.t
+        t, owner = self.t, self.scheduler_owner
+        if owner is not None and owner.scheduler.last_epoch != owner.seen:
+            owner.refuse(t)
         if t < self._plain_until and closure is None:
             # the plain path (see the module docstring): the released starting program, nothing else due
             version = self.slots.current
@@ -249,9 +252,13 @@ class AgentOptimizer(torch.optim.Optimizer):
                     self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
             if loss is not None:
                 self.observer.observe(loss)
+            else:
+                self.observer.unobserved.stepped_without_loss()
             self.t = t + 1
             version.steps += 1
             self.integrity.after_step(t + 1, layouts=False)
+            if owner is not None:
+                owner.settle()
             if error is not None:
                 self._plan()
             return loss
@@ -266,6 +273,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._full_step(StepContext(progress, loss, self.t), loss)
         if not self.manual_boundaries and self.records.waiting:
             self.records.flush()
+        if owner is not None:
+            owner.settle()
         self._plan()
         return loss
 
@@ -283,6 +292,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.records.event(Event.TRIAL_PASSED, update=self.t + 1, version=version.number)
         if loss is not None:
             self.observer.observe(loss)
+        else:
+            self.observer.unobserved.stepped_without_loss()
         self.t += 1
         version.steps += 1
         # layouts are compared too whenever a program other than the released starting one ran (see record)
@@ -321,8 +332,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         host synchronisations, shown to the agent beside the starting program's counts."""
         from opalctl.opal.audit import count_step
 
-        counts = count_step(lambda: self._run_step(version, ctx))
-        counts = {"version": version.number, "update": self.t, **counts}
+        counts = {"version": version.number, "update": self.t, **count_step(lambda: self._run_step(version, ctx))}
         self.slots.audits[version.number] = counts
         self.records.event(Event.AUDIT, **counts)
 
@@ -338,7 +348,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.observer.errors.append({"kind": kind, "update": self.t, "version": version.number, "message": message,
                                      "traceback": trace, "fallback": self.slots.fallback_for(version).number,
                                      "in_trial": version.status == "trial"})
-        restored = self._restore_after(snapshot)
+        restored, rolled_back = self.observer.restore_after(snapshot, self.named, self.spec)
+        if rolled_back:
+            self.integrity.discontinuity(self.t + 1)
         fallback = self.slots.revert(version)
         self.records.event(Event.REVERTED, update=self.t, version=version.number, to=fallback.number, reason=kind,
                            message=message, traceback=trace, restored=restored)
@@ -356,19 +368,6 @@ class AgentOptimizer(torch.optim.Optimizer):
             if snapshot is not None:
                 snapshot.restore(self.named, self.spec)
             self._run_step(self.slots.to_start(), ctx)
-
-    def _restore_after(self, snapshot: Snapshot | None) -> str:
-        """Put back the state from before a failed step (its trial snapshot), or roll a non-finite state back to
-        the last checked one; says which."""
-        if snapshot is not None:
-            snapshot.restore(self.named, self.spec)
-            return "exact"
-        good = self.observer.good
-        if good is not None and self.guard.check(full=True) is not None:
-            good.restore(self.named, self.spec)
-            self.integrity.discontinuity(self.t + 1)
-            return f"rolled back to update {good.update}"
-        return "none (the state after the failed step is kept)"
 
     # -- analysis ------------------------------------------------------------------------------------------
     def _analyse(self, before: dict[str, torch.Tensor]) -> None:
@@ -394,7 +393,7 @@ class AgentOptimizer(torch.optim.Optimizer):
 
     def observe(self, loss) -> None:
         """Record the loss of the update that is about to step (for frameworks that call ``step()`` themselves)."""
-        self.observer.observe(loss)
+        self.observer.feed(loss)
 
     @property
     def latest_report(self) -> dict[str, Any] | None:
@@ -471,6 +470,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.spec.optimizer.load_state_dict(state["base"])
         if state["scheduler"] is not None and self.spec.scheduler is not None:
             self.spec.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler_owner = SchedulerOwnership.of(self.spec.scheduler)  # the loaded schedule is the one it owns
         failures = self.slots.load_state_dict(state)
         self.t = int(state["t"])
         self.observer.load_state_dict(state["observer"])
@@ -489,7 +489,6 @@ class AgentOptimizer(torch.optim.Optimizer):
         else:
             self.records.event(Event.REVERTED, update=self.t, version=version.number, to=0, reason="check",
                                message=problem, traceback="", restored="none (it was not running)")
-
 
 
 def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch) -> dict[str, Any]:

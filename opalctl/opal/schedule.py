@@ -5,11 +5,15 @@ cheapest to fix, and spreads the rest evenly over the remainder; ``uniform`` spr
 a list gives the fractions explicitly. No decision is placed at 0 (nothing has been observed yet) or at 1
 (nothing would be left to change). Wake-ups (the analysis asks, or a loss is not finite) add decisions, at most
 ``max_wakes`` of them.
+
+``SchedulerOwnership`` holds the other schedule a run has, the learning rate's, to one owner.
 """
 
 from __future__ import annotations
 
 import math
+
+from opalctl.errors import OpalctlError
 
 EARLY_SPAN = 0.1
 
@@ -69,3 +73,31 @@ class DecisionSchedule:
         self.next_index = int(state["next_index"])
         self.max_wakes = int(state["max_wakes"])
         self.wakes = int(state["wakes"])
+
+
+class SchedulerShared(OpalctlError):
+    """The scheduler handed to ``wrap`` was stepped by something else too (it would advance twice per update)."""
+
+
+class SchedulerOwnership:
+    """A scheduler handed to ``wrap`` has one owner, the running program: ``seen`` is its ``last_epoch`` when the
+    optimizer last let go of it (the end of a step, a loaded state), and any other value at the next step means
+    someone else stepped it in between."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.seen = scheduler.last_epoch
+
+    @classmethod
+    def of(cls, scheduler) -> SchedulerOwnership | None:
+        """The ownership of ``scheduler``; None without one or for a scheduler that keeps no ``last_epoch``."""
+        return cls(scheduler) if isinstance(getattr(scheduler, "last_epoch", None), int) else None
+
+    def refuse(self, update: int) -> None:
+        raise SchedulerShared(
+            f"the scheduler handed to wrap(scheduler=...) was stepped outside the agent optimizer before update "
+            f"{update} (last_epoch {self.seen} became {self.scheduler.last_epoch}); give it to wrap and step it "
+            f"nowhere else, or keep stepping it yourself and do not hand it to wrap")
+
+    def settle(self) -> None:
+        self.seen = self.scheduler.last_epoch
