@@ -77,8 +77,9 @@ class RankLink:
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
-            raise RanksDiverged("wrap_distributed needs torch.distributed initialised (torchrun sets it up; call "
-                                "torch.distributed.init_process_group before wrapping)")
+            raise OpalctlError("wrap_distributed needs torch.distributed initialised: call "
+                               "torch.distributed.init_process_group (torchrun sets up its environment) before "
+                               "wrapping, or use opalctl.opal.wrap in a single process")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -86,3 +86,26 @@ def package_sources(entry: str, protocol_path: Path) -> list[PackageSource]:
                                f"{MAX_PACKAGE_FILES} Python files or {MAX_PACKAGE_BYTES >> 20} MiB of them, which "
                                f"freeze records in full; give the task a package of its own")
     return sources
+
+
+def added_sources(lock) -> list[dict]:
+    """``.py`` files of the task's package that the lock does not record (a module added since the freeze: new code
+    is a change too), as ``verify`` lists problems. The package is found from the entry module's own record, so a
+    project's package needs no import path; a lone module, opalctl's tasks or a missing entry file add nothing."""
+    entry_module = lock.resolved["task"]["entry"].partition(":")[0]
+    parts = entry_module.split(".")
+    record = lock.records.get("source.task")
+    if len(parts) < 2 or parts[0] == "opalctl" or record is None:
+        return []
+    entry_file = lock.record_path(record)
+    if not entry_file.is_file():
+        return []  # reported as missing by its own record
+    depth = len(parts) - 1 if entry_file.name == "__init__.py" else len(parts) - 2
+    package = entry_file.parents[depth]
+    recorded = {role for role in lock.records if role.startswith(PACKAGE_ROLE)} | {PACKAGE_ROLE + entry_module}
+    added = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path.relative_to(package.parent))
+        if module is not None and PACKAGE_ROLE + module not in recorded and path.is_file():
+            added.append({"role": PACKAGE_ROLE + module, "path": str(path), "status": "added"})
+    return added

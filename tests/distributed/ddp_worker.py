@@ -154,6 +154,7 @@ def main() -> None:
     seen = {"keep": kept, "heuristic": heuristic(out, kept_model), "failure": failure(out),
             "divergence": divergence()}
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(seen, indent=1), encoding="utf-8")
+    dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
 

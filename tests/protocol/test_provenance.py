@@ -122,3 +122,27 @@ def test_a_task_package_over_the_file_limit_is_refused_naming_the_package(
     assert result.code == 2, result.output
     assert "task.entry's package mypkg_huge" in result.output and "a package of its own" in result.output
     assert "Traceback" not in result.output and not (digits_project / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_module_added_to_the_task_package_after_the_freeze_is_listed_as_added(
+        digits_project, tmp_path, task_package, cli_inprocess, where):
+    from opalctl.protocol.lock import read_lock
+
+    name = f"mypkg_added_{where}"
+    folder = tmp_path / "modules" if where == "outside" else digits_project / "src"
+    package = task_package(digits_project, folder, name)
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project / LOCK_NAME)
+    assert provenance.added_sources(lock) == []
+    (package / "parts" / "attention.py").write_text("HEADS = 4\n", encoding="utf-8")
+    assert provenance.added_sources(lock) == [{"role": provenance.PACKAGE_ROLE + f"{name}.parts.attention",
+                                               "path": str((package / "parts" / "attention.py").resolve()),
+                                               "status": "added"}]
+
+
+def test_nothing_is_added_for_a_built_in_task(digits_project, cli_inprocess):
+    from opalctl.protocol.lock import read_lock
+
+    freeze(cli_inprocess, digits_project)
+    assert provenance.added_sources(read_lock(digits_project / LOCK_NAME)) == []
