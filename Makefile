@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= ci/constraints-cpu.txt
 JOBS ?= 2
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-gpu bench lint clean
 
 $(BIN)/opalctl: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -n $(JOBS) tests
+
+# the CUDA tests (tests/gpu): refused, saying so, where no CUDA device is visible, so a pass means they ran
+test-gpu: install
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device is visible (torch.cuda.is_available() is False); run it on a machine with a GPU and a CUDA build of torch')"
+	OPALCTL_REQUIRE_GPU=1 $(BIN)/python -m pytest -rs tests/gpu
 
 bench: install
 	# the peer is installed only as a comparison for bench/overhead.py (never imported by opalctl)

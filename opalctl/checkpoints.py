@@ -117,11 +117,33 @@ def encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | No
     return _encode(model_state, kind=kind, extra=extra, meta=meta)[0]
 
 
+def _view_key(tensor) -> tuple:
+    """Equal for two tensors that are the same view of the same memory (a tied weight under two names)."""
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride(), tensor.dtype)
+
+
+def cpu_copies(model_state: dict[str, Any]) -> dict[str, Any]:
+    """A CPU copy of each tensor, owning its memory, with tied tensors (one parameter under several names, as an
+    output layer sharing the embedding's weight) copied once and shared again: ``torch.save`` then stores their
+    bytes once, and ``load`` gives back names that share memory. The digests are per name, so a checkpoint of a
+    tied model has the same ``model_sha256`` and the same record layout as before; older files read as ever."""
+    copies: dict[tuple, Any] = {}
+    out = {}
+    for name, tensor in model_state.items():
+        tensor = tensor.detach()
+        key = _view_key(tensor)
+        if key not in copies:
+            copies[key] = tensor.to("cpu").clone()
+        out[name] = copies[key]
+    return out
+
+
 def _encode(model_state: dict[str, Any], *, kind: str, extra: dict[str, Any] | None,
             meta: dict[str, Any] | None) -> tuple[bytes, str]:
     import torch
 
-    model_state = {name: tensor.detach().to("cpu").clone() for name, tensor in model_state.items()}
+    model_state = cpu_copies(model_state)
     extra = extra or {}
     extra_tensors: dict[str, Any] = {}
     _collect_tensors(extra, "", extra_tensors)

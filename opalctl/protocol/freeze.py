@@ -20,6 +20,7 @@ from typing import Any
 import opalctl
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import atomic_write_bytes, atomic_write_text, canonical_json, file_record, sha256_bytes
+from opalctl.protocol import provenance
 from opalctl.protocol.lock import FORMAT, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
 
@@ -69,6 +70,7 @@ def environment(protocol: Protocol, folder: Path) -> dict[str, Any]:
         "processor_count": os.cpu_count(),
         "torch": torch.__version__,
         "numpy": numpy.__version__,
+        "distributions": provenance.distributions(),
         "cuda_available": bool(torch.cuda.is_available()),
         "opalctl": opalctl.__version__,
         "git": {"opalctl": _git(package_root), "protocol": _git(folder)},
@@ -120,7 +122,11 @@ def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[
         raise BadInput(f"{protocol_path}: cannot freeze, missing {shown}; paths are relative to the protocol's "
                        f"folder (for a built-in task, `opalctl init` writes them)")
     check_parents(protocol, protocol_path)
-    out["source.task"] = source_record(task_source_file(protocol.task.entry), protocol.task.entry, lock_folder)
+    entry_file = task_source_file(protocol.task.entry)
+    out["source.task"] = source_record(entry_file, protocol.task.entry, lock_folder)
+    for source in provenance.package_sources(protocol.task.entry, protocol_path):
+        if source.path != entry_file:
+            out[source.role] = source_record(source.path, source.module, lock_folder)
     for path in package_files():
         out[package_role(path)] = package_record(path)
     return out
@@ -188,7 +194,8 @@ def package_record(path: Path) -> dict[str, Any]:
 
 
 def source_record(path: Path, entry: str, lock_folder: Path) -> dict[str, Any]:
-    """The task's source: relative to the lock when it lives in the project, else found again by module name."""
+    """A task source file: relative to the lock when it lives in the project, else found again by its module name
+    (``entry``: the task's entry, or the dotted name of a module of its package)."""
     root = Path(opalctl.__file__).resolve().parent
     path = path.resolve()
     if path.is_relative_to(root):

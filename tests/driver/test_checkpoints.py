@@ -238,3 +238,50 @@ def test_a_checkpoint_replaces_the_old_one_only_once_what_it_counts_on_is_on_the
     with pytest.raises(OpalctlError, match="stopped"):
         checkpoints.save(path, model_state(), kind="stage", meta={"update": 7}, before_replace=records_failed)
     assert path.read_bytes() == old and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+class TiedLanguageModel(torch.nn.Module):
+    """An output layer that shares the embedding's weight, as GPT-2's does."""
+
+    def __init__(self, vocabulary: int = 512, width: int = 64):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocabulary, width)
+        self.head = torch.nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.embedding.weight
+
+
+def test_a_tied_weight_is_stored_once_and_loads_back_tied_with_the_same_model_digest(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLanguageModel()
+    state = model.state_dict()
+    assert state["head.weight"].data_ptr() == state["embedding.weight"].data_ptr()  # both names, one tensor
+    one_copy = model.embedding.weight.numel() * model.embedding.weight.element_size()
+    record = checkpoints.save(tmp_path / "tied.pt", state, kind="stage")
+    assert one_copy <= record["bytes"] < one_copy * 1.2, (record["bytes"], one_copy)
+    untied = {name: tensor.clone() for name, tensor in state.items()}  # the digest is per name, not per memory
+    assert record["model_sha256"] == checkpoints.model_sha256(untied)
+
+    payload = checkpoints.load(tmp_path / "tied.pt")
+    assert payload["model"]["head.weight"].data_ptr() == payload["model"]["embedding.weight"].data_ptr()
+    assert payload["model_sha256"] == record["model_sha256"]
+    fresh = TiedLanguageModel()
+    fresh.load_state_dict(payload["model"])
+    assert fresh.head.weight is fresh.embedding.weight
+    assert torch.equal(fresh.embedding.weight, model.embedding.weight)
+
+
+def test_a_checkpoint_written_before_ties_were_kept_still_loads_as_it_did(tmp_path):
+    """What the previous writer produced, a separate copy per name with each name's digest, reads unchanged."""
+    torch.manual_seed(0)
+    state = {name: tensor.clone() for name, tensor in TiedLanguageModel().state_dict().items()}
+    payload = {"format": checkpoints.FORMAT, "kind": "stage", "model": state,
+               "model_sha256": checkpoints.model_sha256(state),
+               "digests": {name: checkpoints.tensor_sha256(tensor) for name, tensor in state.items()},
+               "extra": {}, "extra_digests": {}, "meta": {}}
+    payload["skeleton_sha256"] = checkpoints.skeleton_sha256(payload)
+    torch.save(payload, tmp_path / "old.pt")
+    loaded = checkpoints.load(tmp_path / "old.pt")
+    assert loaded["model_sha256"] == checkpoints.model_sha256(state)
+    fresh = TiedLanguageModel()
+    fresh.load_state_dict(loaded["model"])
+    assert fresh.head.weight is fresh.embedding.weight and torch.equal(fresh.head.weight, state["head.weight"])
