@@ -27,6 +27,7 @@ class RunOutcome:
     training: TrainingFacts
     final_model: dict[str, Any]  # the last stage checkpoint's weights
     confinement: dict[str, Any] | None = None  # the training process's, as it reported it
+    machine: dict[str, Any] | None = None  # driver/sharing.py's MachineWatch.to_json(), from the evaluator
 
 
 def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +119,12 @@ def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: 
         final_model_sha256=last["model_sha256"], anchor_metrics=anchor["metrics"], agent=training.agent,
         resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
         limitations=limitations(arm_name, seed, budget, outcome, splits),
-        peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement)
-    data = report.to_json()
+        peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
+        machine=outcome.machine)
+    from opalctl.driver.evaluator import sealed_report
+    from opalctl.formats import anchor_sha256
+
+    # report.json is written once, with the digests of the chain it closes (driver/chain.py)
+    data = sealed_report(run_dir, report.to_json(), outcome.stages, anchor_sha256(anchor))
     atomic_write_json(run_dir / "report.json", data)
     return data

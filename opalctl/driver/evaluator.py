@@ -206,7 +206,9 @@ class Evaluator:
         self.incumbent = Incumbent()
         self.stages: list[StageRecord] = []
         self.confinement: dict[str, Any] | None = None
-        self.machine: dict[str, Any] | None = None  # the machine while the run trained (RunReport.machine)
+        from opalctl.driver.sharing import MachineWatch
+
+        self.machine = MachineWatch()  # lives as long as the run: sampled at each stage, written at the close
 
     def _anchor(self, device: str) -> dict[str, Any]:
         from opalctl import checkpoints
@@ -259,6 +261,7 @@ class Evaluator:
         from opalctl.files import atomic_write_json
 
         records = self._judge([self._saved(entry) for entry in saved], StageFacts(**facts))
+        self.machine.sample()
         for record in records:
             atomic_write_json(self.run_dir / f"{stage_name(record.stage - 1)}.json", record.to_json())
         return {"stages": [record.to_json() for record in records], "incumbent": self.incumbent.to_json()}
@@ -304,16 +307,10 @@ class Evaluator:
         final = checkpoints.load(self.run_dir / last.checkpoint["file"], limit_bytes=self.judge.limit_bytes,
                                  expected_shapes=self.judge.shapes, require_finite=False)
         outcome = RunOutcome(stages=self.stages, incumbent=self.incumbent, training=training,
-                             final_model=final["model"], confinement=self.confinement)
-        from opalctl.files import atomic_write_json
-
-        report = close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
-                           self.splits)
-        # report.json once more, now with its digests (atomically: a crash leaves the one or the other); the lead's
-        # merge moves the sealing into closing.close_run, which then writes report.json once
-        sealed = sealed_report(self.run_dir, {**report, "machine": self.machine}, self.stages, self.anchor_sha256)
-        atomic_write_json(self.run_dir / "report.json", sealed)
-        return sealed
+                             final_model=final["model"], confinement=self.confinement,
+                             machine=self.machine.to_json())
+        return close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
+                         self.splits)
 
 
 def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
@@ -426,7 +423,8 @@ def serve(requests, answers) -> int:
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; the evaluator then sees its input end
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # they stop the run (a terminal signals the
+        signal.signal(number, signal.SIG_IGN)                      # whole group); the evaluator sees its input end
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever a task prints goes to stderr, never into the answers
     return serve(sys.stdin, answers)

@@ -417,7 +417,8 @@ class BudgetLoop:
                 checkpoint_due = self._boundary(reached)
             if wall1 - last_progress > 0.25:
                 last_progress = wall1
-                progress(meter.used, meter.total, stage=len(self.carried.stages), loss=float(loss.detach()))
+                progress(meter.used, meter.total, stage=len(self.carried.stages),
+                         stages=len(self.protocol.budget.fractions), loss=float(loss.detach()))
 
     def _between_updates(self) -> None:
         """The agent's work (and training's waiting for it), outside the timed interval."""

@@ -323,6 +323,7 @@ class Decisions:
         return {"decision": number, "reason": reason, "update": t, "progress": run["progress"],
                 "total_steps": run["total_steps"], "goal": run["goal"], "remaining": self.schedule.remaining,
                 "lrs": run["lrs"], "version": slots.current.number, "losses": {"bins": rebin(since)},
+                "losses_observed": observer.observed_since(self.state.last_decision_update),
                 "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
                 "report": observer.latest_report, "errors": observer.errors[-8:],
                 "last_change": self.state.last_change, "timing": timing,

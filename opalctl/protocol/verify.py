@@ -67,7 +67,9 @@ def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
                if roles is None or role in roles]
     problems = [r for r in results if r["status"] != "ok"]
     if roles is None:
-        problems += added_package_files(lock)
+        from opalctl.protocol.provenance import added_sources
+
+        problems += added_package_files(lock) + added_sources(lock)
     if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
         problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
     if not problems:

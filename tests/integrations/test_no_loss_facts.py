@@ -1,0 +1,35 @@
+"""The facts of a decision say how many losses were observed since the last one (needs decisions.py's
+``losses_observed``, seam 6): 0 when ``step()`` never had one, and the message says it in words."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import torch
+
+from opalctl.opal import wrap
+from opalctl.opal.messages import NO_LOSS
+
+
+def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    run_dir = tmp_path / "run"
+    agent = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="keep", total_steps=60, decisions=2,
+                 schedule="uniform", run_dir=run_dir)
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for update in range(60):
+            loss = model(inputs).pow(2).mean()
+            agent.zero_grad()
+            loss.backward()
+            agent.step(loss=loss) if update >= 30 else agent.step()  # decisions at 20 and 40
+    agent.close()
+    first, second = sorted((run_dir / "decisions").iterdir())
+    assert NO_LOSS in (first / "message.md").read_text()
+    assert NO_LOSS not in (second / "message.md").read_text()
+    assert "10 loss(es) observed since the last decision." in (second / "message.md").read_text()
+    facts = json.loads((run_dir / "workspace" / ".opal" / "facts.json").read_text())  # the last decision's
+    assert facts["losses_observed"] == 10  # updates 30-39, not analysed yet
