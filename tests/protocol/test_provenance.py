@@ -146,3 +146,16 @@ def test_nothing_is_added_for_a_built_in_task(digits_project, cli_inprocess):
 
     freeze(cli_inprocess, digits_project)
     assert provenance.added_sources(read_lock(digits_project / LOCK_NAME)) == []
+
+
+def test_verify_names_a_module_added_to_the_task_package_with_exit_3(
+        digits_project, tmp_path, task_package, cli_inprocess):
+    package = task_package(digits_project, tmp_path / "modules", "mypkg_verify_added")
+    freeze(cli_inprocess, digits_project)
+    lock = digits_project / LOCK_NAME
+    assert cli_inprocess("verify", lock).code == 0
+    (package / "extra.py").write_text("X = 1\n", encoding="utf-8")
+    result = cli_inprocess("verify", lock, "--json")
+    assert result.code == 3, result.output
+    assert [(p["role"], p["status"]) for p in json.loads(result.stdout)["problems"]] == [
+        (provenance.PACKAGE_ROLE + "mypkg_verify_added.extra", "added")]
