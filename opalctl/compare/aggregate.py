@@ -79,7 +79,10 @@ def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dic
                 continue
             report_path = folder / "report.json"
             if not report_path.exists():
-                checked_run_folder(folder)  # a run that closed and lost its report is refused, not "unfinished"
+                if (folder / "last.json").exists() or (folder / "selected.json").exists():
+                    checked_run_folder(folder)  # a run that closed and lost its report is refused, not "unfinished"
+                # an unfinished run (interrupted, failed, its resume checkpoint damaged) is counted, never read:
+                # `opalctl verify` or `--resume` tells what is wrong with it
                 unfinished.setdefault(arm, []).append(seed)
                 continue
             report = read_report(report_path)

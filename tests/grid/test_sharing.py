@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from opalctl.compare.concurrency import concurrency_warnings
 from opalctl.driver.sharing import MachineWatch, is_run_command, live_runs
@@ -23,6 +25,9 @@ def test_a_run_command_is_told_apart_from_the_other_opalctl_processes():
 def test_the_watch_finds_a_live_run_process_of_this_machine():
     neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "opalctl", "run"])
     try:
+        cmdline = Path(f"/proc/{neighbour.pid}/cmdline")
+        while b"opalctl" not in cmdline.read_bytes():  # until the child has exec'd: before, it is a copy of us
+            time.sleep(0.01)
         found = live_runs(own_training=os.getpid())
     finally:
         neighbour.kill()
