@@ -183,13 +183,14 @@ class StateLines:
 
     def __init__(self, say: Callable[[str], None]):
         self.say = say
-        self.states: dict[tuple[str, int], str] = {}
+        from opalctl.grid.display import RunStates
+
+        self.runs = RunStates()
 
     def __call__(self, change: dict[str, Any]) -> None:
-        key = (change["arm"], change["seed"])
-        if self.states.get(key) == change["state"]:
+        if not self.runs.changed(change):
             return
-        self.states[key] = change["state"]
         if change["state"] in self.FINAL:
-            done = sum(1 for state in self.states.values() if state in self.FINAL)
-            self.say(f"      {change['arm']} seed {change['seed']}: {change['state']} ({done} of {len(self.states)})")
+            states = self.runs.states.values()
+            done = sum(1 for state in states if state in self.FINAL)
+            self.say(f"      {change['arm']} seed {change['seed']}: {change['state']} ({done} of {len(states)})")

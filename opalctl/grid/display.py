@@ -24,18 +24,31 @@ def live_display(json_mode: bool = False):
     return JsonLines(sys.stdout)
 
 
+class RunStates:
+    """The last state seen of each run, for displays that show only a run's changes of state."""
+
+    def __init__(self):
+        self.states: dict[tuple[str, int], str] = {}
+
+    def changed(self, change: dict[str, Any]) -> bool:
+        """Whether ``change`` brings its run a new state (it is then remembered)."""
+        key = (change["arm"], change["seed"])
+        if self.states.get(key) == change["state"]:
+            return False
+        self.states[key] = change["state"]
+        return True
+
+
 class JsonLines:
     """One JSON line per state change of a run on ``stream``."""
 
     def __init__(self, stream):
         self.stream = stream
-        self.states: dict[tuple[str, int], str] = {}
+        self.runs = RunStates()
 
     def __call__(self, change: dict[str, Any]) -> None:
-        key = (change["arm"], change["seed"])
-        if self.states.get(key) == change["state"]:
+        if not self.runs.changed(change):
             return
-        self.states[key] = change["state"]
         self.stream.write(json.dumps({"event": "run", **change}, sort_keys=True, default=str) + "\n")
         self.stream.flush()
 
