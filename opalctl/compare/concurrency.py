@@ -3,7 +3,8 @@
 A CPU-second beside a neighbour buys less than one alone (driver/sharing.py, docs/grid.md), so two arms of a seed
 that trained with different numbers of runs on the machine were not at equal compute, whatever the clock says.
 Reports without a ``machine`` record (older runs, or a record without ``concurrent_runs``) are passed over: the
-warning speaks only of what was measured.
+warning speaks only of what was measured. Runs on the ``updates`` clock are passed over too: an update is the same
+work alone or beside a neighbour, so their arms are at equal compute whatever shared the machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def mean_concurrency(report: dict[str, Any]) -> float | None:
     return float(mean) if isinstance(mean, (int, float)) else None
 
 
+def _on_updates_clock(report: dict[str, Any]) -> bool:
+    budget = report.get("budget")
+    return isinstance(budget, dict) and budget.get("clock") == "updates"
+
+
 def seed_concurrency(result: dict[str, Any]) -> dict[int, dict[str, float]]:
     """seed -> arm -> the mean number of runs on the machine while that arm trained on that seed."""
     base = Path(result["runs"])
@@ -32,7 +38,9 @@ def seed_concurrency(result: dict[str, Any]) -> dict[int, dict[str, float]]:
                 report = json.loads((base / arm["arm"] / f"seed-{seed}" / "report.json").read_text("utf-8"))
             except (OSError, ValueError):
                 continue
-            mean = mean_concurrency(report) if isinstance(report, dict) else None
+            if not isinstance(report, dict) or _on_updates_clock(report):
+                continue
+            mean = mean_concurrency(report)
             if mean is not None:
                 found.setdefault(int(seed), {})[arm["arm"]] = mean
     return found

@@ -64,10 +64,11 @@ def test_without_a_process_table_the_watch_says_what_the_grid_started_side_by_si
                                 "restarts": 2}
 
 
-def write_report(base, arm, seed, machine):
+def write_report(base, arm, seed, machine, clock="cpu"):
     folder = base / arm / f"seed-{seed}"
     folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps({"arm": arm, "seed": seed, "machine": machine}))
+    (folder / "report.json").write_text(json.dumps({"arm": arm, "seed": seed, "machine": machine,
+                                                    "budget": {"clock": clock}}))
 
 
 def concurrency(mean):
@@ -94,4 +95,12 @@ def test_reports_without_machine_facts_raise_no_warning(tmp_path):
     write_report(base, "agent", 1, {"concurrent_runs": None})
     write_report(base, "other", 1, concurrency(4.0))
     result = {"runs": str(base), "arms": [{"arm": a, "seeds": [1]} for a in ("adamw", "agent", "other")]}
+    assert concurrency_warnings(result) == []
+
+
+def test_runs_on_the_updates_clock_raise_no_warning_since_an_update_is_the_same_work_beside_a_neighbour(tmp_path):
+    base = tmp_path / "runs" / "digits-abc"
+    write_report(base, "adamw", 1, concurrency(2.0), clock="updates")
+    write_report(base, "agent", 1, concurrency(1.0), clock="updates")
+    result = {"runs": str(base), "arms": [{"arm": "adamw", "seeds": [1]}, {"arm": "agent", "seeds": [1]}]}
     assert concurrency_warnings(result) == []
