@@ -121,10 +121,28 @@ def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: 
         limitations=limitations(arm_name, seed, budget, outcome, splits),
         peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
         machine=outcome.machine)
-    from opalctl.driver.evaluator import sealed_report
     from opalctl.formats import anchor_sha256
 
     # report.json is written once, with the digests of the chain it closes (driver/chain.py)
     data = sealed_report(run_dir, report.to_json(), outcome.stages, anchor_sha256(anchor))
     atomic_write_json(run_dir / "report.json", data)
     return data
+
+
+def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
+                  anchor_digest: str) -> dict[str, Any]:
+    """The report with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory, the
+    other records from their files in ``run_dir``, and the report's own digest last."""
+    from opalctl.driver.evaluator import stage_name
+    from opalctl.files import sha256_file
+    from opalctl.formats import RunDigests, record_sha256, report_sha256
+
+    steps = run_dir / "steps.jsonl.gz"
+    digests = RunDigests(
+        start=sha256_file(run_dir / "start.json"), steps=sha256_file(steps) if steps.is_file() else None,
+        stages={f"{stage_name(stage.stage - 1)}.json": record_sha256(stage.to_json()) for stage in stages},
+        last=sha256_file(run_dir / "last.json"), selected=sha256_file(run_dir / "selected.json"),
+        anchor=anchor_digest)
+    sealed = {**report, "digests": digests.to_json()}
+    sealed["digests"]["report"] = report_sha256(sealed)
+    return sealed

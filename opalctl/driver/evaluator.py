@@ -35,13 +35,11 @@ from opalctl.formats import (
     AnchorRecord,
     RecordChanged,
     RecordDamaged,
-    RunDigests,
     StageRecord,
     TrainingFacts,
     anchor_sha256,
     read_record,
     record_sha256,
-    report_sha256,
 )
 
 # the record fields a judge computes; a carried record must match a new evaluation in every one of them
@@ -311,23 +309,6 @@ class Evaluator:
                              machine=self.machine.to_json())
         return close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
                          self.splits)
-
-
-def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
-                  anchor_digest: str) -> dict[str, Any]:
-    """The report with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory, the
-    other records from their files in ``run_dir``, and the report's own digest last."""
-    from opalctl.files import sha256_file
-
-    steps = run_dir / "steps.jsonl.gz"
-    digests = RunDigests(
-        start=sha256_file(run_dir / "start.json"), steps=sha256_file(steps) if steps.is_file() else None,
-        stages={f"{stage_name(stage.stage - 1)}.json": record_sha256(stage.to_json()) for stage in stages},
-        last=sha256_file(run_dir / "last.json"), selected=sha256_file(run_dir / "selected.json"),
-        anchor=anchor_digest)
-    sealed = {**report, "digests": digests.to_json()}
-    sealed["digests"]["report"] = report_sha256(sealed)
-    return sealed
 
 
 def _read_stage_file(path: Path) -> StageRecord:
