@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,28 +66,42 @@ def block(task, variant, updates: int, pass_loss: bool) -> float:
     return (time.perf_counter() - started) / updates
 
 
-def trainer_round(wrapped: bool, updates: int, work: Path) -> float:
-    """One Trainer run of ``updates``; the median seconds between two consecutive updates' ends after warm-up."""
+class Baton:
+    """Two Trainers in two threads taking turns: whoever holds the baton trains ``block`` updates, then hands it
+    over, so that the host's slow and fast spells fall on both alike (only one of them ever runs)."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.turn = 0
+        self.done = [False, False]
+        self.condition = threading.Condition()
+
+    def wait(self, side: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == side or self.done[1 - side])
+
+    def pass_on(self, side: int, finished: bool = False) -> None:
+        with self.condition:
+            self.done[side] = self.done[side] or finished
+            self.turn = 1 - side
+            self.condition.notify_all()
+
+
+def tiny_trainer(wrapped: bool, updates: int, work: Path, callbacks: list):
+    """The plain ``transformers.Trainer`` or ``OpalTrainer`` (keep backend, every default) on a tiny GPT-2."""
     import numpy as np
     import torch
     import transformers
-
-    class Clock(transformers.TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
 
     tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 64, size=(256, 16)))
     rows = [{"input_ids": row, "labels": row} for row in tokens]
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
                                      eos_token_id=0)
-    args = transformers.TrainingArguments(output_dir=str(work / "out"), max_steps=updates, per_device_train_batch_size=8,
-                                          use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-                                          disable_tqdm=True, seed=0)
-    settings = dict(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows, callbacks=[Clock()])
+    args = transformers.TrainingArguments(output_dir=str(work / f"out-{int(wrapped)}"), max_steps=updates,
+                                          per_device_train_batch_size=8, use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0)
+    settings = dict(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=rows, callbacks=callbacks)
     if wrapped:
         from opalctl.integrations.hf import OpalTrainer
 
@@ -94,41 +109,79 @@ def trainer_round(wrapped: bool, updates: int, work: Path) -> float:
     else:
         trainer = transformers.Trainer(**settings)
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its log lines would break --json
-    clock = settings["callbacks"][0]
-    trainer.train()
-    warm = min(10, updates // 4)
-    return statistics.median(b - a for a, b in zip(clock.ends[warm:], clock.ends[warm + 1:]))
+    return trainer
+
+
+def trainer_pair(sides: tuple[bool, bool], updates: int, block: int, work: Path) -> list[float]:
+    """Two Trainers of ``updates`` each (``sides``: whether each is wrapped), built in that order and taking turns
+    every ``block`` updates; the ratio of the second's median update time to the first's in each pair of blocks
+    (an update: from the Trainer's step begin to its step end), the first pair left out as warm-up."""
+    import transformers
+
+    baton = Baton(block)
+    times: dict[int, list[float]] = {0: [], 1: []}
+
+    class Turns(transformers.TrainerCallback):
+        def __init__(self, side: int):
+            self.side, self.started, self.block = side, 0.0, []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self.block:
+                baton.wait(self.side)
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.block.append(time.perf_counter() - self.started)
+            if len(self.block) == baton.block:
+                times[self.side].append(statistics.median(self.block))
+                self.block = []
+                baton.pass_on(self.side)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            baton.pass_on(self.side, finished=True)
+
+    trainers = [tiny_trainer(wrapped, updates, work, [Turns(side)]) for side, wrapped in enumerate(sides)]
+    # both train in threads, so neither has the main thread's signal checks (the keep backend's starting program
+    # has no step time limit, the one thing the agent optimizer does only in the main thread)
+    workers = [threading.Thread(target=trainer.train, name=f"trainer-{side}") for side, trainer in enumerate(trainers)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return [second / first for first, second in zip(times[0], times[1])][1:]
 
 
 def trainer_main(argv: list[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="overhead of OpalTrainer against the plain transformers.Trainer")
-    parser.add_argument("--updates", type=int, default=300, help="updates per round")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=6, help="fresh pairs of Trainers, built in alternating order")
+    parser.add_argument("--updates", type=int, default=1000, help="updates per Trainer")
+    parser.add_argument("--block", type=int, default=50, help="updates each Trainer trains before the other's turn")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {"trainer": [], "opal-trainer": []}
+    ratios: dict[str, list[float]] = {"opal-trainer/trainer": [], "trainer/trainer": []}
     with tempfile.TemporaryDirectory(prefix="opalctl-overhead-trainer-") as folder:
-        trainer_round(True, 20, Path(folder))  # warm-up: imports, first-call costs
-        for index in range(args.rounds):
-            for wrapped in ((False, True) if index % 2 == 0 else (True, False)):
-                times["opal-trainer" if wrapped else "trainer"].append(trainer_round(wrapped, args.updates,
-                                                                                     Path(folder)))
-    median = {name: statistics.median(values) for name, values in times.items()}
-    ratio = statistics.median(w / p for p, w in zip(times["trainer"], times["opal-trainer"]))
-    result = {"bench": "overhead", "mode": "trainer", "updates_per_round": args.updates, "rounds": args.rounds,
-              "seconds_per_update": median, "ratios": {"opal-trainer/trainer": ratio},
-              "targets": {"opal-trainer/trainer": 1.02}}
+        trainer_pair((False, True), 2 * args.block, args.block, Path(folder))  # warm-up: imports, first calls
+        for index in range(args.pairs):
+            wrapped_first = index % 2 == 1
+            blocks = trainer_pair((wrapped_first, not wrapped_first), args.updates, args.block, Path(folder))
+            ratios["opal-trainer/trainer"].append(statistics.median(
+                [1 / ratio for ratio in blocks] if wrapped_first else blocks))
+            # the same with two plain Trainers: how far two identical ones differ here (the noise floor)
+            ratios["trainer/trainer"].append(statistics.median(
+                trainer_pair((False, False), args.updates, args.block, Path(folder))))
+    result = {"bench": "overhead", "mode": "trainer", "pairs": args.pairs, "updates": args.updates,
+              "block": args.block, "ratios": {name: statistics.median(values) for name, values in ratios.items()},
+              "per_pair": ratios, "targets": {"opal-trainer/trainer": 1.02}}
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    for name, value in median.items():
-        print(f"{name:18s} {1e6 * value:8.1f} us per update")
-    print(f"{'opal-trainer/trainer':26s} {ratio:.3f}")
+    for name, values in ratios.items():
+        print(f"{name:22s} {statistics.median(values):.3f}   pairs: {' '.join(f'{v:.3f}' for v in values)}")
 
 
 def main() -> None:
