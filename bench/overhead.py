@@ -8,7 +8,9 @@ figure is the median over blocks of the time per whole update (batch, forward, b
 Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the keep backend and every default:
 8 decisions over the run, the starting programs, analysis every 25 updates, evaluation-integrity recording on),
 ``ours-no-integrity`` (the same with ``eval_integrity=False``) and, when the package is installed, ``peer``
-(opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison.
+(opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison; ``bare-again``, a
+second bare variant with its own model, gives the noise floor (two identical variants differ by the host and by
+where their tensors lie, a few per cent on pylm).
 Targets: ours/bare at most 1.02; ours below the peer; integrity recording (ours / ours-no-integrity) under 1 %.
 
 ``python bench/overhead.py trainer [--updates N] [--rounds R] [--json]`` is the Trainer mode: the plain
@@ -193,7 +195,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    names = ["bare", "ours", "ours-no-integrity"] + (["peer"] if importlib.util.find_spec("opal") else [])
+    # bare-again is a second bare variant with its own model: how far two identical variants differ here, the
+    # noise floor the other ratios are read against
+    names = ["bare", "ours", "ours-no-integrity", "bare-again"] + (["peer"] if importlib.util.find_spec("opal")
+                                                                   else [])
     with tempfile.TemporaryDirectory(prefix="opalctl-overhead-") as folder:
         work = Path(folder)
         os.chdir(work)  # the peer writes its run folder under the current directory
@@ -201,12 +206,12 @@ def main() -> None:
         total = args.updates * (args.blocks + 1)
         variants = {name: make_variant(name, task, train, parent, total, work, batch_size) for name in names}
         for name in names:  # warm-up block, not counted
-            block(task, variants[name], args.updates, name != "bare")
+            block(task, variants[name], args.updates, not name.startswith("bare"))
         times: dict[str, list[float]] = {name: [] for name in names}
         for index in range(args.blocks):
             order = names[index % len(names):] + names[:index % len(names)]
             for name in order:
-                times[name].append(block(task, variants[name], args.updates, name != "bare"))
+                times[name].append(block(task, variants[name], args.updates, not name.startswith("bare")))
         for name in names:
             close = getattr(variants[name][1], "close", None)
             if callable(close):
