@@ -13,9 +13,14 @@ from pathlib import Path
 TASKS = ("digits", "pylm")
 
 
-def block_arguments(description: str) -> argparse.Namespace:
-    """The options of the interleaved-block benches: updates per block, blocks, the task, --json."""
+def block_arguments(description: str, shared_model: bool = False) -> argparse.Namespace:
+    """The options of the interleaved-block benches: updates per block, blocks, the task, --json (and
+    --shared-model where the bench offers it)."""
     parser = argparse.ArgumentParser(description=description)
+    if shared_model:
+        parser.add_argument("--shared-model", action="store_true",
+                            help="every variant trains one model (each with its own optimizer), so that where a "
+                                 "model's tensors lie falls on all variants alike")
     parser.add_argument("--updates", type=int, default=500, help="updates per block")
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--task", choices=TASKS, default="digits",

@@ -10,7 +10,9 @@ Variants: ``bare`` (the torch optimizer), ``ours`` (opalctl.opal.wrap with the k
 ``ours-no-integrity`` (the same with ``eval_integrity=False``) and, when the package is installed, ``peer``
 (opal-optimizer's ``opal.wrap`` with its keep backend), installed only for this comparison; ``bare-again``, a
 second bare variant with its own model, gives the noise floor (two identical variants differ by the host and by
-where their tensors lie, a few per cent on pylm).
+where their tensors lie, a few per cent on pylm). ``--shared-model`` has every variant train one model, each
+with its own optimizer, taking turns: what then differs between two variants is their optimizer and its wrapper
+alone, which is what wrapping changes (the weights are no run's, and the timing does not depend on them).
 Targets: ours/bare at most 1.02; ours below the peer; integrity recording (ours / ours-no-integrity) under 1 %.
 
 ``python bench/overhead.py trainer [--updates N] [--rounds R] [--json]`` is the Trainer mode: the plain
@@ -35,10 +37,12 @@ from pathlib import Path
 from common import block_arguments, setup
 
 
-def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path, batch_size: int = 64):
+def make_variant(name: str, task, train, parent: Path, total: int, scratch: Path, batch_size: int = 64,
+                 model=None):
+    """A variant's model (its own, or ``model`` when the variants share one), optimizer and sampler."""
     import torch
 
-    model = task.build(parent, {}, 1).model
+    model = model if model is not None else task.build(parent, {}, 1).model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sampler = task.sampler(train, 1, batch_size)
     if name in ("ours", "ours-no-integrity"):
@@ -190,7 +194,7 @@ def main() -> None:
     if sys.argv[1:2] == ["trainer"]:
         trainer_main(sys.argv[2:])
         return
-    args = block_arguments(__doc__.splitlines()[0])
+    args = block_arguments(__doc__.splitlines()[0], shared_model=True)
 
     import torch
 
@@ -204,7 +208,8 @@ def main() -> None:
         os.chdir(work)  # the peer writes its run folder under the current directory
         task, train, parent, batch_size = setup(work, args.task)
         total = args.updates * (args.blocks + 1)
-        variants = {name: make_variant(name, task, train, parent, total, work, batch_size) for name in names}
+        shared = task.build(parent, {}, 1).model if args.shared_model else None
+        variants = {name: make_variant(name, task, train, parent, total, work, batch_size, shared) for name in names}
         for name in names:  # warm-up block, not counted
             block(task, variants[name], args.updates, not name.startswith("bare"))
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -222,6 +227,7 @@ def main() -> None:
     if "peer" in median:
         ratios["ours/peer"] = median["ours"] / median["peer"]
     result = {"bench": "overhead", "task": args.task, "updates_per_block": args.updates, "blocks": args.blocks,
+              "shared_model": args.shared_model,
               "seconds_per_update": median, "ratios": ratios, "targets": {"ours/bare": 1.02, "ours/peer": 1.0, "integrity on/off": 1.01},
               "peer_installed": "peer" in median}
     if args.json:
