@@ -84,6 +84,23 @@ def _workspace(run_dir: Path | None) -> tuple[Path, bool]:
     return workspace, scratch
 
 
+def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:
+    """Install version 0 (the released defaults unless ``sources``) and write the ``start`` event, which says
+    whether version 0 differs from the released starting programs (then it never takes the plain path)."""
+    from opalctl.opal.provenance import current, differences
+
+    changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
+    version = slots.start(sources or default_sources(), released=not changed)
+    records.save_program(0, version.files)
+    if changed:
+        import sys
+
+        sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
+                         + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
+    records.event(Event.START, update=0, **settings, every=version.every, defaults_sha256=current(),
+                  defaults_differ=changed)
+
+
 def _no_grad_step(version: Version, grads, t: int, ctx: StepContext) -> None:
     with torch.no_grad():
         version.updater.step(grads, t, ctx)
@@ -138,27 +155,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             AgentLine(backend, *_workspace(run_dir), prompt_text(prompt), self.records.redaction), self.records,
             self.slots,
             self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress)
-        self._released_start = self._start(sources, decisions=decisions, blocking=blocking,
-                                           trial_steps=trial_steps, prompt=prompt)
-
-    def _start(self, sources: dict[str, str] | None, **settings: Any) -> bool:
-        """Install version 0 and write the ``start`` event; True when version 0 is the released starting program."""
-        from opalctl.opal.provenance import current, differences
-
-        version = self.slots.start(sources or default_sources())
-        self.records.save_program(0, version.files)
-        changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
-        if changed:
-            import sys
-
-            sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
-                             + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
-        self.records.event(Event.START, update=0, backend=self.decisions.agent.backend.describe(),
-                           decisions=settings["decisions"], schedule=self.decisions.schedule.fractions,
-                           blocking=settings["blocking"], trial_steps=settings["trial_steps"],
-                           prompt=settings["prompt"], every=version.every, defaults_sha256=current(),
-                           defaults_differ=changed)
-        return not changed
+        _start(self.slots, self.records, sources, backend=self.decisions.agent.backend.describe(), decisions=decisions,
+               schedule=self.decisions.schedule.fractions, blocking=blocking, trial_steps=trial_steps, prompt=prompt)
 
     # -- what torch, schedulers and callers see ------------------------------------------------------------
     @property
@@ -228,7 +226,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         t = self.t
         if self._closed or self.records.waiting:
             return t
-        return min(self.slots.quiet_until(t, self._released_start),
+        return min(self.slots.quiet_until(t),
                    self.integrity.quiet_until(t),
                    Observer.quiet_until(t, self.slots.current.every),
                    self.decisions.quiet_until(t, checks_boundaries=not self.manual_boundaries,
@@ -250,10 +248,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             if error is not None:  # handled as on the full path (the user's optimizer raised)
                 with self.records.hold:  # its records wait for the next boundary (the next step is a full one)
                     self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
-            if loss is not None:
-                self.observer.observe(loss)
-            else:
-                self.observer.unobserved.stepped_without_loss()
+            self.observer.after_step(loss)
             self.t = t + 1
             version.steps += 1
             self.integrity.after_step(t + 1, layouts=False)
@@ -290,14 +285,11 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._step_failed(version, error, snapshot, ctx)
         elif in_trial and slots.trial_step_passed():
             self.records.event(Event.TRIAL_PASSED, update=self.t + 1, version=version.number)
-        if loss is not None:
-            self.observer.observe(loss)
-        else:
-            self.observer.unobserved.stepped_without_loss()
+        self.observer.after_step(loss)
         self.t += 1
         version.steps += 1
         # layouts are compared too whenever a program other than the released starting one ran (see record)
-        self.integrity.after_step(self.t, layouts=version.number != 0 or not self._released_start)
+        self.integrity.after_step(self.t, layouts=version.number != 0 or not slots.released_start)
         if probe:
             self._analyse(before)
         if self.guard.changes:
@@ -314,7 +306,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             raise StepFailure(problem)
 
     def _run_step(self, version: Version, ctx: StepContext) -> None:
-        if version.number == 0 and self._released_start:
+        if version.number == 0 and self.slots.released_start:
             # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
             # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
             # cost about as much as the rest of the wrapper put together on a small model.
@@ -392,7 +384,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.decisions.wake(wake, t)
 
     def observe(self, loss) -> None:
-        """Record the loss of the update that is about to step (for frameworks that call ``step()`` themselves)."""
+        """Record a loss of the update that is about to step (for frameworks that call ``step()`` themselves);
+        the losses observed before one step are its micro-batches' and are summed, with the step's own."""
         self.observer.feed(loss)
 
     @property

@@ -171,12 +171,15 @@ class ProgramSlots:
         self.audits: dict[int, dict[str, Any]] = {}
         self.reverted = 0  # versions that failed and were handed over to their fallback
         self.step_failures = 0  # failed steps (a fallback's failed redo counts too)
+        self.released_start = False  # version 0 is the released starting program (not programs given to wrap)
 
     # -- installing ------------------------------------------------------------------------------------------
-    def start(self, files: dict[str, str]) -> Version:
-        """Install version 0 (the starting programs): it runs, and it is the fallback."""
+    def start(self, files: dict[str, str], released: bool) -> Version:
+        """Install version 0 (the starting programs; ``released``: the released ones, unchanged): it runs, and it
+        is the fallback."""
         self.install(Version(number=0, files=dict(files), status="passed"), previous=None)
         self.fallback = self.current
+        self.released_start = released
         return self.current
 
     def install(self, version: Version, previous) -> None:
@@ -274,11 +277,11 @@ class ProgramSlots:
     def audit_due(self, version: Version) -> bool:
         return version.steps == 1 and version.number not in self.audits
 
-    def quiet_until(self, t: int, released_start: bool) -> int:
+    def quiet_until(self, t: int) -> int:
         """Up to which update the slots need nothing of a step but the released starting program's own: ``t``
         (none) unless that program runs, passed, with its audit done."""
         version = self.current
-        if version.number != 0 or not released_start or version.status != "passed" or 0 not in self.audits:
+        if version.number != 0 or not self.released_start or version.status != "passed" or 0 not in self.audits:
             return t
         return 1 << 62
 
