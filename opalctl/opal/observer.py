@@ -116,10 +116,12 @@ class Observer:
             if not unobserved.warned:
                 unobserved.warn()
 
-    def observed_since(self, update: int) -> int:
-        """How many losses were observed after update ``update`` (the last decision's): the analysed bins that end
-        after it and the losses not analysed yet. 0 tells the agent it has no loss to reason on."""
-        return sum(b["count"] for b in self.loss_bins if b["end"] > update) + len(self.pending_losses)
+    def observed_since(self, update: int, t: int, unobserved_then: int) -> int:
+        """How many of the updates after update ``update`` (the last decision's) up to ``t`` stepped with a loss:
+        those updates less the ones counted without one since (``unobserved_then``: the count at ``update``). Exact
+        at any update, unlike the analysed bins, which may begin before it. 0 tells the agent it has no loss to
+        reason on."""
+        return (t - update) - (self.unobserved.count - unobserved_then)
 
     @staticmethod
     def analysis_due(t: int, every: int) -> bool:

@@ -87,7 +87,7 @@ def test_automatic_optimisation_runs_the_closure_exactly_once_per_update(plain, 
     assert wrapped.training_steps == plain.training_steps == UPDATES
     agent = wrapped.trainer.optimizers[0]
     assert agent.t == UPDATES
-    assert agent.observer.unobserved.count == 0 and agent.observer.observed_since(0) == UPDATES  # the closure's loss
+    assert agent.observer.unobserved.count == 0 and agent.observer.observed_since(0, agent.t, 0) == UPDATES  # the closure's loss
 
 
 def test_with_two_accumulated_micro_batches_the_agent_observes_each_updates_summed_loss(tmp_path,
