@@ -39,7 +39,6 @@ With the starting programs and an agent that changes nothing, every update is ex
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from importlib import resources
@@ -99,11 +98,6 @@ def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | 
                          + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
     records.event(Event.START, update=0, **settings, every=version.every, defaults_sha256=current(),
                   defaults_differ=changed)
-
-
-def _no_grad_step(version: Version, grads, t: int, ctx: StepContext) -> None:
-    with torch.no_grad():
-        version.updater.step(grads, t, ctx)
 
 
 class AgentOptimizer(torch.optim.Optimizer):
@@ -299,32 +293,18 @@ class AgentOptimizer(torch.optim.Optimizer):
         if self.slots.audit_due(version):
             self._audited_step(version, ctx)
         else:
-            self._run_step(version, ctx)
+            self.slots.run_step(version, self._grads, self.t, ctx)
         # during a trial every step is checked in full (one device sync); after it, the periodic check does
         problem = self.guard.check(full=True) if in_trial else None
         if problem:
             raise StepFailure(problem)
-
-    def _run_step(self, version: Version, ctx: StepContext) -> None:
-        if version.number == 0 and self.slots.released_start:
-            # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
-            # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
-            # cost about as much as the rest of the wrapper put together on a small model.
-            started = time.perf_counter()
-            version.updater.step(self._grads, self.t, ctx)
-            version.timed(time.perf_counter() - started)
-            return
-        self.guard.version = version
-        elapsed = self.guard.run(_no_grad_step, version, self._grads, self.t, ctx)
-        version.timed(elapsed)
-        self.guard.enforce(elapsed)
 
     def _audited_step(self, version: Version, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once: outermost operator calls and, on CUDA,
         host synchronisations, shown to the agent beside the starting program's counts."""
         from opalctl.opal.audit import count_step
 
-        counts = {"version": version.number, "update": self.t, **count_step(lambda: self._run_step(version, ctx))}
+        counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
         self.slots.audits[version.number] = counts
         self.records.event(Event.AUDIT, **counts)
 
@@ -349,7 +329,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.decisions.reverted(version.number, self.t, message)
         if not redo:
             return
-        _, second = contained(self._run_step, fallback, ctx)
+        _, second = contained(self.slots.run_step, fallback, self._grads, self.t, ctx)
         if second is None:
             return
         # the fallback itself failed: the starting program takes over
@@ -359,7 +339,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if fallback is not self.slots.versions[0]:
             if snapshot is not None:
                 snapshot.restore(self.named, self.spec)
-            self._run_step(self.slots.to_start(), ctx)
+            self.slots.run_step(self.slots.to_start(), self._grads, self.t, ctx)
 
     # -- analysis ------------------------------------------------------------------------------------------
     def _analyse(self, before: dict[str, torch.Tensor]) -> None:

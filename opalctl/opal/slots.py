@@ -1,5 +1,5 @@
-"""The program slots: every version of the two programs, which one runs, which one a failure falls back to, the
-trial of a new version, and the snapshots a failed step is restored from.
+"""The program slots: every version of the two programs, which one runs (and its step, under the guard), which one
+a failure falls back to, the trial of a new version, and the snapshots a failed step is restored from.
 
 A ``Snapshot`` holds the parameters, their gradients, the user's optimizer state and the scheduler state, and
 ``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a trial's or a
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,11 @@ class Snapshot:
         a new version's ``build``, which may have changed them): a failed first step restores to before it."""
         return Snapshot(update=self.update, params=swap.params, grads=self.grads, base=swap.base,
                         scheduler=swap.scheduler)
+
+
+def _no_grad_step(version: Version, grads, t: int, ctx) -> None:
+    with torch.no_grad():
+        version.updater.step(grads, t, ctx)
 
 
 def _build(build, named, previous, spec) -> tuple[Any, Any] | str:
@@ -273,6 +279,23 @@ class ProgramSlots:
         """The fallback failed too: the starting program runs, and is the fallback, from now on."""
         self.current = self.fallback = self.versions[0]
         return self.current
+
+    # -- stepping --------------------------------------------------------------------------------------------
+    def run_step(self, version: Version, grads, t: int, ctx) -> None:
+        """``version``'s step of update ``t``, timed; an exception or a step over the time limit propagates (the
+        optimizer's ``contained`` makes it a failure)."""
+        if version.number == 0 and self.released_start:
+            # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
+            # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
+            # cost about as much as the rest of the wrapper put together on a small model.
+            started = time.perf_counter()
+            version.updater.step(grads, t, ctx)
+            version.timed(time.perf_counter() - started)
+            return
+        self.guard.version = version
+        elapsed = self.guard.run(_no_grad_step, version, grads, t, ctx)
+        version.timed(elapsed)
+        self.guard.enforce(elapsed)
 
     def audit_due(self, version: Version) -> bool:
         return version.steps == 1 and version.number not in self.audits
