@@ -2,12 +2,13 @@
 
 The optimizer is a thin torch facade over parts that each own their state (and their ``state_dict``):
 
-- ``ProgramSlots`` (``slots``): the versions of the programs, the running one and its fallback, the trial of a
-  new version, the snapshots a failed step is restored from;
+- ``ProgramSlots`` (``slots``): the versions of the programs, the running one and its fallback, a version's step,
+  the trial of a new version, the snapshots a failed step is restored from;
 - ``StepGuard`` (``guard``): a step's time limit and the checks of the parameters after it; agent code runs
   through ``guard.contained``, the one place where its failures become results;
-- ``Observer`` and ``IntegrityWatch`` (``observer``): the losses, the analysis, the errors shown to the agent,
-  the rollback state, the evaluation-integrity recorder;
+- ``Observer`` and ``IntegrityWatch`` (``observer``): the losses (each update's: what ``observe`` fed since the
+  step before, summed, plus the step's own; the updates that had none), the analysis, the errors shown to the
+  agent, the rollback state, the evaluation-integrity recorder;
 - ``Decisions`` (``decisions``): when and how the agent is asked, and what becomes of its answers.
 
 In the order an update meets them:
