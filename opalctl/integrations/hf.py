@@ -28,26 +28,9 @@ from opalctl.opal.optimizer import AgentOptimizer, wrap
 TRAINERS_OWN = ("scheduler", "clip", "total_steps")
 
 
-class UpdateLoss:
-    """The losses of the micro-batches of the update in progress (gradient accumulation), summed: the Trainer
-    scales each micro-batch's loss by the number it accumulates, so the sum is the update's loss."""
-
-    def __init__(self):
-        self.total: torch.Tensor | None = None
-        self.count = 0
-
-    def add(self, loss: torch.Tensor) -> None:
-        loss = loss.detach()
-        self.total = loss if self.total is None else self.total + loss
-        self.count += 1
-
-    def take(self) -> torch.Tensor | None:
-        total, self.total, self.count = self.total, None, 0
-        return total
-
-
-class _FeedAndClose(TrainerCallback):
-    """Hands the update's loss to the agent just before the Trainer steps, and closes it when training ends."""
+class _CheckAndClose(TrainerCallback):
+    """Refuses a Trainer whose optimizer could not be wrapped when training begins, and closes the agent when
+    training ends."""
 
     def __init__(self, trainer: OpalTrainer):
         self.trainer = trainer
@@ -56,11 +39,6 @@ class _FeedAndClose(TrainerCallback):
         if self.trainer.agent is None:
             raise BadInput("OpalTrainer found no torch optimizer inside accelerate's wrapper to wrap (DeepSpeed, FSDP "
                            "and model parallelism keep their own); train with transformers.Trainer there")
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        agent, loss = self.trainer.agent, self.trainer.update_loss.take()
-        if agent is not None and loss is not None:
-            agent.observe(loss)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.trainer.agent is not None:
@@ -79,8 +57,7 @@ class OpalTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.opal_settings = settings
         self.agent: AgentOptimizer | None = None
-        self.update_loss = UpdateLoss()
-        self.add_callback(_FeedAndClose(self))
+        self.add_callback(_CheckAndClose(self))
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         self._wrap_prepared(num_training_steps)
@@ -102,6 +79,9 @@ class OpalTrainer(Trainer):
         prepared.optimizer = self.agent
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch; its loss (already divided by the accumulation steps) goes to the agent, which sums an
+        update's micro-batches (``AgentOptimizer.observe``): the update's loss, as the Trainer logs it."""
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.update_loss.add(loss)
+        if self.agent is not None:
+            self.agent.observe(loss)
         return loss

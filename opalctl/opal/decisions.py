@@ -208,6 +208,7 @@ class DecisionState:
     wake_reason: str | None = None
     queued_reason: str | None = None
     last_decision_update: int = 0
+    unobserved_at_last_decision: int = 0  # the observer's count of updates stepped without a loss, then
     last_change: dict[str, Any] | None = None
     answer_seconds: list[float] = field(default_factory=list)  # how long each answer the agent gave took
     inflight: InFlight | None = None
@@ -323,7 +324,8 @@ class Decisions:
         return {"decision": number, "reason": reason, "update": t, "progress": run["progress"],
                 "total_steps": run["total_steps"], "goal": run["goal"], "remaining": self.schedule.remaining,
                 "lrs": run["lrs"], "version": slots.current.number, "losses": {"bins": rebin(since)},
-                "losses_observed": observer.observed_since(self.state.last_decision_update),
+                "losses_observed": observer.observed_since(self.state.last_decision_update, t,
+                                                           self.state.unobserved_at_last_decision),
                 "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
                 "report": observer.latest_report, "errors": observer.errors[-8:],
                 "last_change": self.state.last_change, "timing": timing,
@@ -342,6 +344,7 @@ class Decisions:
                            version=self.slots.current.number)
         self.observer.errors = []
         self.state.last_decision_update = t
+        self.state.unobserved_at_last_decision = self.observer.unobserved.count
         blocking = self.blocking
         if blocking == "auto":
             blocking = number == 1 or self.expected_lag() > self.max_lag
@@ -494,11 +497,13 @@ class Decisions:
             queued = state.inflight.reason if queued is None else f"{state.inflight.reason}; {queued}"
         return {"schedule": self.schedule.state_dict(), "counts": counts, "wake_reason": state.wake_reason,
                 "queued_reason": queued, "last_decision_update": state.last_decision_update,
-                "last_change": state.last_change, "answer_seconds": list(state.answer_seconds)}
+                "unobserved_at_last_decision": state.unobserved_at_last_decision, "last_change": state.last_change, "answer_seconds": list(state.answer_seconds)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.schedule.load_state_dict(saved["schedule"])
         self.counts = DecisionCounts(**saved["counts"])
         self.state = DecisionState(wake_reason=saved["wake_reason"], queued_reason=saved["queued_reason"],
                                    last_decision_update=int(saved["last_decision_update"]),
+                                   # absent from states saved before the count was carried (it started over too)
+                                   unobserved_at_last_decision=int(saved.get("unobserved_at_last_decision", 0)),
                                    last_change=saved["last_change"], answer_seconds=list(saved["answer_seconds"]))

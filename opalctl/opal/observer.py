@@ -49,24 +49,27 @@ class NoLossWarning(UserWarning):
 
 class UnobservedUpdates:
     """The updates whose ``step()`` saw no loss (none passed, no closure's, none fed through ``observe()`` since
-    the step before), and the one warning about them: an agent never reasons on no data without being told."""
+    the step before), and the one warning about them: an agent never reasons on no data without being told. Both
+    are carried in the optimizer's state, so a resumed run counts on and does not warn again."""
 
     def __init__(self):
-        self.fed = False  # observe() was called since the last step
         self.count = 0
         self.warned = False
 
-    def stepped_without_loss(self) -> None:
-        if self.fed:
-            self.fed = False
-            return
-        self.count += 1
-        if not self.warned:
-            self.warned = True
-            warnings.warn(NoLossWarning(
-                "opalctl: step() ran without a loss, so the agent is told that no loss was observed; pass "
-                "step(loss=...) or call observe(loss) before step() (under transformers.Trainer use "
-                "opalctl.integrations.hf.OpalTrainer)"), stacklevel=3)
+    def warn(self) -> None:
+        self.warned = True
+        warnings.warn(NoLossWarning(
+            "opalctl: step() ran without a loss, so the agent is told that no loss was observed; pass "
+            "step(loss=...) or call observe(loss) before step() (under transformers.Trainer use "
+            "opalctl.integrations.hf.OpalTrainer)"), stacklevel=5)  # the caller of step() (a full step's depth)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "warned": self.warned}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """``state`` None: a state saved before the count was carried (it starts over, as it did then)."""
+        self.count = int(state["count"]) if state is not None else 0
+        self.warned = bool(state["warned"]) if state is not None else False
 
 
 class Observer:
@@ -85,20 +88,40 @@ class Observer:
         self.memory: dict[str, Any] = {}
         self.errors: list[dict[str, Any]] = []
         self.good: Snapshot | None = None
+        self.fed = None  # the losses fed since the last step, summed (a tensor or a float), or None
         self.unobserved = UnobservedUpdates()
 
-    def observe(self, loss) -> None:
-        self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
-
     def feed(self, loss) -> None:
-        """The loss of the update about to step, from a framework that calls ``step()`` without one."""
-        self.observe(loss)
-        self.unobserved.fed = True
+        """A loss of the update about to step, from a framework that calls ``step()`` itself: the losses fed before
+        one step are its micro-batches' (gradient accumulation), already scaled by the framework, and are summed."""
+        loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self.fed = loss if self.fed is None else self.fed + loss
 
-    def observed_since(self, update: int) -> int:
-        """How many losses were observed after update ``update`` (the last decision's): the analysed bins that end
-        after it and the losses not analysed yet. 0 tells the agent it has no loss to reason on."""
-        return sum(b["count"] for b in self.loss_bins if b["end"] > update) + len(self.pending_losses)
+    def after_step(self, loss) -> None:
+        """Keep the loss of the update just stepped: the losses fed since the step before plus the step's own (passed
+        to ``step`` or its closure's), or count an update with neither. The plain and the full path of ``step`` both
+        call this and nothing else about losses, so the two cannot count differently; it runs once per update,
+        hence the inlined branches."""
+        fed = self.fed
+        if fed is not None:
+            self.fed = None
+            if loss is not None:
+                fed = fed + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+            self.pending_losses.append(fed)
+        elif loss is not None:
+            self.pending_losses.append(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        else:
+            unobserved = self.unobserved
+            unobserved.count += 1
+            if not unobserved.warned:
+                unobserved.warn()
+
+    def observed_since(self, update: int, t: int, unobserved_then: int) -> int:
+        """How many of the updates after update ``update`` (the last decision's) up to ``t`` stepped with a loss:
+        those updates less the ones counted without one since (``unobserved_then``: the count at ``update``). Exact
+        at any update, unlike the analysed bins, which may begin before it. 0 tells the agent it has no loss to
+        reason on."""
+        return (t - update) - (self.unobserved.count - unobserved_then)
 
     @staticmethod
     def analysis_due(t: int, every: int) -> bool:
@@ -201,8 +224,10 @@ class Observer:
     def state_dict(self, t: int, version: Version) -> dict[str, Any]:
         if any(isinstance(x, torch.Tensor) for x in self.pending_losses):
             self.pending_losses = [float(x.float()) if isinstance(x, torch.Tensor) else x for x in self.pending_losses]
+        fed = float(self.fed.float()) if isinstance(self.fed, torch.Tensor) else self.fed
         return {"memory": self.memory_copy(t, version), "pending_losses": list(self.pending_losses),
-                "loss_bins": self.loss_bins, "latest_report": self.latest_report, "errors": self.errors}
+                "loss_bins": self.loss_bins, "latest_report": self.latest_report, "errors": self.errors,
+                "fed": fed, "unobserved": self.unobserved.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory = state["memory"]
@@ -212,6 +237,8 @@ class Observer:
         self._report_text = json.dumps(report) if report is not None else None
         self.errors = list(state["errors"])
         self.good = None
+        self.fed = state.get("fed")  # absent from states saved before it was carried
+        self.unobserved.load_state_dict(state.get("unobserved"))
 
 
 class IntegrityWatch:

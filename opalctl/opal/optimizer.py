@@ -2,12 +2,13 @@
 
 The optimizer is a thin torch facade over parts that each own their state (and their ``state_dict``):
 
-- ``ProgramSlots`` (``slots``): the versions of the programs, the running one and its fallback, the trial of a
-  new version, the snapshots a failed step is restored from;
+- ``ProgramSlots`` (``slots``): the versions of the programs, the running one and its fallback, a version's step,
+  the trial of a new version, the snapshots a failed step is restored from;
 - ``StepGuard`` (``guard``): a step's time limit and the checks of the parameters after it; agent code runs
   through ``guard.contained``, the one place where its failures become results;
-- ``Observer`` and ``IntegrityWatch`` (``observer``): the losses, the analysis, the errors shown to the agent,
-  the rollback state, the evaluation-integrity recorder;
+- ``Observer`` and ``IntegrityWatch`` (``observer``): the losses (each update's: what ``observe`` fed since the
+  step before, summed, plus the step's own; the updates that had none), the analysis, the errors shown to the
+  agent, the rollback state, the evaluation-integrity recorder;
 - ``Decisions`` (``decisions``): when and how the agent is asked, and what becomes of its answers.
 
 In the order an update meets them:
@@ -39,7 +40,6 @@ With the starting programs and an agent that changes nothing, every update is ex
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from importlib import resources
@@ -84,9 +84,21 @@ def _workspace(run_dir: Path | None) -> tuple[Path, bool]:
     return workspace, scratch
 
 
-def _no_grad_step(version: Version, grads, t: int, ctx: StepContext) -> None:
-    with torch.no_grad():
-        version.updater.step(grads, t, ctx)
+def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:
+    """Install version 0 (the released defaults unless ``sources``) and write the ``start`` event, which says
+    whether version 0 differs from the released starting programs (then it never takes the plain path)."""
+    from opalctl.opal.provenance import current, differences
+
+    changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
+    version = slots.start(sources or default_sources(), released=not changed)
+    records.save_program(0, version.files)
+    if changed:
+        import sys
+
+        sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
+                         + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
+    records.event(Event.START, update=0, **settings, every=version.every, defaults_sha256=current(),
+                  defaults_differ=changed)
 
 
 class AgentOptimizer(torch.optim.Optimizer):
@@ -138,27 +150,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             AgentLine(backend, *_workspace(run_dir), prompt_text(prompt), self.records.redaction), self.records,
             self.slots,
             self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress)
-        self._released_start = self._start(sources, decisions=decisions, blocking=blocking,
-                                           trial_steps=trial_steps, prompt=prompt)
-
-    def _start(self, sources: dict[str, str] | None, **settings: Any) -> bool:
-        """Install version 0 and write the ``start`` event; True when version 0 is the released starting program."""
-        from opalctl.opal.provenance import current, differences
-
-        version = self.slots.start(sources or default_sources())
-        self.records.save_program(0, version.files)
-        changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
-        if changed:
-            import sys
-
-            sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
-                             + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
-        self.records.event(Event.START, update=0, backend=self.decisions.agent.backend.describe(),
-                           decisions=settings["decisions"], schedule=self.decisions.schedule.fractions,
-                           blocking=settings["blocking"], trial_steps=settings["trial_steps"],
-                           prompt=settings["prompt"], every=version.every, defaults_sha256=current(),
-                           defaults_differ=changed)
-        return not changed
+        _start(self.slots, self.records, sources, backend=self.decisions.agent.backend.describe(), decisions=decisions,
+               schedule=self.decisions.schedule.fractions, blocking=blocking, trial_steps=trial_steps, prompt=prompt)
 
     # -- what torch, schedulers and callers see ------------------------------------------------------------
     @property
@@ -228,7 +221,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         t = self.t
         if self._closed or self.records.waiting:
             return t
-        return min(self.slots.quiet_until(t, self._released_start),
+        return min(self.slots.quiet_until(t),
                    self.integrity.quiet_until(t),
                    Observer.quiet_until(t, self.slots.current.every),
                    self.decisions.quiet_until(t, checks_boundaries=not self.manual_boundaries,
@@ -250,10 +243,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             if error is not None:  # handled as on the full path (the user's optimizer raised)
                 with self.records.hold:  # its records wait for the next boundary (the next step is a full one)
                     self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
-            if loss is not None:
-                self.observer.observe(loss)
-            else:
-                self.observer.unobserved.stepped_without_loss()
+            self.observer.after_step(loss)
             self.t = t + 1
             version.steps += 1
             self.integrity.after_step(t + 1, layouts=False)
@@ -290,14 +280,11 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._step_failed(version, error, snapshot, ctx)
         elif in_trial and slots.trial_step_passed():
             self.records.event(Event.TRIAL_PASSED, update=self.t + 1, version=version.number)
-        if loss is not None:
-            self.observer.observe(loss)
-        else:
-            self.observer.unobserved.stepped_without_loss()
+        self.observer.after_step(loss)
         self.t += 1
         version.steps += 1
         # layouts are compared too whenever a program other than the released starting one ran (see record)
-        self.integrity.after_step(self.t, layouts=version.number != 0 or not self._released_start)
+        self.integrity.after_step(self.t, layouts=version.number != 0 or not slots.released_start)
         if probe:
             self._analyse(before)
         if self.guard.changes:
@@ -307,32 +294,18 @@ class AgentOptimizer(torch.optim.Optimizer):
         if self.slots.audit_due(version):
             self._audited_step(version, ctx)
         else:
-            self._run_step(version, ctx)
+            self.slots.run_step(version, self._grads, self.t, ctx)
         # during a trial every step is checked in full (one device sync); after it, the periodic check does
         problem = self.guard.check(full=True) if in_trial else None
         if problem:
             raise StepFailure(problem)
-
-    def _run_step(self, version: Version, ctx: StepContext) -> None:
-        if version.number == 0 and self._released_start:
-            # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
-            # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
-            # cost about as much as the rest of the wrapper put together on a small model.
-            started = time.perf_counter()
-            version.updater.step(self._grads, self.t, ctx)
-            version.timed(time.perf_counter() - started)
-            return
-        self.guard.version = version
-        elapsed = self.guard.run(_no_grad_step, version, self._grads, self.t, ctx)
-        version.timed(elapsed)
-        self.guard.enforce(elapsed)
 
     def _audited_step(self, version: Version, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once: outermost operator calls and, on CUDA,
         host synchronisations, shown to the agent beside the starting program's counts."""
         from opalctl.opal.audit import count_step
 
-        counts = {"version": version.number, "update": self.t, **count_step(lambda: self._run_step(version, ctx))}
+        counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
         self.slots.audits[version.number] = counts
         self.records.event(Event.AUDIT, **counts)
 
@@ -357,7 +330,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.decisions.reverted(version.number, self.t, message)
         if not redo:
             return
-        _, second = contained(self._run_step, fallback, ctx)
+        _, second = contained(self.slots.run_step, fallback, self._grads, self.t, ctx)
         if second is None:
             return
         # the fallback itself failed: the starting program takes over
@@ -367,7 +340,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if fallback is not self.slots.versions[0]:
             if snapshot is not None:
                 snapshot.restore(self.named, self.spec)
-            self._run_step(self.slots.to_start(), ctx)
+            self.slots.run_step(self.slots.to_start(), self._grads, self.t, ctx)
 
     # -- analysis ------------------------------------------------------------------------------------------
     def _analyse(self, before: dict[str, torch.Tensor]) -> None:
@@ -392,7 +365,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             self.decisions.wake(wake, t)
 
     def observe(self, loss) -> None:
-        """Record the loss of the update that is about to step (for frameworks that call ``step()`` themselves)."""
+        """Record a loss of the update that is about to step (for frameworks that call ``step()`` themselves);
+        the losses observed before one step are its micro-batches' and are summed, with the step's own."""
         self.observer.feed(loss)
 
     @property

@@ -1,5 +1,5 @@
-"""The program slots: every version of the two programs, which one runs, which one a failure falls back to, the
-trial of a new version, and the snapshots a failed step is restored from.
+"""The program slots: every version of the two programs, which one runs (and its step, under the guard), which one
+a failure falls back to, the trial of a new version, and the snapshots a failed step is restored from.
 
 A ``Snapshot`` holds the parameters, their gradients, the user's optimizer state and the scheduler state, and
 ``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a trial's or a
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,11 @@ class Snapshot:
                         scheduler=swap.scheduler)
 
 
+def _no_grad_step(version: Version, grads, t: int, ctx) -> None:
+    with torch.no_grad():
+        version.updater.step(grads, t, ctx)
+
+
 def _build(build, named, previous, spec) -> tuple[Any, Any] | str:
     """A program's ``build`` and what is read of its updater, all inside the guarded call (a property of the
     updater is program code too): (the updater, its param_groups or None), or what is wrong with it."""
@@ -171,12 +177,15 @@ class ProgramSlots:
         self.audits: dict[int, dict[str, Any]] = {}
         self.reverted = 0  # versions that failed and were handed over to their fallback
         self.step_failures = 0  # failed steps (a fallback's failed redo counts too)
+        self.released_start = False  # version 0 is the released starting program (not programs given to wrap)
 
     # -- installing ------------------------------------------------------------------------------------------
-    def start(self, files: dict[str, str]) -> Version:
-        """Install version 0 (the starting programs): it runs, and it is the fallback."""
+    def start(self, files: dict[str, str], released: bool) -> Version:
+        """Install version 0 (the starting programs; ``released``: the released ones, unchanged): it runs, and it
+        is the fallback."""
         self.install(Version(number=0, files=dict(files), status="passed"), previous=None)
         self.fallback = self.current
+        self.released_start = released
         return self.current
 
     def install(self, version: Version, previous) -> None:
@@ -271,14 +280,31 @@ class ProgramSlots:
         self.current = self.fallback = self.versions[0]
         return self.current
 
+    # -- stepping --------------------------------------------------------------------------------------------
+    def run_step(self, version: Version, grads, t: int, ctx) -> None:
+        """``version``'s step of update ``t``, timed; an exception or a step over the time limit propagates (the
+        optimizer's ``contained`` makes it a failure)."""
+        if version.number == 0 and self.released_start:
+            # The released starting program only calls the user's own optimizer (which sets its own grad mode) and
+            # scheduler: no time limit (it has no fallback; it is the fallback) and no grad-mode switch, which
+            # cost about as much as the rest of the wrapper put together on a small model.
+            started = time.perf_counter()
+            version.updater.step(grads, t, ctx)
+            version.timed(time.perf_counter() - started)
+            return
+        self.guard.version = version
+        elapsed = self.guard.run(_no_grad_step, version, grads, t, ctx)
+        version.timed(elapsed)
+        self.guard.enforce(elapsed)
+
     def audit_due(self, version: Version) -> bool:
         return version.steps == 1 and version.number not in self.audits
 
-    def quiet_until(self, t: int, released_start: bool) -> int:
+    def quiet_until(self, t: int) -> int:
         """Up to which update the slots need nothing of a step but the released starting program's own: ``t``
         (none) unless that program runs, passed, with its audit done."""
         version = self.current
-        if version.number != 0 or not released_start or version.status != "passed" or 0 not in self.audits:
+        if version.number != 0 or not self.released_start or version.status != "passed" or 0 not in self.audits:
             return t
         return 1 << 62
 

@@ -91,22 +91,53 @@ def test_keep_inside_the_trainer_equals_the_plain_trainer_bit_for_bit_over_100_u
     assert abs(sum(b["mean"] * b["count"] for b in bins) / UPDATES - trainer.state.log_history[-1]["train_loss"]) < 1e-4
 
 
-def test_a_resumed_trainer_run_equals_an_uninterrupted_one(hf):
+BLIND = range(40, 70)  # the updates whose micro-batches' losses never reach the agent (the checkpoint is at 50)
+
+
+def partly_blind(module):
+    """``OpalTrainer`` that does not feed the agent during ``BLIND`` (as a plain Trainer would not): those updates
+    step without a loss, on both sides of the checkpoint."""
+
+    class PartlyBlind(module.OpalTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step in BLIND:
+                return transformers.Trainer.training_step(self, model, inputs, num_items_in_batch)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return PartlyBlind
+
+
+def decisions_seen(run_dir: Path) -> list[str]:
+    """Each decision's message and answer, without the line of measured durations."""
+    return ["\n".join(line for line in (folder / "message.md").read_text().splitlines()
+                      if not line.startswith("updater step")) + (folder / "response.md").read_text()
+            for folder in sorted((run_dir / "decisions").iterdir())]
+
+
+def test_a_resumed_trainer_run_equals_an_uninterrupted_one_with_no_spurious_event_and_the_same_no_loss_facts(hf):
     module, root, _, _ = hf
     run_dir = root / "resume-run"
     settings = {"backend": "heuristic", "run_dir": run_dir, "decisions": 4, "schedule": "uniform"}
-    whole, whole_model = train(module.OpalTrainer, root / "resume", save_at=50, opal=settings)
-    uninterrupted = [e for e in events(run_dir) if e["kind"] in ("applied", "kept")]
-    shutil.rmtree(root / "resume" / f"checkpoint-{UPDATES}", ignore_errors=True)
-    # a second process would start here: a new Trainer resumes from update 50 in the same run folder
-    resumed, resumed_model = train(module.OpalTrainer, root / "resume", resume=root / "resume" / "checkpoint-50",
-                                   opal=settings)
+    trainer_class = partly_blind(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole, whole_model = train(trainer_class, root / "resume", save_at=50, opal=settings)
+        uninterrupted, seen = events(run_dir), decisions_seen(run_dir)
+        shutil.rmtree(root / "resume" / f"checkpoint-{UPDATES}", ignore_errors=True)
+        # a second process would start here: a new Trainer resumes from update 50 in the same run folder
+        resumed, resumed_model = train(trainer_class, root / "resume", resume=root / "resume" / "checkpoint-50",
+                                       opal=settings)
     assert same_weights(whole_model, resumed_model)
     after = events(run_dir)
     assert [e["update"] for e in after if e["kind"] == "resumed"] == [50]
-    assert [(e["kind"], e["update"]) for e in after if e["kind"] in ("applied", "kept")] == \
-        [(e["kind"], e["update"]) for e in uninterrupted]
+    assert [(e["kind"], e["update"], e.get("version")) for e in after if e["kind"] != "resumed"] == \
+        [(e["kind"], e["update"], e.get("version")) for e in uninterrupted]  # nothing spurious, nothing lost
     assert resumed.agent.current.number == whole.agent.current.number
+    # the updates that stepped without a loss are counted across the checkpoint, and warned about once in all
+    assert resumed.agent.observer.unobserved.count == whole.agent.observer.unobserved.count == len(BLIND)
+    assert len([w for w in caught if "without a loss" in str(w.message)]) == 1
+    assert decisions_seen(run_dir) == seen
+    assert "No loss was observed" in seen[2] and "No loss was observed" not in seen[3]  # at 60: 40-59 blind
 
 
 def test_heuristic_decisions_apply_inside_the_trainer(hf):

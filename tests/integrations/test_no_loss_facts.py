@@ -33,3 +33,25 @@ def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_p
     assert "10 loss(es) observed since the last decision." in (second / "message.md").read_text()
     facts = json.loads((run_dir / "workspace" / ".opal" / "facts.json").read_text())  # the last decision's
     assert facts["losses_observed"] == 10  # updates 30-39, not analysed yet
+
+
+def test_losses_observed_counts_the_updates_since_the_last_decision_even_inside_an_analysed_bin(tmp_path):
+    # decisions at 20 and 40; the analysis bins are 1-25 and 26-50, so the first bin began before decision 1:
+    # the losses of updates 10-19 belong to decision 1, and decision 2 saw none
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    run_dir = tmp_path / "run"
+    agent = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="keep", total_steps=60, decisions=2,
+                 schedule="uniform", run_dir=run_dir)
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for update in range(60):
+            loss = model(inputs).pow(2).mean()
+            agent.zero_grad()
+            loss.backward()
+            agent.step(loss=loss) if 10 <= update < 20 else agent.step()
+    agent.close()
+    first, second = sorted((run_dir / "decisions").iterdir())
+    assert "10 loss(es) observed since the last decision." in (first / "message.md").read_text()
+    assert NO_LOSS in (second / "message.md").read_text()
