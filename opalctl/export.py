@@ -8,6 +8,11 @@ report), ``budget/used`` at each stage, and each agent decision as text under ``
 on the report page), not the moment of the export, so TensorBoard's "relative" axis reads training seconds and
 exporting the same runs twice writes the same events. An export replaces the event files an earlier export
 left in a run's folder (TensorBoard would show both), and touches nothing else there.
+
+Every run folder is read and its chain of digests checked first, as ``opalctl show`` checks it
+(``protocol.verify.checked_run_folder``): an edited or damaged folder is refused in show's sentence and exit code
+(3 for a record that no longer matches, 1 for one that cannot be read) before any event file is written, so an
+export never shows what ``show`` would not.
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=No
     from opalctl.compare.aggregate import collect
     from opalctl.driver.run import runs_dir_default
     from opalctl.protocol.lock import read_lock
+    from opalctl.protocol.verify import checked_run_folder
 
     lock = read_lock(Path(lock_path))
     base, finished, _unfinished = collect(lock, runs_dir_default(runs_dir))
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise BadInput(f"--tensorboard {target} is a file; give a folder for the event files")
+    chosen = [(arm, seed) for arm in finished for seed in sorted(finished[arm])]
+    for arm, seed in chosen:  # every folder checked before any event file is written or replaced
+        checked_run_folder(base / arm / f"seed-{seed}")
     written = []
-    for arm in finished:
-        for seed in sorted(finished[arm]):
-            run_folder = target / arm / f"seed-{seed}"
-            _write_run(base / arm / f"seed-{seed}", finished[arm][seed], run_folder)
-            written.append(str(run_folder))
+    for arm, seed in chosen:
+        run_folder = target / arm / f"seed-{seed}"
+        _write_run(base / arm / f"seed-{seed}", finished[arm][seed], run_folder)
+        written.append(str(run_folder))
     return {"lock": str(lock.path), "tensorboard": str(target), "runs": written}
 
 

@@ -4,6 +4,8 @@
 session (once per xdist worker) into a folder that no test touches; ``digits_project`` hands each test its own
 copy to break as it likes. ``run_cli`` runs the real command in a subprocess (what a user types); ``call_cli``
 runs ``opalctl.cli.main`` in this process, which is much faster and is what the fuzz test uses.
+``finished_runs`` is one frozen protocol's finished runs (five arms by two seeds), made once per session for
+every worker, which compare, the report page and export read (tests that edit runs copy them first).
 
 A test that needs a system component (Landlock, chromium, Slurm, ...) skips with a reason that starts with
 ``SYSTEM_SKIP`` where the component is missing (a user's laptop). CI installs every such component and sets
@@ -13,6 +15,7 @@ A test that needs a system component (Landlock, chromium, Slurm, ...) skips with
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = [1, 2]
@@ -150,3 +154,57 @@ def helpers():
         REPO = REPO
 
     return Helpers
+
+
+# Finished runs that compare, report and export read -----------------------------------------------------------
+
+FINISHED_ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
+                 "agent": {"optimizer": {"name": "AdamW", "lr": 1.0e-3},
+                           "agent": {"backend": "heuristic", "decisions": 4}},
+                 "high": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}},
+                 "twin": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},  # the baseline's twin: ties on every seed
+                 "still": {"optimizer": {"name": "AdamW", "lr": 1.0e-12}},  # learns nothing: keeps the anchor
+                 "idle": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}}  # never run
+FINISHED_POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 12},
+                   "improve_any": ["selection.correct"]}
+FINISHED_UPDATES = 60
+
+
+def _finish_runs(template: Path, root: Path) -> None:
+    """Freeze the digits protocol with ``FINISHED_ARMS`` and run every arm but ``idle`` on both seeds."""
+    from opalctl.driver.run import run
+    from opalctl.protocol.freeze import freeze
+
+    project = root / "project"
+    shutil.copytree(template, project, ignore=shutil.ignore_patterns(".complete"))
+    protocol = yaml.safe_load((project / "digits.yaml").read_text())
+    protocol.update(budget={"clock": "updates", "amount": FINISHED_UPDATES, "threads": 1}, arms=FINISHED_ARMS,
+                    selection=FINISHED_POLICY)
+    (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
+    lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
+    for arm in FINISHED_ARMS:
+        if arm != "idle":
+            for seed in SEEDS:
+                run(lock, arm, seed, runs_dir=root / "runs")
+
+
+@pytest.fixture(scope="session")
+def finished_runs(request, tmp_path_factory) -> dict[str, Path]:
+    """One frozen digits protocol (``FINISHED_ARMS``, 60 updates) whose arms but ``idle`` ran on seeds 1 and 2:
+    ``lock``, ``runs``, ``base`` (the lock's folder under ``runs``), ``project``, ``root``. Made once per test
+    session and shared by the xdist workers through a file lock, so it is read-only: a test that edits runs copies
+    ``runs`` into its own ``tmp_path`` first."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # shared by every worker of this session
+    root = base / "opalctl-finished-runs"
+    with open(base / "opalctl-finished-runs.lock", "w") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        if not (root / ".complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            _finish_runs(request.getfixturevalue("digits_init_folder"), root)
+            (root / ".complete").write_text("ok\n")
+    lock = next((root / "project").glob("digits*.lock.json"))
+    return {"lock": lock, "runs": root / "runs", "base": root / "runs" / f"digits-{sha256_of(lock)[:12]}",
+            "project": root / "project", "root": root}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from opalctl.choices import known_only
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
 from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, stage_metrics
@@ -55,10 +56,8 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
     directions[TRAIN_LOSS] = False
     if not chosen:
         return directions
-    unknown = [name for name in chosen if name not in directions]
-    if unknown:
-        raise BadInput(f"--metric {unknown[0]!r} is not a metric of {lock.path}'s runs; give one of "
-                       f"{', '.join(directions)}")
+    chosen = known_only(chosen, directions, lambda name, names: f"--metric {name!r} is not a metric of "
+                        f"{lock.path}'s runs; give one of {', '.join(names)}")
     return {name: directions[name] for name in chosen}
 
 

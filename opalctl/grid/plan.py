@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import BadInput
+from opalctl.choices import known_only
 
 LOG_FILE = "grid.log"  # each run's output, appended to by every start, in its own run folder
 
@@ -92,11 +92,8 @@ def plan_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, se
 def _chosen(known: list, asked: list | None, what: str, lock_path: Path) -> list:
     if not asked:
         return known
-    unknown = [value for value in asked if value not in known]
-    if unknown:
-        raise BadInput(f"{what} {unknown[0]} is not in lock {lock_path} (its {what}s: "
-                       f"{', '.join(map(str, known))}); choose from those")
-    return list(dict.fromkeys(asked))
+    return known_only(asked, known, lambda value, values: f"{what} {value} is not in lock {lock_path} (its "
+                      f"{what}s: {', '.join(map(str, values))}); choose from those")
 
 
 def ordered(arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:

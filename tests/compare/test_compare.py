@@ -1,4 +1,4 @@
-"""``opalctl compare LOCK`` on real runs: four arms by two seeds of the digits task on the updates clock.
+"""``opalctl compare LOCK`` on real runs: five arms by two seeds of the digits task on the updates clock.
 
 The figures are checked against what this test reads itself from the run folders (each run's ``selected.json``
 and ``report.json``), not against the aggregation code.
@@ -13,52 +13,16 @@ import statistics
 from pathlib import Path
 
 import pytest
-import yaml
 
 SEEDS = [1, 2]
-ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
-        "high": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}},
-        "twin": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},  # the baseline's twin: it ties on every seed
-        "still": {"optimizer": {"name": "AdamW", "lr": 1.0e-12}},  # learns nothing: keeps the anchor on every seed
-        "idle": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}}  # never run
-POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 12},
-          "improve_any": ["selection.correct"]}
 METRICS = ["selection.correct", "retention.correct"]
 
 
-def _template(request, tmp_path_factory) -> Path:
-    try:
-        shared = Path(request.getfixturevalue("digits_init_folder"))
-        if all((shared / "parents" / "digits" / f"seed-{s}.pt").is_file() for s in SEEDS):
-            return shared
-    except pytest.FixtureLookupError:
-        pass
-    from opalctl.tasks.builtin import init
-
-    folder = tmp_path_factory.mktemp("compare-digits") / "project"
-    init("digits", folder, seeds=SEEDS)
-    return folder
-
-
 @pytest.fixture(scope="module")
-def grid(request, tmp_path_factory):
-    """A frozen protocol with three arms; two of them run on both seeds. Read-only for the tests."""
-    from opalctl.driver.run import run
-    from opalctl.protocol.freeze import freeze
-
-    root = tmp_path_factory.mktemp("compare")
-    project = root / "project"
-    shutil.copytree(_template(request, tmp_path_factory), project)
-    protocol = yaml.safe_load((project / "digits.yaml").read_text())
-    protocol.update(budget={"clock": "updates", "amount": 60, "threads": 1}, arms=ARMS, selection=POLICY)
-    (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
-    lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
-    runs = root / "runs"
-    for arm in ("adamw", "high", "twin", "still"):
-        for seed in SEEDS:
-            run(lock, arm, seed, runs_dir=runs)
-    base = runs / f"digits-{hashlib.sha256(lock.read_bytes()).hexdigest()[:12]}"
-    return {"lock": lock, "runs": runs, "base": base, "root": root}
+def grid(finished_runs):
+    """The session's finished runs (tests/conftest.py): among its arms ``twin``, the baseline's twin, ties on every
+    seed, ``still`` learns nothing and keeps the anchor on every seed, ``idle`` never ran. Read-only."""
+    return finished_runs
 
 
 @pytest.fixture
@@ -107,7 +71,8 @@ def test_compare_json_agrees_with_the_run_folders(grid, opalctl):
                                  "retention.loss": "lower", "selection.loss": "lower", "train.loss": "lower"}
     assert result["lock_sha256"] == hashlib.sha256(grid["lock"].read_bytes()).hexdigest()
     rows = {row["arm"]: row for row in result["arms"]}
-    assert list(rows) == ["adamw", "high", "still", "twin"], "the lock's order; an arm without runs is left out"
+    assert list(rows) == ["adamw", "agent", "high", "still", "twin"], \
+        "the lock's order; an arm without runs is left out"
 
     values = {arm: {seed: {m: selected_metric(grid["base"] / arm / f"seed-{seed}", m) for m in METRICS}
                     for seed in SEEDS} for arm in rows}
@@ -216,6 +181,8 @@ def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl
     for path in (runs / grid["base"].name).glob("*/seed-*/report.json"):
         report = read(path)
         old = {key: report[key] for key in REPORT_KEYS}  # a report of an older opalctl: a subset, no format
+        if report.get("agent"):
+            old["agent"] = report["agent"]  # an agent arm's figures, which compare summarises where there are any
         old["stages"] = [{k: s[k] for k in ("stage", "metrics", "train_cpu_seconds", "train_wall_seconds")}
                          for s in report["stages"]]
         path.write_text(json.dumps(old))

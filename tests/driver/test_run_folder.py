@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pytest
 
@@ -16,36 +17,50 @@ def names(folder):
     return sorted(path.name for path in folder.iterdir())
 
 
+def paused_pid(pause, children, timeout):
+    """The pid the run standing still at its pause wrote; a child that failed first fails the test."""
+    deadline, pids = time.monotonic() + timeout, {str(child.pid) for child in children}
+    while not pause.exists() or pause.read_text() not in pids:  # a read may come before the write is whole
+        for child in children:
+            if child.poll() not in (None, 2):
+                raise AssertionError(f"a run ended (exit {child.returncode}) before {pause}: "
+                                     f"{child.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, f"no {pause} after {timeout} s"
+        time.sleep(0.02)
+    return int(pause.read_text())
+
+
 def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second_is_refused_naming_the_folder(
         pausing, tools, main_cli, tmp_path):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
-    pause, release, lone_runs = tmp_path / "paused", tmp_path / "release", tmp_path / "lone"
-    together = [tools.spawn(project, project.run_args("adamw", 1)) for _ in range(2)]
-    lone = tools.spawn(project, project.run_args("adamw", 1, runs=lone_runs), PAUSE_AT="12", PAUSE_FILE=str(pause),
-                       RELEASE_FILE=str(release))
-    ended = sorted(((child.wait(timeout=tools.CHILD_TIMEOUT), *child.communicate()) for child in together),
-                   key=lambda result: result[0])
-    assert [code for code, _, _ in ended] == [0, 2], [err[-2000:] for _, _, err in ended]
-    refusal = ended[1][2].strip().splitlines()
+    pause, release = tmp_path / "paused", tmp_path / "release"
+    # both race for the folder; the one that trains stands still at update 12 until released
+    together = [tools.spawn(project, project.run_args("adamw", 1), PAUSE_AT="12", PAUSE_FILE=str(pause),
+                            RELEASE_FILE=str(release)) for _ in range(2)]
+    alone = project.run("adamw", 1, runs_dir=tmp_path / "alone")  # the same run with no neighbour, meanwhile
+    pid = paused_pid(pause, together, tools.CHILD_TIMEOUT)
+    trains = next(child for child in together if child.pid == pid)
+    refused = next(child for child in together if child is not trains)
+    _, err = refused.communicate(timeout=tools.CHILD_TIMEOUT)
+    assert refused.returncode == 2, err[-2000:]
+    refusal = err.strip().splitlines()
     assert len(refusal) == 1 and refusal[0].startswith("opalctl: error: ") and str(run_dir) in refusal[0]
 
-    # while the lone run stands at update 12, a second --resume (or run) of it is refused at once, changing nothing
-    tools.wait_for(pause, lone)
-    lone_dir = project.run_dir("adamw", 1, runs=lone_runs)
-    before = tools.snapshot(lone_dir.parent)
+    # while the run stands at update 12, a second --resume (or run) of it is refused at once, changing nothing
+    before = tools.snapshot(run_dir.parent)
     for more in (["--resume"], []):
-        code, out, err = main_cli(project.run_args("adamw", 1, *more, runs=lone_runs))
+        code, out, err = main_cli(project.run_args("adamw", 1, *more))
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-        assert f"another opalctl process (pid {lone.pid}) is running {lone_dir} now" in err
-    assert tools.snapshot(lone_dir.parent) == before
+        assert f"another opalctl process (pid {pid}) is running {run_dir} now" in err
+    assert tools.snapshot(run_dir.parent) == before
     release.touch()
-    assert lone.wait(timeout=tools.CHILD_TIMEOUT) == 0, lone.communicate()[1][-2000:]
+    assert trains.wait(timeout=tools.CHILD_TIMEOUT) == 0, trains.communicate()[1][-2000:]
 
-    survivor, alone = tools.read(run_dir / "report.json"), tools.read(lone_dir / "report.json")
+    survivor, alone_dir = tools.read(run_dir / "report.json"), project.run_dir("adamw", 1, runs=tmp_path / "alone")
     assert survivor["final_model_sha256"] == alone["final_model_sha256"] and survivor["resumes"] == 0
     assert [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")] == list(range(1, 21))
     # a finished folder holds its records and nothing else: no lock, no marker, no temporary file
-    assert names(run_dir) == names(lone_dir) == tools.FINISHED_FILES
+    assert names(run_dir) == names(alone_dir) == tools.FINISHED_FILES
     assert names(run_dir.parent) == [".seed-1.lock", "seed-1"]
 
 

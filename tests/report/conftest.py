@@ -6,8 +6,8 @@ what a test needs to judge it: every console message and error, every network re
 screenshot of the whole page and the DOM as loaded. Where there is no chromium, tests skip as needing a system
 component, naming the package (a failure in CI: tests/conftest.py).
 
-Also here: a small digits grid (three arms, one an agent with the heuristic backend, two seeds, 60 updates),
-made once per module that asks for it.
+Also here: ``grid``, the session's finished runs (tests/conftest.py's ``finished_runs``) under this folder's
+name for them.
 """
 
 from __future__ import annotations
@@ -24,16 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 BROWSER_TIMEOUT = 60.0
-SEEDS = [1, 2]
-ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
-        "agent": {"optimizer": {"name": "AdamW", "lr": 1.0e-3},
-                  "agent": {"backend": "heuristic", "decisions": 4}},
-        "high": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}}}
-POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 12},
-          "improve_any": ["selection.correct"]}
 
 
 def chromium_path() -> str | None:
@@ -149,35 +141,8 @@ def browser(tmp_path_factory):
     started.close()
 
 
-def _template(request, tmp_path_factory) -> Path:
-    try:
-        shared = Path(request.getfixturevalue("digits_init_folder"))
-        if all((shared / "parents" / "digits" / f"seed-{s}.pt").is_file() for s in SEEDS):
-            return shared
-    except pytest.FixtureLookupError:
-        pass
-    from opalctl.tasks.builtin import init
-
-    folder = tmp_path_factory.mktemp("report-digits") / "project"
-    init("digits", folder, seeds=SEEDS)
-    return folder
-
-
 @pytest.fixture(scope="module")
-def grid(request, tmp_path_factory) -> dict[str, Path]:
-    """Three arms by two seeds, finished; read-only for the tests."""
-    from opalctl.driver.run import run
-    from opalctl.protocol.freeze import freeze
-
-    root = tmp_path_factory.mktemp("report")
-    project = root / "project"
-    shutil.copytree(_template(request, tmp_path_factory), project)
-    protocol = yaml.safe_load((project / "digits.yaml").read_text())
-    protocol.update(budget={"clock": "updates", "amount": 60, "threads": 1}, arms=ARMS, selection=POLICY)
-    (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
-    lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
-    runs = root / "runs"
-    for arm in ARMS:
-        for seed in SEEDS:
-            run(lock, arm, seed, runs_dir=runs)
-    return {"lock": lock, "runs": runs, "root": root, "project": project}
+def grid(finished_runs) -> dict[str, Path]:
+    """The session's finished runs (tests/conftest.py): an agent arm with the heuristic backend among fixed ones,
+    two seeds, 60 updates; read-only for the tests."""
+    return finished_runs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,35 @@ def test_without_tensorboard_the_export_says_what_to_install(grid, tmp_path, mon
     captured = capsys.readouterr()
     assert exit_info.value.code == 1 and captured.out == ""
     assert "needs the tensorboard package" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def _strip_the_chain(run_dir):
+    """Edit a figure of the report and drop every digest that would tell: it reads like a report of an opalctl
+    older than the chain, which compare reads tolerantly."""
+    path = run_dir / "report.json"
+    report = json.loads(path.read_text())
+    report.pop("digests", None)
+    for stage in report["stages"]:
+        stage.pop("anchor_sha256", None)
+        stage["metrics"]["selection.correct"] += 1
+    path.write_text(json.dumps(report))
+
+
+def _flip_a_steps_byte(run_dir):
+    data = bytearray((run_dir / "steps.jsonl.gz").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (run_dir / "steps.jsonl.gz").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_strip_the_chain, _flip_a_steps_byte], ids=["edited-report", "damaged-steps"])
+def test_export_refuses_an_edited_or_damaged_run_folder_in_shows_sentence_and_writes_nothing(grid, tmp_path,
+                                                                                            cli_inprocess, damage):
+    runs = tmp_path / "runs"
+    shutil.copytree(grid["runs"], runs)
+    run_dir = runs / grid["base"].name / "twin" / "seed-2"  # the last run exported: nothing may be written first
+    damage(run_dir)
+    shown = cli_inprocess("show", run_dir)
+    assert shown.code in (1, 3) and shown.stdout == "" and len(shown.stderr.strip().splitlines()) == 1, shown.stderr
+    exported = cli_inprocess("export", grid["lock"], "--runs-dir", runs, "--tensorboard", tmp_path / "tb")
+    assert (exported.code, exported.stdout, exported.stderr) == (shown.code, "", shown.stderr)
+    assert not (tmp_path / "tb").exists()
