@@ -238,6 +238,16 @@ class FollowerSteps:
         self.pending.clear()
 
 
+def lost_rank(error: BaseException) -> str | None:
+    """The first line of a collective's failure when another rank of the world is gone (killed, or stopped by
+    torchrun), else None; the run then ends in one sentence that gives the command continuing it."""
+    import torch.distributed as dist
+
+    failed = isinstance(error, getattr(dist, "DistError", ())) or (
+        isinstance(error, RuntimeError) and "gloo" in str(error).lower())
+    return (str(error).strip().splitlines() or [type(error).__name__])[0] if failed else None
+
+
 def prints_here(environ: dict[str, str] | None = None) -> bool:
     """Whether this process prints a run's report: rank 0 alone under torchrun (the others hold the same one)."""
     return (os.environ if environ is None else environ).get("RANK", "0") in ("", "0")

@@ -58,7 +58,7 @@ from opalctl.driver.evaluation import rng_state, set_rng_state
 from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening, stage_name
 from opalctl.driver.judge import Incumbent, StageFacts
 from opalctl.driver.ledger import Ledger
-from opalctl.driver.ranks import FollowerSteps, Ranks, join, torchrun_line
+from opalctl.driver.ranks import FollowerSteps, Ranks, join, lost_rank, torchrun_line
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
 from opalctl.files import atomic_write_json, read_json, sha256_file, storage, storage_fault
@@ -718,12 +718,16 @@ class StopSignals:
 
 
 def told(error: BaseException, received: int | None, command: RunCommand, run: Path | None) -> OpalctlError | None:
-    """What a run that failed with ``error`` tells the user, when it is a stop or a storage fault: an
-    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a ``StorageFault`` whose
-    sentence ends with the command that continues the run; None for anything else."""
+    """What a run that failed with ``error`` tells the user, when it is a stop, a lost rank or a storage fault: an
+    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a sentence naming the
+    failed collective when another torchrun rank is gone, a ``StorageFault`` whose sentence ends with the command
+    that continues the run; None for anything else."""
     verb, line = command.next_step(run) if run is not None else ("start it again", command.line())
     if received is not None:
         return Interrupted(received, line, what=verb)
+    gone = lost_rank(error) if command.ranks > 1 else None
+    if gone is not None:
+        return OpalctlError(f"another rank of this torchrun run stopped ({gone}); {verb} with: {line}")
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
         error = storage_fault(error.filename or run, error.errno, error.strerror or "") or error
     return error.for_command(line) if isinstance(error, StorageFault) else None

@@ -115,6 +115,8 @@ def test_sigkill_of_rank_1_then_resume_under_torchrun_ends_as_the_uninterrupted_
     _, _, seen = world
     state, resumed, run_dir = killed
     assert state["returncode"] != 0 and "resume.pt" in state["files"] and "report.json" not in state["files"]
+    # rank 0 stops on torchrun's SIGTERM, or on its collective with the rank that is gone, whichever comes first
+    assert f"resume with: torchrun --nproc-per-node 2 -m opalctl run {world[0].lock} " in state["rank-0"]["error"]
     report = json.loads(resumed.stdout)
     assert report["resumes"] == 1 and report["ranks"] == 2
     assert report["final_model_sha256"] == seen[0]["plain"]["final_model_sha256"]
