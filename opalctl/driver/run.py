@@ -34,6 +34,11 @@ decided whether this start may use the folder (``claim_folder``): a started or f
 over, ``--resume`` needs a resume checkpoint (or a run that never got past update 0), and ``--restart`` starts a started, unfinished run again from update
 0 after moving its folder aside whole (``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP) or a
 storage fault ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
+
+Under torchrun (``training.ranks`` above 1) every rank runs this sequence on its own batches: rank 0 alone
+claims the folder, talks to the evaluator and writes; the others train beside it, charged what rank 0 is charged,
+and write nothing. What the ranks tell each other, and why that keeps them at the same update, is
+driver/ranks.py's; a world of one rank is today's single process, with nothing wrapped.
 """
 
 from __future__ import annotations
