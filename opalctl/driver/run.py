@@ -288,13 +288,14 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int, ranks
             f"cannot resume: {error.message}; start the run again from update 0 with --restart, which keeps "
             f"what {run_dir} holds aside") from None
     extra = payload["extra"]
+    own = rank_state(run_dir / RESUME_FILE, extra.get("ranks"), ranks or Ranks())
     parts.model.load_state_dict(payload["model"])
-    parts.optimizer.load_state_dict(extra["optimizer"])
-    parts.sampler.load_state_dict(extra["sampler"])
+    # an agent arm's optimizer state differs between rank 0 (the agent's) and the ranks that follow it
+    parts.optimizer.load_state_dict(own["optimizer"] if own is not None and "optimizer" in own else extra["optimizer"])
+    parts.sampler.load_state_dict(extra["sampler"] if own is None else own["sampler"])
     parts.schedule.load_state_dict(extra["schedule"])
     meter.load_state_dict(extra["meter"])
-    set_rng_state(extra["rng"])
-    _restore_rank(run_dir / RESUME_FILE, extra.get("ranks"), parts, ranks or Ranks())
+    set_rng_state(extra["rng"] if own is None else own["rng"])
     ledger.load_state_dict(extra["totals"])
     return Carried(incumbent=Incumbent.from_json(extra["incumbent"]),
                    stages=[_stage_record(run_dir, stage) for stage in extra["stages"]],
@@ -303,17 +304,15 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int, ranks
                    steps_sha256=extra.get("steps_sha256"))
 
 
-def _restore_rank(path: Path, states: list[dict[str, Any]] | None, parts, ranks: Ranks) -> None:
-    """This rank's own sampler and RNG states from a checkpoint of a torchrun run (``states``, one per rank; None
-    for a single-process run, whose states are the checkpoint's own)."""
+def rank_state(path: Path, states: list[dict[str, Any]] | None, ranks: Ranks) -> dict[str, Any] | None:
+    """This rank's own states (sampler, RNG, and an agent arm's optimizer) in a checkpoint of a torchrun run
+    (``states``, one per rank); None for a single-process run, whose states are the checkpoint's own."""
     world = 1 if states is None else len(states)
     if world != ranks.world:
         raise BadInput(f"the resume checkpoint {path} was written by a run of {world} rank(s) and this one has "
                        f"{ranks.world}; resume it with the world the lock's training.ranks says, or start it again "
                        f"from update 0 with --restart")
-    if states is not None:
-        parts.sampler.load_state_dict(states[ranks.rank]["sampler"])
-        set_rng_state(states[ranks.rank]["rng"])
+    return None if states is None else states[ranks.rank]
 
 
 def check_start(run_dir: Path, carried: Carried) -> None:
@@ -489,9 +488,14 @@ class BudgetLoop:
                 self.say(f"stage {record.stage}/{count} at update {record.update}: {said}{reasons}")
 
     def write_resume(self) -> None:
-        """``resume.pt``, on rank 0; under torchrun it carries every rank's own sampler and RNG states."""
-        states = self.ranks.gather({"sampler": self.parts.sampler.state_dict(), "rng": rng_state()}) \
-            if self.ranks.world > 1 else None
+        """``resume.pt``, on rank 0; under torchrun it carries every rank's own sampler and RNG states, and an
+        agent arm's optimizer state, which differs between rank 0 (the agent's) and the ranks that follow it."""
+        states = None
+        if self.ranks.world > 1:
+            own = {"sampler": self.parts.sampler.state_dict(), "rng": rng_state()}
+            if self.agent is not None:
+                own["optimizer"] = self.parts.optimizer.state_dict()
+            states = self.ranks.gather(own)
         if not self.ranks.lead:
             return
         with self.ledger.outside("checkpoint_wall"):
@@ -561,9 +565,6 @@ class FormalRun:
             raise BadInput("--resume and --restart exclude each other; choose one")
         require_unchanged(self.lock)
         check_device(self.protocol, advice="run on a machine with a GPU or set training.device: cpu")
-        if self.arm.agent is not None and self.protocol.training.ranks > 1:
-            raise BadInput(f"arm {self.arm_name!r} is an agent arm, and a formal agent arm runs in one process in "
-                           f"this opalctl; freeze the protocol with training.ranks: 1 for its agent arms")
         mode = "resume" if resume else "restart" if restart else "start"
         self.ranks = join(self.protocol, self.command.line({"start": ""}.get(mode, f"--{mode}")))
         try:
@@ -603,6 +604,8 @@ class FormalRun:
         if ranks.lead:
             carried, steps = self._open_records(evaluator, parts, agent, meter, ledger, resuming, lock_handle)
         else:
+            if agent is not None and self.confine:  # every rank's training process runs the agent's programs
+                confine_training(run_dir)
             carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
                 if resuming else Carried()
             steps = FollowerSteps()
@@ -669,7 +672,8 @@ class FormalRun:
             # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
             # and decisions happen between timed updates; the budget schedule keeps setting the base learning rate
             agent = wrap_agent(self.arm, parts.optimizer, parts.model, progress=lambda: meter.fraction_used,
-                               run_dir=self.paths.run / "opal", clip=parts.clip, budget=protocol.budget)
+                               run_dir=self.paths.run / "opal", clip=parts.clip, budget=protocol.budget,
+                               world=self.ranks.world)
             parts = replace(parts, optimizer=agent, clip=None)
         return parts, agent, meter, clock
 

@@ -4,11 +4,13 @@ the protocol's, the single-process world that wraps nothing, and the seeds of th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from opalctl.driver.budget import CLOCKS, clock_spec
 from opalctl.driver.ranks import Ranks, join, rank_seed, world_from
-from opalctl.driver.run import RESUME_FILE, RunCommand, _restore_rank
-from opalctl.errors import BadInput
+from opalctl.driver.run import RESUME_FILE, RunCommand, rank_state
+from opalctl.errors import BadInput, OpalctlError
+from opalctl.opal.distributed import wrap_distributed
 
 COMMAND = "torchrun --nproc-per-node 2 -m opalctl run lock.json --arm a --seed 1"
 
@@ -73,13 +75,15 @@ def test_the_command_that_continues_a_two_rank_run_is_the_torchrun_one():
 def test_a_resume_checkpoint_of_another_world_is_refused_naming_resume_pt(tmp_path):
     states = [{"sampler": {}, "rng": {}}, {"sampler": {}, "rng": {}}]
     with pytest.raises(BadInput) as caught:
-        _restore_rank(tmp_path / RESUME_FILE, states, parts=None, ranks=Ranks())
+        rank_state(tmp_path / RESUME_FILE, states, ranks=Ranks())
     assert str(tmp_path / RESUME_FILE) in caught.value.message and "2 rank(s)" in caught.value.message
 
 
-def test_an_agent_arm_of_a_two_rank_protocol_is_refused_in_one_sentence(project, tools, main_cli):
-    project.freeze(budget={"clock": "updates", "amount": 4}, training={"ranks": 2},
-                   arms={"agent": {**tools.ADAMW, "agent": {"backend": "keep"}}})
-    code, out, err = main_cli(project.run_args("agent", 1))
-    assert code == 2 and "arm 'agent' is an agent arm" in err and "training.ranks: 1" in err
-    assert not project.run_dir("agent", 1).exists()
+def test_wrap_distributed_takes_a_progress_callable_only_when_told_it_is_the_same_on_every_rank():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="rank_consistent_progress"):
+        wrap_distributed(optimizer, model, progress=lambda: 0.0)
+    # told so, it goes on to join the ranks, and says torch.distributed is not initialised here
+    with pytest.raises(OpalctlError, match="torch.distributed initialised"):
+        wrap_distributed(optimizer, model, progress=lambda: 0.0, rank_consistent_progress=True)

@@ -1,6 +1,7 @@
 """Formal runs under real ``torchrun --nproc-per-node 2`` (gloo, CPU): one launch of ``torchrun_worker.py`` for
-the finished runs and the charge rule, one that kills rank 1 mid-run, and one ``torchrun -m opalctl run --resume``
-that continues it; the tests read what the ranks reported and what the run folders hold."""
+the finished runs (a fixed arm and the agent arms that wrap it) and the charge rule, one that kills rank 1 mid-run,
+and one ``torchrun -m opalctl run --resume`` that continues it (the heuristic agent arm: every rank's own agent
+optimizer state travels in resume.pt); the tests read what the ranks reported and what the run folders hold."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ WORKER = Path(__file__).with_name("torchrun_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 12  # stages at 6 and 12; a resume checkpoint every 3 updates
 KILL_AT = 8  # rank 1's update that never ends: after the checkpoint at update 6, before the one at 9
+# agent arms wrapping the fixed arm: keep (never changes the program) and the heuristic agent, deciding early
+AGENT_ARMS = {"keep": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "keep", "decisions": 1}},
+              "heuristic": {"optimizer": {"name": "AdamW", "lr": 1.0e-3},
+                            "agent": {"backend": "heuristic", "decisions": 2, "trial_steps": 2}}}
 
 
 def torchrun(project, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -48,7 +53,8 @@ def world(digits_template, tools, tmp_path_factory):
     """The worker's launch over two frozen locks of two ranks (the updates clock; the cpu clock, whose charges
     are twice as large: three per update, to spend the same number of updates)."""
     base = tmp_path_factory.mktemp("torchrun")
-    updates = freeze_ranks(tools, digits_template, base / "updates", "updates", 2)
+    updates = freeze_ranks(tools, digits_template, base / "updates", "updates", 2,
+                           arms={"adamw": tools.ADAMW, **AGENT_ARMS})
     cpu = freeze_ranks(tools, digits_template, base / "cpu", "cpu", 2, amount=3 * UPDATES // 2)
     out = base / "out"
     out.mkdir()
@@ -58,17 +64,18 @@ def world(digits_template, tools, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed(world, tools, tmp_path_factory):
-    """The 2-rank run of ``world``'s lock, rank 1 killed by SIGKILL at its update KILL_AT, then
-    ``torchrun -m opalctl run LOCK --resume``."""
+    """The 2-rank run of ``world``'s heuristic agent arm, rank 1 killed by SIGKILL at its update KILL_AT (after
+    the agent's first decision), then ``torchrun -m opalctl run LOCK --resume``."""
     project, _, _ = world
     base = tmp_path_factory.mktemp("killed")
     out, runs = base / "out", base / "runs"
     out.mkdir()
-    died = torchrun(project, str(WORKER), "kill", str(out), str(runs), str(project.lock), str(KILL_AT), check=False)
-    run_dir = project.run_dir("adamw", 1, runs=runs)
+    died = torchrun(project, str(WORKER), "kill", str(out), str(runs), str(project.lock), str(KILL_AT), "heuristic",
+                    check=False)
+    run_dir = project.run_dir("heuristic", 1, runs=runs)
     state = {"returncode": died.returncode, "rank-0": json.loads((out / "rank-0.json").read_text()),
              "files": sorted(p.name for p in run_dir.iterdir())}
-    resumed = torchrun(project, "-m", "opalctl", *project.run_args("adamw", 1, "--resume", runs=runs), "--json")
+    resumed = torchrun(project, "-m", "opalctl", *project.run_args("heuristic", 1, "--resume", runs=runs), "--json")
     return state, resumed, run_dir
 
 
@@ -111,7 +118,7 @@ def test_the_charge_is_the_maximum_over_ranks_for_updates_and_the_sum_for_cpu(wo
         assert rank["max"]["measured"] == rank["sum"]["measured"] == UPDATES // 2
 
 
-def test_sigkill_of_rank_1_then_resume_under_torchrun_ends_as_the_uninterrupted_run(world, killed):
+def test_sigkill_of_rank_1_of_an_agent_arm_then_resume_under_torchrun_ends_as_the_uninterrupted_run(world, killed):
     _, _, seen = world
     state, resumed, run_dir = killed
     assert state["returncode"] != 0 and "resume.pt" in state["files"] and "report.json" not in state["files"]
@@ -119,8 +126,8 @@ def test_sigkill_of_rank_1_then_resume_under_torchrun_ends_as_the_uninterrupted_
     assert f"resume with: torchrun --nproc-per-node 2 -m opalctl run {world[0].lock} " in state["rank-0"]["error"]
     report = json.loads(resumed.stdout)
     assert report["resumes"] == 1 and report["ranks"] == 2
-    assert report["final_model_sha256"] == seen[0]["plain"]["final_model_sha256"]
-    assert report["rows_digest"] == seen[0]["plain"]["rows_digest"]
+    assert report["final_model_sha256"] == seen[0]["heuristic"]["final_model_sha256"]
+    assert report["rows_digest"] == seen[0]["heuristic"]["rows_digest"]
     assert not (run_dir / "resume.pt").exists()
 
 
@@ -130,3 +137,24 @@ def test_a_lock_of_two_ranks_run_without_torchrun_is_refused_naming_the_torchrun
     assert code == 2
     assert f"run `torchrun --nproc-per-node 2 -m opalctl run {project.lock} --arm adamw --seed 1" in err
     assert "Traceback" not in err and not (project.folder / "elsewhere").exists()
+
+
+def test_a_two_rank_keep_agent_arm_ends_with_the_fixed_arms_weights_and_its_folder_verifies(world, main_cli):
+    _, _, seen = world
+    keep = seen[0]["keep"]
+    assert keep["updates"] == UPDATES and keep["final_model_sha256"] == seen[0]["plain"]["final_model_sha256"]
+    assert seen[1]["keep"] == keep
+    code, out, err = main_cli(["verify", keep["run_dir"]])
+    assert code == 0, out + err
+
+
+def test_a_two_rank_heuristic_agent_arm_finishes_on_both_ranks_with_rank_0s_decisions_recorded(world):
+    _, _, seen = world
+    heuristic = seen[0]["heuristic"]
+    assert heuristic["updates"] == UPDATES and seen[1]["heuristic"] == heuristic  # no RanksDiverged on either
+    run_dir = Path(heuristic["run_dir"])
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]
+    assert "applied" in kinds, kinds
+    assert [p.name for p in (run_dir / "opal" / "decisions").iterdir()]
+    assert heuristic["final_model_sha256"] != seen[0]["plain"]["final_model_sha256"]  # its program did change
+

@@ -2,9 +2,10 @@
 saw to ``OUT/rank-R.json``. Two scenarios, one launch each (torchrun's start-up costs seconds):
 
 - ``runs OUT RUNS LOCK_UPDATES LOCK_CPU``: a 2-rank fixed arm on the real clock, the same start again (refused
-  on both ranks in rank 0's sentence), then the charge rule through the real gloo reduction with a clock whose
+  on both ranks in rank 0's sentence), the agent arms ``keep`` and ``heuristic`` that wrap it, then the charge rule through the real gloo reduction with a clock whose
   charge is the rank's number plus one: ``max`` (the updates clock) charges 2 per update, ``sum`` (cpu) 3;
-- ``kill OUT RUNS LOCK AT``: the same fixed arm, rank 1 killing itself with SIGKILL at its update AT.
+- ``kill OUT RUNS LOCK AT [ARM]``: the same fixed arm (or ARM), rank 1 killing itself with SIGKILL at its update
+  AT.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def runs(out: Path, runs_dir: Path, lock_updates: str, lock_cpu: str) -> dict:
         seen["again"] = None
     except OpalctlError as error:
         seen["again"] = {"message": error.message, "exit_code": error.exit_code}
+    for arm in ("keep", "heuristic"):
+        seen[arm] = summary(run(lock_updates, arm, 1, runs_dir=runs_dir / "plain"))
     for name, lock in (("max", lock_updates), ("sum", lock_cpu)):
         clocks: list[RankCharge] = []
 
@@ -71,8 +74,9 @@ def main() -> None:
         seen = runs(out, runs_dir, sys.argv[4], sys.argv[5])
     else:
         clock = RankCharge(per_rank=False, kill_rank=1, kill_at=int(sys.argv[5]))
+        arm = sys.argv[6] if len(sys.argv) > 6 else "adamw"
         try:
-            run(sys.argv[4], "adamw", 1, runs_dir=runs_dir, clock_factory=lambda name: clock)
+            run(sys.argv[4], arm, 1, runs_dir=runs_dir, clock_factory=lambda name: clock)
             seen = {"finished": True}
         except BaseException as error:  # rank 0 when rank 1 is gone: what it said, for the test to read
             seen = {"finished": False, "error": f"{type(error).__name__}: {error}"}
