@@ -11,7 +11,11 @@ What the ranks exchange, and nothing else:
   and updates, the sum for cpu), after the clock stopped measuring: every rank's meter is charged the same amount;
 - **rank 0's answers**: whether it could claim the folder (or the sentence of its refusal), and its report;
 - **a barrier** while rank 0 works outside the budget (a stage's checkpoint and evaluation);
-- **each rank's resume state** (its sampler and RNG states), gathered to rank 0 for ``resume.pt``.
+- **each rank's resume state** (its sampler and RNG states, and an agent arm's optimizer state), gathered to rank 0
+  for ``resume.pt``;
+- for an agent arm, what ``opal.distributed`` tells the ranks: at each boundary between updates whether rank 0
+  began running a new program (and its files), after an update of an agent's program whether it failed on any
+  rank, and the parameter fingerprints.
 
 The stage and stop facts are not broadcast: they are computed on every rank from the same numbers. A meter's
 decisions (which fractions an update reached, whether a resume checkpoint is due, whether the budget is spent) are

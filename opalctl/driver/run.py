@@ -37,8 +37,10 @@ storage fault ends a run in one sentence that gives the command continuing it (`
 
 Under torchrun (``training.ranks`` above 1) every rank runs this sequence on its own batches: rank 0 alone
 claims the folder, talks to the evaluator and writes; the others train beside it, charged what rank 0 is charged,
-and write nothing. What the ranks tell each other, and why that keeps them at the same update, is
-driver/ranks.py's; a world of one rank is today's single process, with nothing wrapped.
+and write nothing. An agent arm's optimizer is wrapped on every rank (``opal.distributed``: rank 0 has the agent
+and its records, the others follow it), and every rank's training process is confined. What the ranks tell each
+other, and why that keeps them at the same update, is driver/ranks.py's; a world of one rank is today's single
+process, with nothing wrapped.
 """
 
 from __future__ import annotations
