@@ -291,7 +291,5 @@ def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *
                          "out progress, or pass rank_consistent_progress=True when it is the same on every rank")
     link = RankLink(group)
     settings = dict(options) if link.rank == 0 else {**options, **FOLLOWER_OPTIONS}
-    if total_steps is not None:
-        settings["total_steps"] = total_steps
-    agent = wrap(optimizer, model, manual_boundaries=True, **settings)
+    agent = wrap(optimizer, model, total_steps=total_steps, manual_boundaries=True, **settings)
     return DistributedAgent(agent, link, check_every, boundaries_between_updates)

@@ -74,7 +74,8 @@ def killed(world, tools, tmp_path_factory):
                     check=False)
     run_dir = project.run_dir("heuristic", 1, runs=runs)
     state = {"returncode": died.returncode, "rank-0": json.loads((out / "rank-0.json").read_text()),
-             "files": sorted(p.name for p in run_dir.iterdir())}
+             "files": sorted(p.name for p in run_dir.iterdir()),
+             "events": [json.loads(line)["kind"] for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]}
     resumed = torchrun(project, "-m", "opalctl", *project.run_args("heuristic", 1, "--resume", runs=runs), "--json")
     return state, resumed, run_dir
 
@@ -122,6 +123,7 @@ def test_sigkill_of_rank_1_of_an_agent_arm_then_resume_under_torchrun_ends_as_th
     _, _, seen = world
     state, resumed, run_dir = killed
     assert state["returncode"] != 0 and "resume.pt" in state["files"] and "report.json" not in state["files"]
+    assert "applied" in state["events"]  # killed while the agent's program ran: its state is in resume.pt
     # rank 0 stops on torchrun's SIGTERM, or on its collective with the rank that is gone, whichever comes first
     assert f"resume with: torchrun --nproc-per-node 2 -m opalctl run {world[0].lock} " in state["rank-0"]["error"]
     report = json.loads(resumed.stdout)
