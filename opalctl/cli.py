@@ -205,12 +205,15 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, run
                 json_mode: bool) -> None:
     """One formal run of ARM on SEED under the lock's budget."""
     from opalctl import console
+    from opalctl.driver.ranks import prints_here
     from opalctl.driver.run import run as formal_run
 
     say = None if json_mode else console.message
     with console.progress(f"{arm} seed {seed}", json_mode) as progress:
         report = formal_run(lock, arm, seed, runs_dir=runs_dir, resume=resume, restart=restart, progress=progress,
                             say=say, confine=(click.get_current_context().obj or {}).get("own_process", False))
+    if not prints_here():
+        return
     if json_mode:
         console.print_json(report)
         return

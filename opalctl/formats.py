@@ -314,11 +314,15 @@ class RunReport(_Record):
     digests: dict[str, Any] | None = None
     # the machine while the run trained (driver/sharing.py's MachineWatch.to_json()); None where not measured
     machine: dict[str, Any] | None = None
+    # the processes of its torchrun world (driver/ranks.py); a single-process run's report leaves it out
+    ranks: int = 1
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         if data["peak_device_memory_bytes"] is None:
             del data["peak_device_memory_bytes"]  # only a CUDA run has one
+        if data["ranks"] == 1:
+            del data["ranks"]
         return data
 
 
@@ -365,6 +369,7 @@ class StartRecord(_Record):
     started_at: str | None = None
     host: str | None = None
     format: int = FORMAT_VERSION
+    ranks: int = 1  # its torchrun world (driver/ranks.py); written only when above 1
 
 
 @dataclass

@@ -39,8 +39,11 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
     return forecast["decisions"], "the most whose typical waiting stays within 4x the training time"
 
 
-def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
-    """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates."""
+def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget, world: int = 1):
+    """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates. Under
+    torchrun (``world`` above 1) each rank wraps its own optimizer (``opal.distributed``): rank 0 has the agent and
+    its records, the others follow it; ``progress`` is the budget meter's, the same on every rank because every
+    rank's meter is charged the same reduced charge (driver/ranks.py)."""
     from opalctl.opal import wrap
     from opalctl.opal.agents import registry
 
@@ -50,11 +53,18 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget):
     # every secret-looking variable of the environment (opalctl.opal.records.Redaction)
     secrets = backend.secrets()
     decisions, _ = agent_decisions(arm, budget)
-    wrapped = wrap(optimizer, model, goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend,
-                   decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
-                   trial_steps=agent.trial_steps, run_dir=run_dir, prompt=agent.prompt, clip=clip,
-                   max_lag=agent.max_lag, manual_boundaries=True, secrets=secrets)
-    wrapped.max_cost_usd = agent.max_cost_usd  # no decision is asked once the rest is below its expected cost
+    options = dict(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend, decisions=decisions,
+                   schedule=agent.schedule, blocking=agent.blocking, every=agent.every, trial_steps=agent.trial_steps,
+                   run_dir=run_dir, prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, secrets=secrets)
+    if world > 1:
+        from opalctl.opal.distributed import wrap_distributed
+
+        wrapped = wrap_distributed(optimizer, model, rank_consistent_progress=True, boundaries_between_updates=True,
+                                   **options)
+        inner = wrapped.agent
+    else:
+        wrapped = inner = wrap(optimizer, model, manual_boundaries=True, **options)
+    inner.max_cost_usd = agent.max_cost_usd  # no decision is asked once the rest is below its expected cost
     return wrapped
 
 

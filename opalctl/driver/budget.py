@@ -65,6 +65,9 @@ class Clock:
     cpu_charges = False  # its charges are this process's CPU seconds (a steps line's ``cpu`` is the charge)
     needs_cuda = False  # it measures on a CUDA device, so training.device must be cuda
     compare_seconds = "train_wall_seconds"  # the stage record's seconds that compare plots this clock's runs against
+    # how one update's charges on the ranks of a torchrun run combine into the one charge every rank's meter takes
+    # (driver/ranks.py): the slowest rank for a time or a count every rank spends together, the sum for CPU seconds
+    combine = "max"
 
     @classmethod
     def make(cls, device: Any = None) -> Clock:
@@ -112,6 +115,7 @@ class CpuClock(Clock):
 
     name = "cpu"
     cpu_charges = True
+    combine = "sum"  # the CPU seconds all ranks spent on the update
     compare_seconds = "train_cpu_seconds"
 
     @classmethod

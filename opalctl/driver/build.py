@@ -55,13 +55,15 @@ class ArmParts:
     clip: float | None
 
 
-def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str, Path]) -> ArmParts:
+def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str, Path], rank: int = 0) -> ArmParts:
     """The arm's parts on ``protocol.training.device``, trained on ``data_paths["train"]``. The formal run and the
     pilot pass only ``train``: the evaluation splits are the evaluator's (driver/evaluator.py); any other split
-    named is loaded too."""
+    named is loaded too. Every rank of a torchrun run builds the same model; ``rank``'s sampler draws its own
+    batches (``ranks.rank_seed``: rank 0's are those of a single-process run)."""
     import torch
 
     from opalctl.driver.arm import BudgetSchedule, build_optimizer
+    from opalctl.driver.ranks import rank_seed
     from opalctl.tasks import make_task
 
     device = protocol.training.device
@@ -75,7 +77,7 @@ def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str,
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     optimizer = build_optimizer(arm, model.parameters())
     schedule = BudgetSchedule(optimizer, arm.schedule)
-    sampler = task.sampler(splits["train"], seed, protocol.training.batch_size, device)
+    sampler = task.sampler(splits["train"], rank_seed(seed, rank), protocol.training.batch_size, device)
     return ArmParts(task=task, splits=splits, built=built, model=model, shapes=shapes, optimizer=optimizer,
                     schedule=schedule, sampler=sampler, clip=protocol.training.gradient_clip)
 

@@ -120,7 +120,7 @@ def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: 
         resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
         limitations=limitations(arm_name, seed, budget, outcome, splits),
         peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
-        machine=outcome.machine)
+        machine=outcome.machine, ranks=protocol.training.ranks)
     from opalctl.formats import anchor_sha256
 
     # report.json is written once, with the digests of the chain it closes (driver/chain.py)

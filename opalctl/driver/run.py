@@ -34,6 +34,13 @@ decided whether this start may use the folder (``claim_folder``): a started or f
 over, ``--resume`` needs a resume checkpoint (or a run that never got past update 0), and ``--restart`` starts a started, unfinished run again from update
 0 after moving its folder aside whole (``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP) or a
 storage fault ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
+
+Under torchrun (``training.ranks`` above 1) every rank runs this sequence on its own batches: rank 0 alone
+claims the folder, talks to the evaluator and writes; the others train beside it, charged what rank 0 is charged,
+and write nothing. An agent arm's optimizer is wrapped on every rank (``opal.distributed``: rank 0 has the agent
+and its records, the others follow it), and every rank's training process is confined. What the ranks tell each
+other, and why that keeps them at the same update, is driver/ranks.py's; a world of one rank is today's single
+process, with nothing wrapped.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from opalctl.driver.evaluation import rng_state, set_rng_state
 from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening, stage_name
 from opalctl.driver.judge import Incumbent, StageFacts
 from opalctl.driver.ledger import Ledger
+from opalctl.driver.ranks import FollowerSteps, Ranks, join, lost_rank, torchrun_line
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
 from opalctl.files import atomic_write_json, read_json, sha256_file, storage, storage_fault
@@ -95,11 +103,13 @@ class RunCommand:
     arm: str
     seed: int
     runs_dir: str | None = None  # only when one was given: the same environment finds the default again
+    ranks: int = 1  # the lock's training.ranks: more than one is a torchrun command
 
     def line(self, flag: str = "") -> str:
         words = ["opalctl", "run", self.lock, "--arm", self.arm, "--seed", str(self.seed)]
         words += ["--runs-dir", self.runs_dir] if self.runs_dir is not None else []
-        return shlex.join(words + ([flag] if flag else []))
+        words += [flag] if flag else []
+        return shlex.join(torchrun_line(self.ranks, words) if self.ranks > 1 else words)
 
     def next_step(self, run: Path) -> tuple[str, str]:
         """What continues ``run`` now, by what its folder holds: (verb, command line)."""
@@ -245,6 +255,7 @@ def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts
         "initialised": parts.built.initialised,
         "anchor": {"folder": os.path.relpath(paths.anchor, paths.run), "model_sha256": anchor["model_sha256"]},
         "confinement": confinement,
+        **({"ranks": protocol.training.ranks} if protocol.training.ranks > 1 else {}),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
     })
@@ -268,8 +279,9 @@ class Carried:
     steps_sha256: str | None = None  # the bytes of steps.jsonl.gz up to the end of those lines
 
 
-def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int) -> Carried:
-    """Load the resume checkpoint into the parts, the meter, the RNGs and the ledger; return what it carries."""
+def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int, ranks: Ranks | None = None) -> Carried:
+    """Load the resume checkpoint into the parts, the meter, the RNGs and the ledger; return what it carries. Under
+    torchrun each rank restores its own sampler and RNG states (``ranks``), from a checkpoint of the same world."""
     try:
         payload = checkpoints.load(run_dir / RESUME_FILE, limit_bytes=limit_bytes, expected_shapes=parts.shapes,
                                    require_finite=False)
@@ -278,18 +290,31 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int) -> Ca
             f"cannot resume: {error.message}; start the run again from update 0 with --restart, which keeps "
             f"what {run_dir} holds aside") from None
     extra = payload["extra"]
+    own = rank_state(run_dir / RESUME_FILE, extra.get("ranks"), ranks or Ranks())
     parts.model.load_state_dict(payload["model"])
-    parts.optimizer.load_state_dict(extra["optimizer"])
-    parts.sampler.load_state_dict(extra["sampler"])
+    # an agent arm's optimizer state differs between rank 0 (the agent's) and the ranks that follow it
+    parts.optimizer.load_state_dict(own["optimizer"] if own is not None and "optimizer" in own else extra["optimizer"])
+    parts.sampler.load_state_dict(extra["sampler"] if own is None else own["sampler"])
     parts.schedule.load_state_dict(extra["schedule"])
     meter.load_state_dict(extra["meter"])
-    set_rng_state(extra["rng"])
+    set_rng_state(extra["rng"] if own is None else own["rng"])
     ledger.load_state_dict(extra["totals"])
     return Carried(incumbent=Incumbent.from_json(extra["incumbent"]),
                    stages=[_stage_record(run_dir, stage) for stage in extra["stages"]],
                    next_checkpoint=extra["next_checkpoint"], steps_lines=int(extra["steps_lines"]),
                    start_sha256=extra.get("start_sha256"), steps_seen=extra.get("steps_seen"),
                    steps_sha256=extra.get("steps_sha256"))
+
+
+def rank_state(path: Path, states: list[dict[str, Any]] | None, ranks: Ranks) -> dict[str, Any] | None:
+    """This rank's own states (sampler, RNG, and an agent arm's optimizer) in a checkpoint of a torchrun run
+    (``states``, one per rank); None for a single-process run, whose states are the checkpoint's own."""
+    world = 1 if states is None else len(states)
+    if world != ranks.world:
+        raise BadInput(f"the resume checkpoint {path} was written by a run of {world} rank(s) and this one has "
+                       f"{ranks.world}; resume it with the world the lock's training.ranks says, or start it again "
+                       f"from update 0 with --restart")
+    return None if states is None else states[ranks.rank]
 
 
 def check_start(run_dir: Path, carried: Carried) -> None:
@@ -336,11 +361,13 @@ class BudgetLoop:
 
     def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, evaluator: EvaluatorProcess,
                  steps: StepsWriter, carried: Carried, run_dir: Path, progress: Callable[..., None],
-                 say: Callable[[str], None]):
+                 say: Callable[[str], None], ranks: Ranks | None = None):
         self.protocol, self.arm, self.parts, self.agent = protocol, arm, parts, agent
         self.meter, self.clock, self.ledger, self.evaluator, self.steps = meter, clock, ledger, evaluator, steps
         self.carried, self.run_dir = carried, run_dir
         self.progress, self.say = progress, say
+        # under torchrun rank 0 alone acts on stages and writes; the others wait for it (driver/ranks.py)
+        self.ranks = ranks or Ranks()
 
     def run(self, first_checkpoint: bool, session: tuple[float, float]) -> TrainingFacts:
         """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``);
@@ -376,7 +403,8 @@ class BudgetLoop:
         # The loop body runs once per update, and everything it does between two updates costs several times what
         # it would in a tight loop (the caches hold the model's work; see records.py): what does not change is
         # looked up once here, and a call is avoided wherever an inline operation does the same.
-        update = make_update(parts.task, parts.model, parts.optimizer, parts.clip, pass_loss=agent is not None)
+        update = make_update(parts.task, self.ranks.for_update(parts.model), parts.optimizer, parts.clip,
+                             pass_loss=agent is not None)
         next_batch = parts.sampler.next_batch
         clock_start, clock_stop = self.clock.start, self.clock.stop
         charge_meter = meter.charge
@@ -428,7 +456,7 @@ class BudgetLoop:
     def _boundary(self, reached: list[int]) -> float:
         """The stages this update reached, then a resume checkpoint; returns where the next checkpoint is due."""
         if reached:
-            self.stage(reached)
+            self.ranks.lead_alone(lambda: self.stage(reached))
         every = self.protocol.training.checkpoint_every
         carried = self.carried
         while carried.next_checkpoint * every - 1e-9 <= self.meter.fraction_used:
@@ -462,13 +490,26 @@ class BudgetLoop:
                 self.say(f"stage {record.stage}/{count} at update {record.update}: {said}{reasons}")
 
     def write_resume(self) -> None:
+        """``resume.pt``, on rank 0; under torchrun it carries every rank's own sampler and RNG states, and an
+        agent arm's optimizer state, which differs between rank 0 (the agent's) and the ranks that follow it."""
+        states = None
+        if self.ranks.world > 1:
+            own = {"sampler": self.parts.sampler.state_dict(), "rng": rng_state()}
+            if self.agent is not None:
+                own["optimizer"] = self.parts.optimizer.state_dict()
+            states = self.ranks.gather(own)
+        if not self.ranks.lead:
+            return
         with self.ledger.outside("checkpoint_wall"):
             # every line so far is on the disk before the checkpoint that counts them is written, and the
             # checkpoint carries their digests, which the steps helper computes (records.py)
             self.steps.begin_sync()
             self.steps.finish_sync()
+            extra = self._loop_state()
+            if states is not None:
+                extra["ranks"] = states
             checkpoints.save(self.run_dir / RESUME_FILE, self.parts.model.state_dict(), kind="resume",
-                             extra=self._loop_state(), meta={"update": self.meter.updates})
+                             extra=extra, meta={"update": self.meter.updates})
 
     def _loop_state(self) -> dict[str, Any]:
         """The state a resume continues from; call it after ``steps.finish_sync`` (every line on the disk)."""
@@ -495,7 +536,9 @@ class BudgetLoop:
 # the run
 
 class FormalRun:
-    """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps."""
+    """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps. Under torchrun
+    (``training.ranks`` above 1) every rank runs it: rank 0 claims the folder, talks to the evaluator and writes
+    every file; the others train beside it and write nothing (driver/ranks.py)."""
 
     def __init__(self, lock, arm_name: str, seed: int, runs_dir: Path, *, clock_factory=None,
                  progress: Callable[..., None] | None = None, say: Callable[[str], None] | None = None,
@@ -511,7 +554,9 @@ class FormalRun:
         # the OS confinement lasts as long as the process: only a process that is this one run (`opalctl run`)
         # asks for it, never a caller that runs a formal run among its other work (a test, a notebook)
         self.confine = confine
-        self.command = command or RunCommand(str(lock.path), arm_name, seed, str(runs_dir))
+        self.command = replace(command or RunCommand(str(lock.path), arm_name, seed, str(runs_dir)),
+                               ranks=self.protocol.training.ranks)
+        self.ranks: Ranks = Ranks()
 
     def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
         """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
@@ -522,15 +567,24 @@ class FormalRun:
             raise BadInput("--resume and --restart exclude each other; choose one")
         require_unchanged(self.lock)
         check_device(self.protocol, advice="run on a machine with a GPU or set training.device: cpu")
-        handle = claim_folder(self.paths.run, "resume" if resume else "restart" if restart else "start",
-                              self.command)
+        mode = "resume" if resume else "restart" if restart else "start"
+        self.ranks = join(self.protocol, self.command.line({"start": ""}.get(mode, f"--{mode}")))
         try:
-            return self._execute(resume, handle)
+            if not self.ranks.lead:  # rank 0 alone prints; the others would say it again
+                self.progress, self.say = (lambda *args, **kwargs: None), (lambda text: None)
+            handle = self.ranks.answer_of_lead(lambda: claim_folder(self.paths.run, mode, self.command))
+            try:
+                return self._execute(resume, handle)
+            finally:
+                if handle is not None:
+                    handle.close()
         finally:
-            handle.close()
+            self.ranks.close()
 
     def _execute(self, resume: bool, lock_handle) -> dict[str, Any]:
         session = (time.perf_counter(), time.process_time())
+        if not self.ranks.lead:
+            return self._train(None, resume, None, session)
         # the evaluator starts before anything of an agent exists in this process, and works on the anchor while
         # the arm is built; it holds the folder's lock too, so no resume starts before it has ended
         evaluator = EvaluatorProcess(Opening(
@@ -542,20 +596,48 @@ class FormalRun:
         finally:
             evaluator.end()
 
-    def _train(self, evaluator: EvaluatorProcess, resume: bool, lock_handle, session) -> dict[str, Any]:
+    def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
         from opalctl.driver.budget import clock_spec
 
-        protocol, run_dir = self.protocol, self.paths.run
+        protocol, run_dir, ranks = self.protocol, self.paths.run, self.ranks
         parts, agent, meter, clock = self._build()
+        ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
+        resuming = resume and (run_dir / RESUME_FILE).exists()  # else the claim found it at update 0 (at_update_0)
+        if ranks.lead:
+            carried, steps = self._open_records(evaluator, parts, agent, meter, ledger, resuming, lock_handle)
+        else:
+            if agent is not None and self.confine:  # every rank's training process runs the agent's programs
+                confine_training(run_dir)
+            carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
+                if resuming else Carried()
+            steps = FollowerSteps()
+        loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
+                          run_dir, self.progress, self.say, ranks)
+        if evaluator is not None:
+            evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
+        try:
+            training = loop.run(first_checkpoint=not resuming, session=session)
+        except BaseException:
+            steps.abandon()  # its helper process ends; the lines not yet durable are cut by a resume
+            raise
+        report = None
+        if ranks.lead:
+            report = evaluator.ask(Message.CLOSE, training.to_json())["report"]
+            (run_dir / RESUME_FILE).unlink(missing_ok=True)
+        return ranks.from_lead(report)
+
+    def _open_records(self, evaluator: EvaluatorProcess, parts, agent, meter, ledger: Ledger, resuming: bool,
+                      lock_handle) -> tuple[Carried, StepsWriter]:
+        """Rank 0's start of the records: the confinement, a new run's start.json and initial.pt or a resume's
+        checks and carried stages, and the steps writer."""
+        protocol, run_dir = self.protocol, self.paths.run
         confinement = confine_training(run_dir) if agent is not None and self.confine else None
         anchor = evaluator.answer()["anchor"]
         evaluator.ask(Message.CONFINED, {"confinement": confinement})
-        ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
-        resuming = resume and (run_dir / RESUME_FILE).exists()  # else the claim found it at update 0 (at_update_0)
         steps_path = run_dir / "steps.jsonl.gz"
         if resuming:
             evaluator.advice = "resume the run with --resume"
-            carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes)
+            carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
             check_start(run_dir, carried)
             check_steps(steps_path, locate(steps_path, carried.steps_lines), carried, run_dir / RESUME_FILE)
             verdict = evaluator.ask(Message.CARRIED, {"stages": [stage.to_json() for stage in carried.stages]})
@@ -572,28 +654,19 @@ class FormalRun:
         # back while it still writes.
         steps = StepsWriter(steps_path, offset=steps_offset, seen=seen, lines=carried.steps_lines,
                             cpu_charges=ledger.cpu_charges, inherit_fds=(lock_handle.fileno(),))
-        loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
-                          run_dir, self.progress, self.say)
-        evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
-        try:
-            training = loop.run(first_checkpoint=not resuming, session=session)
-        except BaseException:
-            steps.abandon()  # its helper process ends; the lines not yet durable are cut by a resume
-            raise
-        report = evaluator.ask(Message.CLOSE, training.to_json())["report"]
-        (run_dir / RESUME_FILE).unlink(missing_ok=True)
-        return report
+        return carried, steps
 
     def _build(self):
-        """Step 3: the arm's parts from the train split, its budget meter and clock, and the agent optimizer for
-        an agent arm."""
-        from opalctl.driver.budget import BudgetMeter, make_clock
+        """Step 3: the arm's parts from the train split (this rank's sampler), its budget meter and clock (its
+        charges combined over the ranks), and the agent optimizer for an agent arm."""
+        from opalctl.driver.budget import BudgetMeter, clock_spec, make_clock
 
         protocol, device = self.protocol, self.protocol.training.device
         parts = build_arm(protocol, self.arm, self.seed, self.lock.parent_path(self.seed),
-                          {"train": self.lock.data_path("train")})
+                          {"train": self.lock.data_path("train")}, rank=self.ranks.rank)
         meter = BudgetMeter(protocol.budget.amount * self.arm.budget_multiplier, list(protocol.budget.fractions))
         clock = (self.clock_factory or (lambda name: make_clock(name, device)))(protocol.budget.clock)
+        clock = self.ranks.reduced(clock, clock_spec(protocol.budget.clock).combine)
         agent = None
         if self.arm.agent is not None:
             from opalctl.driver.arm import wrap_agent
@@ -601,7 +674,8 @@ class FormalRun:
             # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
             # and decisions happen between timed updates; the budget schedule keeps setting the base learning rate
             agent = wrap_agent(self.arm, parts.optimizer, parts.model, progress=lambda: meter.fraction_used,
-                               run_dir=self.paths.run / "opal", clip=parts.clip, budget=protocol.budget)
+                               run_dir=self.paths.run / "opal", clip=parts.clip, budget=protocol.budget,
+                               world=self.ranks.world)
             parts = replace(parts, optimizer=agent, clip=None)
         return parts, agent, meter, clock
 
@@ -655,12 +729,16 @@ class StopSignals:
 
 
 def told(error: BaseException, received: int | None, command: RunCommand, run: Path | None) -> OpalctlError | None:
-    """What a run that failed with ``error`` tells the user, when it is a stop or a storage fault: an
-    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a ``StorageFault`` whose
-    sentence ends with the command that continues the run; None for anything else."""
+    """What a run that failed with ``error`` tells the user, when it is a stop, a lost rank or a storage fault: an
+    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a sentence naming the
+    failed collective when another torchrun rank is gone, a ``StorageFault`` whose sentence ends with the command
+    that continues the run; None for anything else."""
     verb, line = command.next_step(run) if run is not None else ("start it again", command.line())
     if received is not None:
         return Interrupted(received, line, what=verb)
+    gone = lost_rank(error) if command.ranks > 1 else None
+    if gone is not None:
+        return OpalctlError(f"another rank of this torchrun run stopped ({gone}); {verb} with: {line}")
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
         error = storage_fault(error.filename or run, error.errno, error.strerror or "") or error
     return error.for_command(line) if isinstance(error, StorageFault) else None
@@ -680,6 +758,7 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
             formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
                                progress=progress, say=say, confine=confine, command=command)
             run_dir = formal.paths.run
+            command = formal.command  # the lock says whether continuing it is a torchrun command
             report = formal.execute(resume=resume, restart=restart)
         except BaseException as error:
             saying = told(error, stops.received, command, run_dir)

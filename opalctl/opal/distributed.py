@@ -21,7 +21,11 @@ With ``keep`` (or before any change), each rank's update is exactly the user's o
 is bit for bit the plain DDP run. The control messages go over a CPU (gloo) group, so on CUDA the only host
 synchronisation is the fingerprint's, once every ``check_every`` updates.
 
-Progress must be the same on every rank, so it is counted in updates (``total_steps``), never a callable.
+Progress must be the same on every rank, so it is counted in updates (``total_steps``), never a callable, unless
+the caller vouches that its callable answers the same on every rank at every update (``rank_consistent_progress``:
+a formal run's budget meter, charged the same reduced charge on every rank, driver/ranks.py). A caller that times
+its own updates (a formal run's budget loop) takes the boundaries between them instead of in ``step``
+(``boundaries_between_updates``): every rank then calls ``between_updates`` after each update, outside its clock.
 """
 
 from __future__ import annotations
@@ -122,12 +126,14 @@ class DistributedAgent:
     docstring). ``agent`` is this rank's ``AgentOptimizer``; ``installed`` lists ``(update, version digest)`` for
     each program this rank began running at a boundary, ``reverts`` ``(update, failed ranks)`` for each revert."""
 
-    def __init__(self, agent: AgentOptimizer, link: RankLink, check_every: int):
+    def __init__(self, agent: AgentOptimizer, link: RankLink, check_every: int,
+                 boundaries_between_updates: bool = False):
         if check_every < 1:
             raise ValueError("check_every must be a positive number of updates")
         self.agent = agent
         self.link = link
         self.check_every = check_every
+        self.boundaries_between_updates = boundaries_between_updates
         self.installed: list[tuple[int, str]] = []
         self.reverts: list[tuple[int, list[int]]] = []
         self.diverged = False
@@ -152,7 +158,8 @@ class DistributedAgent:
             with torch.enable_grad():
                 loss = closure()
         agent = self.agent
-        self._boundary()
+        if not self.boundaries_between_updates:
+            self._boundary()
         version = agent.current
         watched = version is not agent.slots.versions[0]
         failures = agent.slots.step_failures
@@ -168,6 +175,23 @@ class DistributedAgent:
         if not self.diverged and self.agent.t % self.check_every != 0:
             self.check()
         return self.agent.close(wait=wait)
+
+    def needs_boundary(self) -> bool:
+        """With ``boundaries_between_updates``, True: every rank takes part in each boundary's flag, and rank 0
+        alone asks its agent whether it needs one (the answer may differ between ranks, the flag does not)."""
+        return self.boundaries_between_updates
+
+    def between_updates(self) -> None:
+        """The boundary between two updates (``boundaries_between_updates``), on every rank at the same update."""
+        self._boundary()
+
+    def report_dev(self, **facts: Any) -> None:
+        """Rank 0's evaluation-integrity check (the records are rank 0's); nothing on the other ranks."""
+        if self.rank == 0:
+            self.agent.report_dev(**facts)
+
+    def figures(self) -> dict[str, Any]:
+        return self.agent.figures()
 
     def state_dict(self) -> dict[str, Any]:
         return self.agent.state_dict()
@@ -249,15 +273,23 @@ class DistributedAgent:
                                 f"loop (a seed, a branch on the data) or a rank that skipped an update")
 
 
-def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, total_steps: int,
-                     check_every: int = DEFAULT_CHECK_EVERY, group=None, **options: Any) -> DistributedAgent:
+def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, total_steps: int | None = None,
+                     check_every: int = DEFAULT_CHECK_EVERY, group=None, rank_consistent_progress: bool = False,
+                     boundaries_between_updates: bool = False, **options: Any) -> DistributedAgent:
     """``opalctl.opal.wrap`` for one rank of a DDP run (``model``: the module DDP wraps, ``ddp.module``). Every
     rank calls it with the same arguments; rank 0's ``backend`` and ``run_dir`` are the agent's, the other ranks
-    follow rank 0 (see the module docstring). Boundaries are the wrapper's: call ``step(loss=...)`` each update."""
-    if "progress" in options or "manual_boundaries" in options:
-        raise ValueError("under torchrun progress is counted in updates (total_steps) and boundaries are taken in "
-                         "step(): leave out progress and manual_boundaries")
+    follow rank 0 (see the module docstring). Boundaries are the wrapper's: call ``step(loss=...)`` each update
+    (and ``between_updates()`` after it, with ``boundaries_between_updates``).
+
+    ``rank_consistent_progress`` admits a ``progress`` callable in place of ``total_steps``: only for a caller
+    whose progress is computed on every rank from the same numbers (a formal run's budget meter), since ranks
+    whose progress differs would schedule different decisions."""
+    if "manual_boundaries" in options:
+        raise ValueError("under torchrun boundaries are taken by the wrapper: leave out manual_boundaries")
+    if "progress" in options and not rank_consistent_progress:
+        raise ValueError("under torchrun progress is counted in updates (total_steps), equal on every rank: leave "
+                         "out progress, or pass rank_consistent_progress=True when it is the same on every rank")
     link = RankLink(group)
     settings = dict(options) if link.rank == 0 else {**options, **FOLLOWER_OPTIONS}
     agent = wrap(optimizer, model, total_steps=total_steps, manual_boundaries=True, **settings)
-    return DistributedAgent(agent, link, check_every)
+    return DistributedAgent(agent, link, check_every, boundaries_between_updates)

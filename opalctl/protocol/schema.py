@@ -66,6 +66,9 @@ class Training(Strict):
     # little; at most a thousand of them, each a file write
     checkpoint_every: Annotated[float, Field(ge=0.001, le=1)] = 0.1
     device: Literal["cpu", "cuda"] = "cpu"
+    # the processes torchrun starts for every run of the lock, on one node (docs/integrations.md): every arm of a
+    # comparison trains on the same world
+    ranks: Annotated[int, Field(ge=1, le=64)] = 1
 
 
 class OptimizerSpec(BaseModel):
