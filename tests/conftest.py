@@ -189,22 +189,35 @@ def _finish_runs(template: Path, root: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def finished_runs(request, tmp_path_factory) -> dict[str, Path]:
-    """One frozen digits protocol (``FINISHED_ARMS``, 60 updates) whose arms but ``idle`` ran on seeds 1 and 2:
-    ``lock``, ``runs``, ``base`` (the lock's folder under ``runs``), ``project``, ``root``. Made once per test
-    session and shared by the xdist workers through a file lock, so it is read-only: a test that edits runs copies
-    ``runs`` into its own ``tmp_path`` first."""
+def made_once(tmp_path_factory):
+    """``made_once(name, make)``: the folder ``name``, made by ``make(folder)`` once per test session and shared
+    by the xdist workers through a file lock (a folder without its ``.complete`` mark is made again); read-only."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # shared by every worker of this session
-    root = base / "opalctl-finished-runs"
-    with open(base / "opalctl-finished-runs.lock", "w") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        if not (root / ".complete").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            root.mkdir()
-            _finish_runs(request.getfixturevalue("digits_init_folder"), root)
-            (root / ".complete").write_text("ok\n")
+
+    def folder_of(name: str, make) -> Path:
+        folder = base / name
+        with open(base / f"{name}.lock", "w") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            if not (folder / ".complete").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                make(folder)
+                (folder / ".complete").write_text("ok\n")
+        return folder
+
+    return folder_of
+
+
+@pytest.fixture(scope="session")
+def finished_runs(request, made_once) -> dict[str, Path]:
+    """One frozen digits protocol (``FINISHED_ARMS``, 60 updates) whose arms but ``idle`` ran on seeds 1 and 2:
+    ``lock``, ``runs``, ``base`` (the lock's folder under ``runs``), ``project``, ``root``. Made once per test
+    session (``made_once``), so it is read-only: a test that edits runs copies ``runs`` into its own ``tmp_path``
+    first."""
+    root = made_once("opalctl-finished-runs",
+                     lambda folder: _finish_runs(request.getfixturevalue("digits_init_folder"), folder))
     lock = next((root / "project").glob("digits*.lock.json"))
     return {"lock": lock, "runs": root / "runs", "base": root / "runs" / f"digits-{sha256_of(lock)[:12]}",
             "project": root / "project", "root": root}

@@ -11,7 +11,6 @@ from outside, and for children that are killed).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -30,31 +29,10 @@ CHILD_TIMEOUT = 240
 
 
 @pytest.fixture(scope="session")
-def digits_template(request, tmp_path_factory, worker_id) -> Path:
-    """An initialised digits project with parents for seeds 1 and 2; read-only (tests copy it).
-
-    The session's shared ``digits_init_folder`` (tests/conftest.py) when there is one, else made here once per
-    session and shared by the xdist workers through a file lock.
-    """
-    try:
-        shared = Path(request.getfixturevalue("digits_init_folder"))
-    except pytest.FixtureLookupError:
-        shared = None
-    if shared is not None and all((shared / "parents" / "digits" / f"seed-{s}.pt").is_file() for s in SEEDS):
-        return shared
-    base = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        base = base.parent  # shared by every worker of this session
-    folder = base / "opalctl-digits-template"
-    with open(base / "opalctl-digits-template.lock", "w") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        if not (folder / ".complete").exists():
-            from opalctl.tasks.builtin import init
-
-            shutil.rmtree(folder, ignore_errors=True)
-            init("digits", folder, seeds=SEEDS)
-            (folder / ".complete").write_text("ok\n")
-    return folder
+def digits_template(digits_init_folder) -> Path:
+    """An initialised digits project with parents for seeds 1 and 2 (the session's ``digits_init_folder``,
+    tests/conftest.py); read-only (tests copy it)."""
+    return Path(digits_init_folder)
 
 
 def sha256(path: Path) -> str:

@@ -12,10 +12,11 @@ from opalctl.opal import wrap
 from opalctl.opal.messages import NO_LOSS
 
 
-def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_path):
+def decisions_of_a_run_with_losses(run_dir, with_loss) -> list:
+    """A 60-update keep run with decisions at updates 20 and 40, whose update ``n`` passes its loss when
+    ``with_loss(n)``; the two decision folders, in order."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    run_dir = tmp_path / "run"
     agent = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="keep", total_steps=60, decisions=2,
                  schedule="uniform", run_dir=run_dir)
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
@@ -25,9 +26,14 @@ def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_p
             loss = model(inputs).pow(2).mean()
             agent.zero_grad()
             loss.backward()
-            agent.step(loss=loss) if update >= 30 else agent.step()  # decisions at 20 and 40
+            agent.step(loss=loss) if with_loss(update) else agent.step()
     agent.close()
-    first, second = sorted((run_dir / "decisions").iterdir())
+    return sorted((run_dir / "decisions").iterdir())
+
+
+def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_path):
+    run_dir = tmp_path / "run"
+    first, second = decisions_of_a_run_with_losses(run_dir, lambda update: update >= 30)
     assert NO_LOSS in (first / "message.md").read_text()
     assert NO_LOSS not in (second / "message.md").read_text()
     assert "10 loss(es) observed since the last decision." in (second / "message.md").read_text()
@@ -36,22 +42,8 @@ def test_a_decision_after_updates_without_a_loss_says_no_loss_was_observed(tmp_p
 
 
 def test_losses_observed_counts_the_updates_since_the_last_decision_even_inside_an_analysed_bin(tmp_path):
-    # decisions at 20 and 40; the analysis bins are 1-25 and 26-50, so the first bin began before decision 1:
-    # the losses of updates 10-19 belong to decision 1, and decision 2 saw none
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    run_dir = tmp_path / "run"
-    agent = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, backend="keep", total_steps=60, decisions=2,
-                 schedule="uniform", run_dir=run_dir)
-    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for update in range(60):
-            loss = model(inputs).pow(2).mean()
-            agent.zero_grad()
-            loss.backward()
-            agent.step(loss=loss) if 10 <= update < 20 else agent.step()
-    agent.close()
-    first, second = sorted((run_dir / "decisions").iterdir())
+    # the analysis bins are 1-25 and 26-50, so the first bin began before decision 1 (update 20): the losses of
+    # updates 10-19 belong to decision 1, and decision 2 saw none
+    first, second = decisions_of_a_run_with_losses(tmp_path / "run", lambda update: 10 <= update < 20)
     assert "10 loss(es) observed since the last decision." in (first / "message.md").read_text()
     assert NO_LOSS in (second / "message.md").read_text()
