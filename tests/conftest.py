@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -186,6 +187,20 @@ def _finish_runs(template: Path, root: Path) -> None:
         if arm != "idle":
             for seed in SEEDS:
                 run(lock, arm, seed, runs_dir=root / "runs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_signals_not_ignored():
+    """SIGINT, SIGTERM and SIGHUP at their usual action in the test processes and so in their children: a suite
+    started under ``nohup`` inherits SIGHUP ignored, and one started in the background by a script SIGINT, and a
+    run rightly leaves an ignored signal ignored (``StopSignals``, the agent's guard), which is not what the tests
+    of stopping are about."""
+    usual = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+    previous = {number: signal.signal(number, handler) for number, handler in usual.items()
+                if signal.getsignal(number) == signal.SIG_IGN}
+    yield
+    for number, handler in previous.items():
+        signal.signal(number, handler)
 
 
 @pytest.fixture(scope="session")

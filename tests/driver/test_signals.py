@@ -18,17 +18,6 @@ import pytest
 STOPS = [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, True)]
 
 
-@pytest.fixture(autouse=True)
-def stop_signals_not_ignored():
-    """The three signals at their default action in this process and so in its children: a suite started under
-    ``nohup`` (or in the background, for SIGINT) inherits them ignored, and a run rightly leaves an ignored signal
-    ignored (``StopSignals``), which is not what these tests are about."""
-    previous = {number: signal.signal(number, signal.SIG_DFL) for number, _ in STOPS
-                if signal.getsignal(number) == signal.SIG_IGN}
-    yield
-    for number, handler in previous.items():
-        signal.signal(number, handler)
-
 
 def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_of_an_uninterrupted_run(
         pausing, tools, main_cli, tmp_path):
