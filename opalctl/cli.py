@@ -203,7 +203,10 @@ runs_dir_option = click.option("--runs-dir", default=None, type=click.Path(file_
 @json_option
 def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, runs_dir: str | None,
                 json_mode: bool) -> None:
-    """One formal run of ARM on SEED under the lock's budget."""
+    """One formal run of ARM on SEED under the lock's budget.
+
+    A lock whose training.ranks is N > 1 is run by torchrun on one machine:
+    torchrun --nproc-per-node N -m opalctl run LOCK --arm ARM --seed SEED"""
     from opalctl import console
     from opalctl.driver.ranks import prints_here
     from opalctl.driver.run import run as formal_run
