@@ -190,12 +190,49 @@ def load(path: str | os.PathLike, *, limit_bytes: int = DEFAULT_LIMIT_BYTES,
         raise CheckpointRefused(
             f"checkpoint {path} is {size} bytes, over the limit of {limit_bytes}; raise the limit only if you "
             f"trust the file")
+    payload = _torch_load(path, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    return _checked(payload, path, expected_shapes, require_finite)
+
+
+def read_beneath(root: str | os.PathLike, relative: str, *, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> bytes:
+    """A checkpoint's bytes as a process that trusts no path of the folder's writer reads them
+    (``files.read_beneath``: no link followed, one regular file within the limit); refused in one sentence."""
+    from opalctl.files import NotAPlainFile
+    from opalctl.files import read_beneath as read_plain
+
+    path = Path(root) / relative
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        return read_plain(root, relative, limit_bytes)
+    except FileNotFoundError:
+        raise CheckpointRefused(f"checkpoint {path} does not exist") from None
+    except NotAPlainFile as error:
+        raise CheckpointRefused(f"checkpoint {path} is refused: {error}; only a regular file the run wrote is "
+                                f"read") from None
+
+
+def load_bytes(data: bytes, path: str | os.PathLike, *, expected_shapes: dict[str, tuple[int, ...]] | None = None,
+               require_finite: bool = True) -> dict[str, Any]:
+    """``load`` of a checkpoint's bytes already read (``read_beneath``); ``path`` names it in a refusal."""
+    import torch
+
+    payload = _torch_load(path, lambda: torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    return _checked(payload, Path(path), expected_shapes, require_finite)
+
+
+def _torch_load(path, load: Callable[[], Any]) -> Any:
+    try:
+        return load()
     except Exception as error:  # torch raises several types for damaged archives
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointRefused(
             f"checkpoint {path} cannot be read (truncated or damaged: {first_line[:160]})") from None
+
+
+def _checked(payload: Any, path: Path, expected_shapes: dict[str, tuple[int, ...]] | None,
+             require_finite: bool) -> dict[str, Any]:
+    """The payload of a checkpoint loaded from ``path``, every digest and shape checked."""
+    import torch
+
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointRefused(f"checkpoint {path} is not an opalctl checkpoint ({FORMAT})")
     model = payload.get("model")

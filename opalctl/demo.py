@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, InputChanged, OpalctlError
+from opalctl.layout import RunLayout
 
 MINUTES = 3  # the wall time the demo is held to on two cores after install (`demo --help` and README say it)
 PROTOCOL_NAME = "demo"
@@ -73,8 +74,8 @@ def demo(folder: str | Path, *, runs_dir: str | Path | None = None, jobs: int = 
          say: Callable[[str], None] = lambda _: None,
          display: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     from opalctl.compare.aggregate import compare
-    from opalctl.driver.run import runs_dir_default
     from opalctl.grid import run_grid
+    from opalctl.layout import runs_dir_default
     from opalctl.protocol.freeze import freeze
     from opalctl.protocol.verify import verify
     from opalctl.report.grid_page import write_grid_page
@@ -136,9 +137,10 @@ def agent_rules(comparison: dict[str, Any]) -> dict[str, dict[str, int]]:
     for row in comparison["arms"]:
         rules: Counter = Counter()
         for seed in row["seeds"]:
-            decisions = base / row["arm"] / f"seed-{seed}" / "opal" / "decisions"
+            run_dir = base / row["arm"] / f"seed-{seed}"
+            decisions = RunLayout.of(run_dir).opal / "decisions"
             for folder in sorted(decisions.glob("[0-9][0-9][0-9]")) if decisions.is_dir() else []:
-                check = rule_of(base / row["arm"] / f"seed-{seed}", int(folder.name))
+                check = rule_of(run_dir, int(folder.name))
                 rules[check.rule if check is not None else "not recorded"] += 1
         if rules:
             counted[row["arm"]] = dict(sorted(rules.items(), key=lambda item: (-item[1], item[0])))

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, OpalctlError
+from opalctl.layout import RunLayout
 
 
 def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
     """Write the event files; returns the folders written, one per run."""
     from opalctl.compare.aggregate import collect
-    from opalctl.driver.run import runs_dir_default
+    from opalctl.layout import runs_dir_default
     from opalctl.protocol.lock import read_lock
     from opalctl.protocol.verify import checked_run_folder
 
@@ -75,7 +76,7 @@ def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
                 writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
             if "budget_used" in stage:
                 writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
-        for decision in agent_decisions(run_dir / "opal" / "events.jsonl") or []:
+        for decision in agent_decisions(RunLayout.of(run_dir).opal / "events.jsonl") or []:
             if decision.get("answered_at") is None:
                 continue
             writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],

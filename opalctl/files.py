@@ -16,6 +16,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -140,6 +141,55 @@ def atomic_write_text(path: str | os.PathLike, text: str, durable: bool = True) 
 
 def atomic_write_json(path: str | os.PathLike, value: Any, durable: bool = True) -> None:
     atomic_write_text(path, canonical_json(value), durable=durable)
+
+
+class NotAPlainFile(OSError):
+    """``read_beneath`` refused a file: the clause says why (a link on the way, not a regular file, ...)."""
+
+
+def read_beneath(root: str | os.PathLike, relative: str, limit: int) -> bytes:
+    """The bytes of the file ``relative`` names beneath the folder ``root``, read without following a link on the
+    way (every folder and the file itself are opened with ``O_NOFOLLOW`` from the one before) and only when it is a
+    regular file with one name (a hard link to a file elsewhere is refused too) of at most ``limit`` bytes. A
+    process that trusts no path of the folder's writer reads through this: what it reads is what lies there, and
+    the bytes it hashes are the bytes it then uses. Raises ``FileNotFoundError`` when it is missing and
+    ``NotAPlainFile`` (with the clause) when it is refused."""
+    parts = Path(relative).parts
+    if not parts or Path(relative).is_absolute() or ".." in parts:
+        raise NotAPlainFile(f"{relative!r} is not a path beneath the folder")
+    folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            except NotADirectoryError:
+                raise NotAPlainFile(f"{part} on the way is not a folder") from None
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    raise NotAPlainFile(f"{part} on the way is a symbolic link") from None
+                raise
+            os.close(folder)
+            folder = inner
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise NotAPlainFile("it is a symbolic link") from None
+            raise
+    finally:
+        os.close(folder)
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise NotAPlainFile("it is not a regular file")
+        if status.st_nlink != 1:
+            raise NotAPlainFile(f"it has {status.st_nlink} names (a hard link)")
+        if status.st_size > limit:
+            raise NotAPlainFile(f"it is {status.st_size} bytes, over the limit of {limit}")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise NotAPlainFile(f"it grew past the limit of {limit} bytes while it was read")
+    return data
 
 
 def read_json(path: str | os.PathLike) -> Any:

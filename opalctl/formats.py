@@ -5,6 +5,7 @@ processes (the steps helper) read them back. Each of those records is described 
 
 - ``Event``: the kinds of line in an agent run's ``opal/events.jsonl`` (the only kinds a writer may use);
 - ``StepRow`` and ``step_line``: one update as the training loop keeps it, and its line in ``steps.jsonl.gz``;
+- ``StageFacts``: what the training process sends the evaluator with a stage (driver/evaluator.py);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
@@ -200,6 +201,28 @@ class _Record:
         return _from_json(cls, data, what or cls.WHAT, advice or DAMAGED)
 
 
+@dataclass(frozen=True)
+class StageFacts(_Record):
+    """What the training process knows when an update reaches one or more stages (the same for each of them),
+    sent to the evaluator with the stage: these fields are ``StageRecord``'s of the same names, reported as the
+    training process's account."""
+
+    WHAT = "the stage facts"
+
+    update: int
+    budget_used: float
+    budget_fraction_used: float
+    examples: int
+    train_cpu_seconds: float
+    train_wall_seconds: float
+    loss: float | None  # the last update's training loss
+    format: int = FORMAT_VERSION
+
+    def fields(self) -> dict[str, Any]:
+        """The fields a stage record takes over."""
+        return {key: value for key, value in asdict(self).items() if key != "format"}
+
+
 @dataclass
 class StageRecord(_Record):
     """``stage-NN.json``: one budget fraction's checkpoint, its metrics and the promotion decision about it.
@@ -227,11 +250,15 @@ class StageRecord(_Record):
     format: int = FORMAT_VERSION
     # the digest of the anchor record it was judged against (``anchor_sha256``); None: written before the chain
     anchor_sha256: str | None = None
+    # the CPU seconds the kernel counted for the training process (every thread) from the start of the run to this
+    # stage, read by the evaluator (driver/kernel_account.py); None where it cannot be read or before it was
+    process_cpu_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["anchor_sha256"] is None:
-            del data["anchor_sha256"]  # a record written before the chain reads back to its own bytes
+        for key in ("anchor_sha256", "process_cpu_seconds"):
+            if data[key] is None:
+                del data[key]  # a record written before the field reads back to its own bytes
         return data
 
 
@@ -316,13 +343,15 @@ class RunReport(_Record):
     machine: dict[str, Any] | None = None
     # the processes of its torchrun world (driver/ranks.py); a single-process run's report leaves it out
     ranks: int = 1
+    # the training process as the kernel counted it, read by the evaluator (driver/kernel_account.py): cpu_seconds
+    # (every thread, from the run's start to its close, all sessions), peak_rss_bytes; None where not measured
+    process: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["peak_device_memory_bytes"] is None:
-            del data["peak_device_memory_bytes"]  # only a CUDA run has one
-        if data["ranks"] == 1:
-            del data["ranks"]
+        for key, absent in (("peak_device_memory_bytes", None), ("ranks", 1), ("process", None)):
+            if data[key] == absent:
+                del data[key]  # only a CUDA run has a device peak, a torchrun run ranks, a measured run process
         return data
 
 
@@ -370,6 +399,12 @@ class StartRecord(_Record):
     host: str | None = None
     format: int = FORMAT_VERSION
     ranks: int = 1  # its torchrun world (driver/ranks.py); written only when above 1
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["ranks"] == 1:
+            del data["ranks"]
+        return data
 
 
 @dataclass

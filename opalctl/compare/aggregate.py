@@ -29,6 +29,7 @@ from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
 from opalctl.formats import RecordDamaged, read_record
+from opalctl.layout import LockRuns
 
 # the fields of a RunReport that compare reads (a test checks they are RunReport's)
 REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages", "selected", "stages",
@@ -64,21 +65,19 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
 def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dict[str, list[int]]]:
     from opalctl.protocol.verify import checked_run_folder
 
-    base = Path(runs_dir) / f"{lock.name}-{lock.sha12}"
+    runs_of = LockRuns.of(runs_dir, lock)
+    base = runs_of.base
     if not base.is_dir():
         raise BadInput(f"there are no runs of lock {lock.path} under {runs_dir} (looked for {base}); run "
                        f"`opalctl run {lock.path} --arm ARM --seed SEED` first")
     finished: dict[str, dict[int, dict]] = {}
     unfinished: dict[str, list[int]] = {}
     for arm in lock.resolved["arms"]:
-        for folder in sorted((base / arm).glob("seed-*")):
-            try:
-                seed = int(folder.name.split("-", 1)[1])
-            except ValueError:
-                continue
-            report_path = folder / "report.json"
+        for layout in runs_of.seeds_of(arm):
+            folder, seed = layout.root, int(layout.root.name.removeprefix("seed-"))
+            report_path = layout.report
             if not report_path.exists():
-                if (folder / "last.json").exists() or (folder / "selected.json").exists():
+                if layout.last.exists() or layout.selected.exists():
                     checked_run_folder(folder)  # a run that closed and lost its report is refused, not "unfinished"
                 # an unfinished run (interrupted, failed, its resume checkpoint damaged) is counted, never read:
                 # `opalctl verify` or `--resume` tells what is wrong with it
@@ -120,7 +119,7 @@ def _curve(report: dict, metric: str, seconds_key: str) -> list[tuple[float, flo
 
 def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None, stage: str | int | None = None,
             metrics: list[str] | None = None, resamples: int = 10_000) -> dict[str, Any]:
-    from opalctl.driver.run import runs_dir_default
+    from opalctl.layout import runs_dir_default
     from opalctl.protocol.lock import read_lock
 
     lock = read_lock(Path(lock_path))

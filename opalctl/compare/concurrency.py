@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from opalctl.layout import RunLayout
+
 DIFFERENCE = 0.5  # mean concurrent runs that differ by this much or more are different conditions
 
 
@@ -35,7 +37,7 @@ def seed_concurrency(result: dict[str, Any]) -> dict[int, dict[str, float]]:
     for arm in result["arms"]:
         for seed in arm["seeds"]:
             try:
-                report = json.loads((base / arm["arm"] / f"seed-{seed}" / "report.json").read_text("utf-8"))
+                report = json.loads(RunLayout(base / arm["arm"] / f"seed-{seed}").report.read_text("utf-8"))
             except (OSError, ValueError):
                 continue
             if not isinstance(report, dict) or _on_updates_clock(report):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.layout import RunLayout
 
 TRAIN_LOSS = "train.loss"
 FINAL_LOSS_UPDATES = 16
@@ -54,7 +55,7 @@ def final_train_loss(run_dir: Path) -> float | None:
     """The mean training loss of the run's last ``FINAL_LOSS_UPDATES`` finite updates; None without records."""
     from opalctl.driver.records import read_steps
 
-    path = Path(run_dir) / "steps.jsonl.gz"
+    path = RunLayout.of(run_dir).steps
     if not path.is_file():
         return None
     last: deque[float] = deque(maxlen=FINAL_LOSS_UPDATES)

@@ -39,7 +39,7 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
     return forecast["decisions"], "the most whose typical waiting stays within 4x the training time"
 
 
-def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget, world: int = 1):
+def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, world: int = 1):
     """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates. Under
     torchrun (``world`` above 1) each rank wraps its own optimizer (``opal.distributed``): rank 0 has the agent and
     its records, the others follow it; ``progress`` is the budget meter's, the same on every rank because every
@@ -55,7 +55,7 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, run_dir, clip, budget, w
     decisions, _ = agent_decisions(arm, budget)
     options = dict(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend, decisions=decisions,
                    schedule=agent.schedule, blocking=agent.blocking, every=agent.every, trial_steps=agent.trial_steps,
-                   run_dir=run_dir, prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, secrets=secrets)
+                   run_dir=layout.opal, prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, secrets=secrets)
     if world > 1:
         from opalctl.opal.distributed import wrap_distributed
 

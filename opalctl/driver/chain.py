@@ -71,10 +71,12 @@ class CheckpointFile:
 
 @dataclass
 class StepsFile:
-    """``steps.jsonl.gz`` as read: its sha256 (None: missing), its complete lines, the last one's update and
-    running digest, whether every line is numbered in turn, or why it cannot be read."""
+    """``steps.jsonl.gz`` as read (``name``: relative to the run folder): its sha256 (None: missing), its complete
+    lines, the last one's update and running digest, whether every line is numbered in turn, or why it cannot be
+    read."""
 
     sha256: str | None
+    name: str = "steps.jsonl.gz"
     lines: int = 0
     last_update: int | None = None
     last_seen: str | None = None
@@ -93,7 +95,10 @@ class RunFolder:
     report: RecordFile
     anchor: RecordFile
     steps: StepsFile
-    checkpoints: dict[str, CheckpointFile] = field(default_factory=dict)  # "stage-01.pt", "initial.pt"
+    # by their names relative to the run folder: "initial.pt", "training/stage-01.pt"
+    checkpoints: dict[str, CheckpointFile] = field(default_factory=dict)
+    # each stage record's name -> the name of the checkpoint the layout puts beside it (opalctl/layout.py)
+    stage_checkpoints: dict[str, str] = field(default_factory=dict)
     resumable: bool = False  # a resume checkpoint is there
 
 
@@ -160,13 +165,14 @@ def check_anchor(anchor: AnchorRecord, name: str, start: StartRecord | None) -> 
     return out
 
 
-def check_stage(stage: StageRecord, name: str, checkpoint: CheckpointFile | None,
+def check_stage(stage: StageRecord, name: str, checkpoint: CheckpointFile | None, own_checkpoint: str | None,
                 anchor_digest: str | None) -> list[Finding]:
-    """One stage record: its number, its checkpoint file and the anchor it was judged against."""
+    """One stage record: its number, its checkpoint file (``own_checkpoint``: the name the layout gives it) and the
+    anchor it was judged against."""
     out = []
     if name != f"stage-{stage.stage:02d}.json":
         out.append(Finding(name, f"holds the record of stage {stage.stage}"))
-    if stage.checkpoint.get("file") != name.replace(".json", ".pt"):
+    if stage.checkpoint.get("file") != own_checkpoint:
         out.append(Finding(name, f"names checkpoint {stage.checkpoint.get('file')!r}, not its own"))
     if checkpoint is not None:
         out += check_checkpoint(checkpoint, stage.checkpoint, name)
@@ -238,7 +244,7 @@ def check_selected(selected: SelectedRecord, stages: list[StageRecord], anchor: 
 
 
 def check_steps(steps: StepsFile, stages: list[StageRecord]) -> list[Finding]:
-    name = "steps.jsonl.gz"
+    name = steps.name
     if steps.sha256 is None:
         return [Finding(name, "is missing", DAMAGED)]
     if steps.error is not None:
@@ -260,7 +266,7 @@ def check_digests(digests: RunDigests, folder: RunFolder, report: dict[str, Any]
         out.append(Finding("report.json", "no longer matches its own digest (a figure in it was edited)"))
     files = {"start.json": (digests.start, folder.start.sha256), "last.json": (digests.last, folder.last.sha256),
              "selected.json": (digests.selected, folder.selected.sha256),
-             "steps.jsonl.gz": (digests.steps, folder.steps.sha256)}
+             folder.steps.name: (digests.steps, folder.steps.sha256)}
     on_disk = {stage.name: stage.sha256 for stage in folder.stages}
     for name in sorted(set(digests.stages) | set(on_disk)):
         files[name] = (digests.stages.get(name), on_disk.get(name))
@@ -313,7 +319,7 @@ def check_report(report: RunReport, raw: dict[str, Any], folder: RunFolder, stag
     steps = folder.steps
     if steps.error is None and steps.sha256 is not None and (report.updates != steps.lines
                                                              or report.rows_digest != steps.last_seen):
-        out.append(Finding("report.json", f"counts {report.updates} updates, steps.jsonl.gz holds {steps.lines} "
+        out.append(Finding("report.json", f"counts {report.updates} updates, {steps.name} holds {steps.lines} "
                                           f"(or another rows digest)"))
     return out
 
@@ -329,8 +335,8 @@ def check_completion(folder: RunFolder) -> list[Finding]:
         return []
     if folder.last.sha256 is not None or folder.selected.sha256 is not None:
         return [Finding("report.json", "is missing, and last.json or selected.json says the run closed", DAMAGED)]
-    return [Finding("report.json", "is missing, and there is no resume.pt: the run stopped before its first resume "
-                                   "checkpoint, or its resume checkpoint is gone", NOTE)]
+    return [Finding("report.json", "is missing, and there is no resume checkpoint: the run stopped before its first "
+                                   "resume checkpoint, or its resume checkpoint is gone", NOTE)]
 
 
 # -- the whole folder ------------------------------------------------------------------------------------------
@@ -341,7 +347,7 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     out: list[Finding] = []
     start = _shape(StartRecord, folder.start, out)
     if start is not None:
-        out += check_start(start, folder.checkpoints.get("initial.pt"), lock_sha256)
+        out += check_start(start, folder.checkpoints.get(str(start.initial.get("file"))), lock_sha256)
     anchor = _shape(AnchorRecord, folder.anchor, out) if folder.anchor.sha256 is not None else None
     if anchor is not None:
         out += check_anchor(anchor, folder.anchor.name, start)
@@ -351,8 +357,8 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
         stage = _shape(StageRecord, record, out)
         if stage is not None:
             named.append((record.name, stage))
-            out += check_stage(stage, record.name, folder.checkpoints.get(record.name.replace(".json", ".pt")),
-                               anchor_digest)
+            own = folder.stage_checkpoints.get(record.name)
+            out += check_stage(stage, record.name, folder.checkpoints.get(own or ""), own, anchor_digest)
     stages = [stage for _, stage in named]
     out += check_sequence(named, list(start.budget.get("fractions") or []) if start is not None else None)
     out += check_completion(folder)

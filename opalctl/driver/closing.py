@@ -1,21 +1,21 @@
 """The records that close a formal run: ``last.json``, ``selected.json`` and ``report.json``.
 
-The evaluator writes all three (driver/evaluator.py), from its memory: the stage records and the incumbent it
-judged, and the training facts the training process sent at the close (``formats.TrainingFacts``: ledger, meter,
-rows digest, agent figures), reported as that process's account. The weights are read from files: the initial
-ones from ``initial.pt``, the final ones from the last stage's checkpoint (the last update always reaches it).
+The evaluator writes all three (driver/evaluator.py), from what it holds: the stage records and the incumbent it
+judged, the final weights (the last stage's, which its judge loaded; the last update always reaches it), the
+initial weights (``initial.pt``, which the training process wrote before it was confined), what the kernel counted
+of the training process, and the training facts the training process sent at the close (``formats.TrainingFacts``:
+ledger, meter, rows digest, agent figures), reported as that process's account.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from opalctl import checkpoints
 from opalctl.driver.budget import clock_spec
 from opalctl.files import atomic_write_json
-from opalctl.formats import RunReport, StageRecord, TrainingFacts
+from opalctl.formats import LastRecord, RunReport, StageRecord, TrainingFacts, anchor_sha256
+from opalctl.layout import RunLayout
 
 
 @dataclass
@@ -25,9 +25,11 @@ class RunOutcome:
     stages: list[StageRecord]
     incumbent: Any  # judge.Incumbent
     training: TrainingFacts
+    initial_model: dict[str, Any]  # initial.pt's weights
     final_model: dict[str, Any]  # the last stage checkpoint's weights
     confinement: dict[str, Any] | None = None  # the training process's, as it reported it
     machine: dict[str, Any] | None = None  # driver/sharing.py's MachineWatch.to_json(), from the evaluator
+    process: dict[str, Any] | None = None  # what the kernel counted of the training process (kernel_account.py)
 
 
 def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> dict[str, Any]:
@@ -90,15 +92,14 @@ def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: d
     return out
 
 
-def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: RunOutcome,
+def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outcome: RunOutcome,
               anchor: dict[str, Any], splits: dict[str, Any]) -> dict[str, Any]:
     """Write ``last.json``, ``selected.json`` and ``report.json``; return the report."""
     last_stage = outcome.stages[-1]
-    last = {"stage": last_stage.stage, "update": last_stage.update, **last_stage.checkpoint}
-    atomic_write_json(run_dir / "last.json", last)
+    last = LastRecord(stage=last_stage.stage, update=last_stage.update, **last_stage.checkpoint).to_json()
+    atomic_write_json(layout.last, last)
     selected = selected_record(lock, seed, outcome.incumbent, anchor)
-    atomic_write_json(run_dir / "selected.json", selected)
-    initial = checkpoints.load(run_dir / "initial.pt", limit_bytes=protocol.limits.checkpoint_bytes)["model"]
+    atomic_write_json(layout.selected, selected)
     budget, training, ledger = protocol.budget, outcome.training, outcome.training.ledger
     arm = protocol.arms[arm_name]
     report = RunReport(
@@ -112,7 +113,7 @@ def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: 
                  "agent_wait_wall": ledger["agent_wait_wall"], "this_session_loop_wall": ledger["loop_wall"],
                  "this_session_wall": training.session_wall, "this_session_cpu": training.session_cpu},
         peak_memory_bytes=training.peak_memory_bytes,
-        parameter_change=parameter_change(initial, outcome.final_model),
+        parameter_change=parameter_change(outcome.initial_model, outcome.final_model),
         stages=[stage.to_json() for stage in outcome.stages],
         promoted_stages=[stage.stage for stage in outcome.stages if stage.promoted],
         selected={"source": selected["source"], "stage": selected["stage"], "flagged": selected["flagged"]},
@@ -120,29 +121,25 @@ def close_run(run_dir: Path, lock, arm_name: str, seed: int, protocol, outcome: 
         resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
         limitations=limitations(arm_name, seed, budget, outcome, splits),
         peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
-        machine=outcome.machine, ranks=protocol.training.ranks)
-    from opalctl.formats import anchor_sha256
-
+        machine=outcome.machine, ranks=protocol.training.ranks, process=outcome.process)
     # report.json is written once, with the digests of the chain it closes (driver/chain.py)
-    data = sealed_report(run_dir, report.to_json(), outcome.stages, anchor_sha256(anchor))
-    atomic_write_json(run_dir / "report.json", data)
+    data = sealed_report(layout, report.to_json(), outcome.stages, anchor_sha256(anchor), last, selected)
+    atomic_write_json(layout.report, data)
     return data
 
 
-def sealed_report(run_dir: Path, report: dict[str, Any], stages: list[StageRecord],
-                  anchor_digest: str) -> dict[str, Any]:
-    """The report with its ``digests`` (formats.RunDigests): the stage records from the evaluator's memory, the
-    other records from their files in ``run_dir``, and the report's own digest last."""
-    from opalctl.driver.evaluator import stage_name
+def sealed_report(layout: RunLayout, report: dict[str, Any], stages: list[StageRecord], anchor_digest: str,
+                  last: dict[str, Any], selected: dict[str, Any]) -> dict[str, Any]:
+    """The report with its ``digests`` (formats.RunDigests): the records this process wrote from its memory, the
+    steps file (the training process's) as it is now, and the report's own digest last."""
     from opalctl.files import sha256_file
     from opalctl.formats import RunDigests, record_sha256, report_sha256
 
-    steps = run_dir / "steps.jsonl.gz"
+    steps = layout.steps
     digests = RunDigests(
-        start=sha256_file(run_dir / "start.json"), steps=sha256_file(steps) if steps.is_file() else None,
-        stages={f"{stage_name(stage.stage - 1)}.json": record_sha256(stage.to_json()) for stage in stages},
-        last=sha256_file(run_dir / "last.json"), selected=sha256_file(run_dir / "selected.json"),
-        anchor=anchor_digest)
+        start=sha256_file(layout.start), steps=sha256_file(steps) if steps.is_file() else None,
+        stages={layout.stage_record(stage.stage).name: record_sha256(stage.to_json()) for stage in stages},
+        last=record_sha256(last), selected=record_sha256(selected), anchor=anchor_digest)
     sealed = {**report, "digests": digests.to_json()}
     sealed["digests"]["report"] = report_sha256(sealed)
     return sealed

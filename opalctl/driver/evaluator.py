@@ -3,17 +3,25 @@
 A formal run starts it first, before any agent program can load (docs/architecture.md, "Why the evaluator is a
 process of its own"). It re-reads the lock, loads the evaluation splits (the training process loads only
 ``train``), evaluates the anchor or checks its record, and keeps its own judge, incumbent and stage records for
-the whole run: the model and the splits stay loaded between stages, so a stage costs one checkpoint load and
-one evaluation.
+the whole run: the model and the splits stay loaded between stages, so a stage costs one checkpoint read and one
+evaluation.
 
 The training process talks to it over a pipe, one JSON object per line each way: a request ``{"kind": K,
 "body": ...}`` and one answer, ``{"ok": ...}`` or ``{"error": sentence, "exit": code, "class": name}``. The
-kinds are ``Message``'s, and this module is the only one that reads or writes them. What arrives after an agent
-program may have run is a claim, never a result: a stage names its checkpoint, which the evaluator loads from the
-run folder itself; the stages a resume carries are judged again from their files and refused, naming the file,
-when they differ; the training facts at the close (ledger, meter, rows digest, agent figures) are reported as the
-training process's own account. The evaluator ends when its input ends, so a killed training process leaves no
-evaluator behind; the run folder's lock is inherited, so a resume waits until it has ended.
+kinds are ``Message``'s, and this module is the only one that reads or writes them.
+
+It trusts nothing the training process says once an agent program may have run there. It writes ``start.json``
+from what training sent before any agent code could run (the initial checkpoint it wrote, the confinement it
+applied) and every other record of a result (``stage-NN.json``, ``last.json``, ``selected.json``,
+``report.json``, the anchor) into the run folder beside ``training/``, where a confined training process cannot
+write (opalctl/layout.py). A stage names its index; the evaluator reads the checkpoint the layout puts there itself,
+without following a link (``checkpoints.read_beneath``), hashes the bytes it loads, and records that digest. A
+resume's stages are the evaluator's own records, their checkpoints hashed again. The results go back to the
+training process only for an arm without an agent, and to an agent arm's only at the close, after its last
+update: agent code learns no evaluation result it could act on. The training facts at the close are reported as
+the training process's own account, beside what the kernel counted of that process (driver/kernel_account.py).
+The evaluator ends when its input ends, so a killed training process leaves no evaluator behind; the run
+folder's lock is inherited, so a resume waits until it has ended.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +43,34 @@ from opalctl.formats import (
     AnchorRecord,
     RecordChanged,
     RecordDamaged,
+    StageFacts,
     StageRecord,
+    StartRecord,
     TrainingFacts,
     anchor_sha256,
     read_record,
-    record_sha256,
 )
-
-# the record fields a judge computes; a carried record must match a new evaluation in every one of them
-JUDGED_FIELDS = ("stage", "fraction", "checkpoint", "metrics", "incumbent_before", "decision", "promoted",
-                 "incumbent_after", "shared_state_with")
+from opalctl.layout import AnchorFolder, RunLayout
 
 
 class Message:
-    """The kinds of request, in the order a run sends them (``CONFINED`` and ``CARRIED`` at most once)."""
+    """The kinds of request, in the order a run sends them (``START`` once, ``CARRIED`` only on a resume).
 
-    OPEN = "open"  # body: Opening; answer: {"anchor": the anchor record}
-    CONFINED = "confined"  # body: {"confinement": dict | None}; answer: {}
-    CARRIED = "carried"  # body: {"stages": [StageRecord json]}; answer: Verdict
-    STAGE = "stage"  # body: {"saved": [SavedStage json], "facts": StageFacts json}; answer: Verdict
-    CLOSE = "close"  # body: TrainingFacts json; answer: {"report": RunReport json}
-    ALL = (OPEN, CONFINED, CARRIED, STAGE, CLOSE)
+    - ``OPEN``: body ``Opening``; answered once the anchor is evaluated or its record checked: ``{}``.
+    - ``START``: body ``{"confinement", "initial", "inherited", "initialised", "host"}``, sent before any agent
+      program can have run (``initial`` None on a resume); answer ``{}``. A new run's ``start.json`` is written.
+    - ``CARRIED``: body ``{"stages": k, "update": u}``, the stages a resume checkpoint has passed; answer ``{}``.
+    - ``STAGE``: body ``{"saved": [{"index", "sha256", "model_sha256", "bytes"}], "facts": StageFacts}``; answer
+      ``{"stages": [{"stage": n, "said": text | None}]}``, ``said`` the outcome in words for an arm without agent.
+    - ``CLOSE``: body ``TrainingFacts``; answer ``{"report": RunReport json}``.
+    """
+
+    OPEN = "open"
+    START = "start"
+    CARRIED = "carried"
+    STAGE = "stage"
+    CLOSE = "close"
+    ALL = (OPEN, START, CARRIED, STAGE, CLOSE)
 
 
 @dataclass(frozen=True)
@@ -69,10 +84,6 @@ class Opening:
     run_dir: str
     anchor_dir: str
     sys_path: list[str]  # where the task's module is found (a test's or a user's folder)
-
-
-def stage_name(index: int) -> str:
-    return f"stage-{index + 1:02d}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -95,7 +106,7 @@ class EvaluatorProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "opalctl.driver.evaluator", opening.run_dir],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
                                         pass_fds=inherit_fds)
-        self.send(Message.OPEN, opening.__dict__)  # answered by ``answer``: the anchor record
+        self.send(Message.OPEN, opening.__dict__)  # answered by ``answer`` once the anchor is ready
 
     def send(self, kind: str, body: Any) -> None:
         """A request whose answer ``answer`` reads later (so the evaluator works while training builds)."""
@@ -191,7 +202,8 @@ class Evaluator:
         self.protocol = self.lock.protocol()
         self.arm_name, self.seed = opening.arm, opening.seed
         self.arm = choose_arm(self.protocol, opening.arm, opening.seed, f"lock {self.lock.path}", "the lock's")
-        self.run_dir, self.anchor_dir = Path(opening.run_dir), Path(opening.anchor_dir)
+        self.layout = RunLayout(Path(opening.run_dir), AnchorFolder(Path(opening.anchor_dir)))
+        self.run_dir = self.layout.root
         torch.set_num_threads(self.protocol.budget.threads)  # the threads the training process evaluated with
         self.task = make_task(self.protocol.task.entry, self.protocol.task.config)
         self.splits = self.task.load({split: self.lock.data_path(split) for split in self.protocol.data
@@ -204,9 +216,13 @@ class Evaluator:
         self.incumbent = Incumbent()
         self.stages: list[StageRecord] = []
         self.confinement: dict[str, Any] | None = None
+        self.started = False
+        from opalctl.driver.kernel_account import KernelAccount, SessionCpu
         from opalctl.driver.sharing import MachineWatch
 
         self.machine = MachineWatch()  # lives as long as the run: sampled at each stage, written at the close
+        self.training_process = KernelAccount(os.getppid())  # the evaluator is the training process's child
+        self.cpu: SessionCpu | None = None
 
     def _anchor(self, device: str) -> dict[str, Any]:
         from opalctl import checkpoints
@@ -214,32 +230,56 @@ class Evaluator:
         parent = self.task.build(self.lock.parent_path(self.seed), {}, self.seed, device).model
         parent.train()
         digest = checkpoints.model_sha256(parent.state_dict())
-        return prepare_anchor(self.lock, self.task, self.splits, self.seed, self.anchor_dir, parent, digest)
+        return prepare_anchor(self.lock, self.task, self.splits, self.seed, self.layout.anchor.folder, parent, digest)
 
     def handle(self, kind: str, body: Any) -> Any:
-        if kind == Message.CONFINED:
-            self.confinement = body.get("confinement")
-            return {}
+        if kind == Message.START:
+            return self.start(body)
+        if not self.started:
+            raise EvaluatorFailed(f"the training process of {self.run_dir} sent {kind!r} before it started the run; "
+                                  f"this is a bug in opalctl")
         if kind == Message.CARRIED:
-            return self.carried([StageRecord.from_json(stage, what=f"a stage record in {self.run_dir}/resume.pt")
-                                 for stage in body["stages"]])
+            return self.carried(int(body["stages"]))
         if kind == Message.STAGE:
-            return self.stage(body["saved"], body["facts"])
+            return self.stage(body["saved"], StageFacts.from_json(body["facts"], what="the stage facts sent"))
         if kind == Message.CLOSE:
             return {"report": self.close(TrainingFacts.from_json(body))}
         raise EvaluatorFailed(f"the evaluator of {self.run_dir} was sent {kind!r}, which is not one of "
                               f"{', '.join(Message.ALL)}; this is a bug in opalctl")
 
+    # -- the start -----------------------------------------------------------------------------------------------
+    def start(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The run's start, as the training process tells it before any agent program can have run in it: a new
+        run's ``start.json``; a resumed run's must be there, of this lock, arm and seed."""
+        from opalctl.driver.kernel_account import SessionCpu
+
+        if self.started:
+            raise EvaluatorFailed(f"the training process of {self.run_dir} started the run twice; this is a bug")
+        self.started = True
+        self.confinement = body.get("confinement")
+        self.cpu = SessionCpu(self.training_process)
+        if body.get("initial") is not None:
+            write_start_record(self, body)
+            return {}
+        start = read_record(self.layout.start, StartRecord,
+                            advice=f"move the run folder {self.run_dir} aside and start the run again")
+        if (start.lock_sha256, start.arm, start.seed) != (self.lock.sha256, self.arm_name, self.seed):
+            raise RecordChanged(f"{self.layout.start} is not the start of this run (another lock, arm or seed); "
+                                f"move the run folder {self.run_dir} aside and start the run again")
+        return {}
+
     # -- stages ----------------------------------------------------------------------------------------------
     def _saved(self, entry: dict[str, Any]):
-        """The stage's checkpoint as the evaluator finds it: the file is the run folder's, whatever was sent."""
+        """The stage's checkpoint where the layout puts it, with what the training process says it saved there."""
         from opalctl.driver.judge import SavedStage
 
         index = int(entry["index"])
-        return SavedStage(index=index, path=self.run_dir / f"{stage_name(index)}.pt", sha256=str(entry["sha256"]),
-                          model_sha256=str(entry["model_sha256"]), bytes=int(entry["bytes"]))
+        layout = self.layout
+        return SavedStage(index=index, root=layout.root, name=layout.name_of(layout.stage_checkpoint(index + 1)),
+                          sha256=str(entry["sha256"]), model_sha256=str(entry["model_sha256"]),
+                          bytes=int(entry["bytes"]))
 
-    def _judge(self, saved, facts) -> list[StageRecord]:
+    def _judge(self, saved, facts: StageFacts) -> list[StageRecord]:
         """Judge the stages one update reached, which must be the next ones, and keep their records."""
         expected = list(range(len(self.stages), len(self.stages) + len(saved)))
         if [stage.index for stage in saved] != expected or expected[-1] >= len(self.judge.fractions):
@@ -248,80 +288,111 @@ class Evaluator:
                                 f"move the run folder aside and start the run again")
         records, self.incumbent = self.judge.judge(saved, facts, self.incumbent, self.anchor["metrics"],
                                                    self.anchor_sha256)
+        cpu = self.cpu.total() if self.cpu is not None else None
+        records = [replace(record, process_cpu_seconds=cpu) for record in records]
         self.stages.extend(records)
         return records
 
-    def _verdict(self) -> dict[str, Any]:
-        return {"stages": [stage.to_json() for stage in self.stages], "incumbent": self.incumbent.to_json()}
-
-    def stage(self, saved: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str, Any]:
-        from opalctl.driver.judge import StageFacts
+    def stage(self, saved: list[dict[str, Any]], facts: StageFacts) -> dict[str, Any]:
         from opalctl.files import atomic_write_json
 
-        records = self._judge([self._saved(entry) for entry in saved], StageFacts(**facts))
+        records = self._judge([self._saved(entry) for entry in saved], facts)
         self.machine.sample()
         for record in records:
-            atomic_write_json(self.run_dir / f"{stage_name(record.stage - 1)}.json", record.to_json())
-        return {"stages": [record.to_json() for record in records], "incumbent": self.incumbent.to_json()}
+            atomic_write_json(self.layout.stage_record(record.stage), record.to_json())
+        # an agent arm's training process runs agent code: it learns that the stage was recorded, not its result
+        tell = self.arm.agent is None
+        return {"stages": [{"stage": record.stage, "said": said_of(record) if tell else None} for record in records]}
 
-    def carried(self, stages: list[StageRecord]) -> dict[str, Any]:
-        """Judge a resume's carried stages again from their files; each must match its record, and its stage file
-        must be, byte for byte, the record carried: the evaluator keeps the records as they were written."""
-        from opalctl.driver.judge import StageFacts
-        from opalctl.files import sha256_file
+    def carried(self, count: int) -> dict[str, Any]:
+        """A resume's first ``count`` stages: the evaluator's own records, in the run folder, each of this run's
+        anchor and each checkpoint still the file it was judged on; the incumbent and the kernel's count of CPU
+        seconds go on from the last of them."""
+        from opalctl import checkpoints
+        from opalctl.driver.judge import Incumbent
+        from opalctl.files import sha256_bytes
 
-        groups: list[list[StageRecord]] = []
-        for record in stages:  # the stages one update reached share its weights and are judged together
-            if groups and groups[-1][-1].update == record.update:
-                groups[-1].append(record)
-            else:
-                groups.append([record])
-        resume_file = self.run_dir / "resume.pt"
-        for group in groups:
-            first = group[0]
-            saved = [self._saved({"index": record.stage - 1, **record.checkpoint}) for record in group]
-            facts = StageFacts(update=first.update, budget_used=first.budget_used,
-                               budget_fraction_used=first.budget_fraction_used, examples=first.examples,
-                               train_cpu_seconds=first.train_cpu_seconds,
-                               train_wall_seconds=first.train_wall_seconds, loss=first.loss)
-            for again, record in zip(self._judge(saved, facts), group, strict=True):
-                stage_file = self.run_dir / f"{stage_name(record.stage - 1)}.json"
-                _require_same(again, record, f"stage {record.stage}'s record in {resume_file}", saved[0].path)
-                on_disk = _read_stage_file(stage_file)
-                _require_same(again, on_disk, f"stage record {stage_file}", saved[0].path)
-                if sha256_file(stage_file) != record_sha256(record.to_json()):
-                    raise RecordChanged(f"stage record {stage_file} is not the record {resume_file} carries (it was "
-                                        f"edited); move the run folder {self.run_dir} aside and start the run again")
-        # the records as written (their eval_seconds too), so that report.json's stages are the stage files
-        self.stages[:len(stages)] = stages
-        return self._verdict()
+        advice = f"move the run folder {self.run_dir} aside and start the run again"
+        if not 0 <= count <= len(self.judge.fractions):
+            raise RecordDamaged(f"the resume checkpoint of {self.run_dir} says it passed {count} stages, and the run "
+                                f"has {len(self.judge.fractions)}; {advice}")
+        for number in range(1, count + 1):
+            path = self.layout.stage_record(number)
+            record = _read_stage_file(path)
+            if record.stage != number or record.anchor_sha256 != self.anchor_sha256:
+                raise RecordChanged(f"stage record {path} is not stage {number} of this run judged against its "
+                                    f"anchor; {advice}")
+            name = record.checkpoint["file"]
+            try:
+                data = checkpoints.read_beneath(self.run_dir, name, limit_bytes=self.judge.limit_bytes)
+            except checkpoints.CheckpointRefused as error:
+                raise RecordDamaged(f"{error.message}; {advice}") from None
+            if sha256_bytes(data) != record.checkpoint["sha256"]:
+                raise RecordChanged(f"checkpoint {self.run_dir / name} is not the file stage {number} was judged on "
+                                    f"(its sha256 differs from {path}); {advice}")
+            self.stages.append(record)
+            if record.promoted:
+                self.incumbent = Incumbent(stage=record.stage, metrics=record.metrics,
+                                           checkpoint={key: record.checkpoint[key]
+                                                       for key in ("file", "sha256", "model_sha256")})
+        if self.stages and self.stages[-1].process_cpu_seconds is not None and self.cpu is not None:
+            self.cpu.carried = self.stages[-1].process_cpu_seconds
+        return {}
 
     # -- the close -------------------------------------------------------------------------------------------
     def close(self, training: TrainingFacts) -> dict[str, Any]:
         from opalctl import checkpoints
         from opalctl.driver.closing import RunOutcome, close_run
 
+        if len(self.stages) != len(self.judge.fractions):
+            raise RecordDamaged(f"the training process of {self.run_dir} closed the run after {len(self.stages)} of "
+                                f"{len(self.judge.fractions)} stages; move the run folder aside and start the run "
+                                f"again")
         last = self.stages[-1]
-        final = checkpoints.load(self.run_dir / last.checkpoint["file"], limit_bytes=self.judge.limit_bytes,
-                                 expected_shapes=self.judge.shapes, require_finite=False)
+        final = self.judge.weights_of(self._saved({"index": last.stage - 1, **last.checkpoint}))
+        initial = checkpoints.load(self.layout.initial, limit_bytes=self.judge.limit_bytes)["model"]
+        process = {"cpu_seconds": self.cpu.total() if self.cpu is not None else None,
+                   "peak_rss_bytes": self.training_process.peak_rss_bytes()}
         outcome = RunOutcome(stages=self.stages, incumbent=self.incumbent, training=training,
-                             final_model=final["model"], confinement=self.confinement,
-                             machine=self.machine.to_json())
-        return close_run(self.run_dir, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
+                             initial_model=initial, final_model=final, confinement=self.confinement,
+                             machine=self.machine.to_json(), process=process)
+        return close_run(self.layout, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
                          self.splits)
+
+
+def said_of(record: StageRecord) -> str:
+    """A stage's outcome in words, as a run prints it: promoted, or kept and the first reasons why."""
+    if record.promoted:
+        return "promoted"
+    return f"kept {record.incumbent_after} ({'; '.join(record.decision['reasons'][:2])})"
+
+
+def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
+    """``start.json``: what the run starts from, from the lock and what the training process sent before any agent
+    program could run in it."""
+    import platform as _platform
+
+    from opalctl.files import atomic_write_json
+
+    lock, protocol, layout = evaluator.lock, evaluator.protocol, evaluator.layout
+    arm = protocol.arms[evaluator.arm_name]
+    start = StartRecord(
+        lock=str(lock.path.resolve()), lock_sha256=lock.sha256, protocol=lock.name, arm=evaluator.arm_name,
+        seed=evaluator.seed,
+        budget={"clock": protocol.budget.clock, "total": protocol.budget.amount * arm.budget_multiplier,
+                "fractions": list(protocol.budget.fractions), "threads": protocol.budget.threads},
+        initial=dict(body["initial"]),
+        anchor={"folder": os.path.relpath(layout.anchor.folder, layout.root),
+                "model_sha256": evaluator.anchor["model_sha256"]},
+        arm_config=lock.resolved["arms"][evaluator.arm_name], training=lock.resolved["training"],
+        inherited=body.get("inherited"), initialised=body.get("initialised"), confinement=evaluator.confinement,
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        host=body.get("host") or _platform.node(), ranks=protocol.training.ranks)
+    atomic_write_json(layout.start, start.to_json())
 
 
 def _read_stage_file(path: Path) -> StageRecord:
     return read_record(path, StageRecord, advice=f"move the run folder {path.parent} aside and start the run again")
-
-
-def _require_same(judged: StageRecord, claimed: StageRecord, what: str, checkpoint: Path) -> None:
-    """Refuse a claimed record whose judged fields (or training facts) differ from the evaluator's own."""
-    mine, theirs = judged.to_json(), claimed.to_json()
-    differ = [key for key in mine if key != "eval_seconds" and mine[key] != theirs.get(key)]
-    if differ:
-        raise RecordChanged(f"{what} does not match a new evaluation of {checkpoint} ({', '.join(differ[:4])} "
-                            f"differ); move the run folder {checkpoint.parent} aside and start the run again")
 
 
 def prepare_anchor(lock, task, splits, seed: int, folder: Path, parent, model_digest: str) -> dict[str, Any]:
@@ -383,7 +454,7 @@ def serve(requests, answers) -> int:
             request = json.loads(line)
             if request["kind"] == Message.OPEN:
                 evaluator = Evaluator(Opening(**request["body"]))
-                answer: dict[str, Any] = {"ok": {"anchor": evaluator.anchor}}
+                answer: dict[str, Any] = {"ok": {}}
             elif evaluator is None:
                 raise EvaluatorFailed("the evaluator was asked for work before it was opened; this is a bug")
             else:

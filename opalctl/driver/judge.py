@@ -11,14 +11,14 @@ plain data (a checkpoint's record, the training figures at the stage, the incumb
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
-from opalctl.files import sha256_file
-from opalctl.formats import RecordChanged, RecordDamaged, StageRecord
+from opalctl.files import sha256_bytes
+from opalctl.formats import RecordChanged, RecordDamaged, StageFacts, StageRecord
 
 
 @dataclass
@@ -47,33 +47,20 @@ class Incumbent:
 
 
 @dataclass(frozen=True)
-class StageFacts:
-    """What training knows when an update reaches one or more stages (the same for each of them): these fields
-    are ``StageRecord``'s of the same names, passed on as they are."""
-
-    update: int
-    budget_used: float
-    budget_fraction_used: float
-    examples: int
-    train_cpu_seconds: float
-    train_wall_seconds: float
-    loss: float | None  # the last update's training loss
-
-
-@dataclass(frozen=True)
 class SavedStage:
-    """A stage's checkpoint as ``checkpoints.save`` described it."""
+    """A stage's checkpoint: where the layout puts it (``name`` beneath the run folder ``root``, never a path the
+    training process sent) and what the training process says it saved there (a claim the judge checks)."""
 
     index: int  # the fraction's index; the stage number is index + 1
-    path: Path
+    root: Path
+    name: str  # relative to the run folder: training/stage-01.pt
     sha256: str
     model_sha256: str
     bytes: int
 
-    @classmethod
-    def of(cls, index: int, record: dict[str, Any]) -> SavedStage:
-        return cls(index=index, path=Path(record["path"]), sha256=record["sha256"],
-                   model_sha256=record["model_sha256"], bytes=record["bytes"])
+    @property
+    def path(self) -> Path:
+        return self.root / self.name
 
 
 class Judge:
@@ -89,6 +76,7 @@ class Judge:
         self.selection = selection
         self.limit_bytes = limit_bytes
         self.load_seconds = 0.0  # the time spent loading checkpoints, in total (what judging from files costs)
+        self.holds: int | None = None  # the index of the stage whose weights the model holds (None: the parent's)
 
     @classmethod
     def build(cls, task, splits, parent_path: Path, arm, seed: int, device: str, protocol) -> Judge:
@@ -104,22 +92,40 @@ class Judge:
                    protocol.limits.checkpoint_bytes)
 
     def evaluate(self, saved: SavedStage) -> dict[str, float | int]:
-        """The metrics of the model in ``saved``'s file, which must be the file and the model its record names."""
+        """The metrics of the model in ``saved``'s file, which must be the file and the model its record names.
+        The file is read once, without following a link and only as one regular file (``checkpoints.read_beneath``:
+        no stage checkpoint can make this unconfined process open an evaluation split or anything else), and the
+        bytes hashed are the bytes loaded."""
         started = time.perf_counter()
-        advice = f"move the run folder {saved.path.parent} aside and start the run again"
-        if not saved.path.is_file():
-            raise RecordDamaged(f"checkpoint {saved.path} of stage {saved.index + 1} is missing; {advice}")
-        if sha256_file(saved.path) != saved.sha256:
+        advice = f"move the run folder {saved.root} aside and start the run again"
+        try:
+            data = checkpoints.read_beneath(saved.root, saved.name, limit_bytes=self.limit_bytes)
+        except checkpoints.CheckpointRefused as error:
+            raise RecordDamaged(f"{error.message} (stage {saved.index + 1}); {advice}") from None
+        if sha256_bytes(data) != saved.sha256:
             raise RecordChanged(f"checkpoint {saved.path} is not the file stage {saved.index + 1} saved (its sha256 "
-                                f"differs from the stage's record); restore it from a copy you trust, or {advice}")
-        payload = checkpoints.load(saved.path, limit_bytes=self.limit_bytes, expected_shapes=self.shapes,
-                                   require_finite=False)  # a diverged stage is judged, not refused
+                                f"differs from what the training process saved); {advice}")
+        payload = checkpoints.load_bytes(data, saved.path, expected_shapes=self.shapes,
+                                         require_finite=False)  # a diverged stage is judged, not refused
         if payload["model_sha256"] != saved.model_sha256:
             raise checkpoints.CheckpointRefused(f"checkpoint {saved.path} holds another model than the stage "
-                                                f"saved; move the run folder aside and start the run again")
+                                                f"saved; {advice}")
         self.model.load_state_dict(payload["model"])
+        self.holds = saved.index
         self.load_seconds += time.perf_counter() - started
         return evaluate_all(self.task, self.model, self.splits)
+
+    def weights_of(self, saved: SavedStage) -> dict[str, Any]:
+        """The weights of the stage ``saved`` (a copy): from the judge's own model when it judged that stage last,
+        else read from its file as ``evaluate`` reads it."""
+        if self.holds != saved.index:
+            data = checkpoints.read_beneath(saved.root, saved.name, limit_bytes=self.limit_bytes)
+            if sha256_bytes(data) != saved.sha256:
+                raise RecordChanged(f"checkpoint {saved.path} is not the file stage {saved.index + 1} was judged on "
+                                    f"(its sha256 differs from the stage record); move the run folder {saved.root} "
+                                    f"aside and start the run again")
+            return checkpoints.load_bytes(data, saved.path, expected_shapes=self.shapes, require_finite=False)["model"]
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
 
     def judge(self, saved: list[SavedStage], facts: StageFacts, incumbent: Incumbent, anchor_metrics: dict[str, Any],
               anchor_sha256: str | None = None) -> tuple[list[StageRecord], Incumbent]:
@@ -135,11 +141,11 @@ class Judge:
             against = anchor_metrics if incumbent.stage is None else incumbent.metrics
             decision = decide(metrics, against, anchor_metrics, self.selection)
             before = incumbent.label
-            checkpoint = {"file": stage.path.name, "sha256": stage.sha256, "model_sha256": stage.model_sha256}
+            checkpoint = {"file": stage.name, "sha256": stage.sha256, "model_sha256": stage.model_sha256}
             if decision.promoted:
                 incumbent = Incumbent(stage=stage.index + 1, metrics=metrics, checkpoint=checkpoint)
             records.append(StageRecord(
-                stage=stage.index + 1, fraction=self.fractions[stage.index], **asdict(facts),
+                stage=stage.index + 1, fraction=self.fractions[stage.index], **facts.fields(),
                 checkpoint={**checkpoint, "bytes": stage.bytes}, metrics=metrics, eval_seconds=eval_seconds,
                 incumbent_before=before, decision=decision.to_json(), promoted=decision.promoted,
                 incumbent_after=incumbent.label,

@@ -55,40 +55,26 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.evaluation import rng_state, set_rng_state
-from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening, stage_name
-from opalctl.driver.judge import Incumbent, StageFacts
+from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening
+from opalctl.driver.judge import StageFacts
 from opalctl.driver.ledger import Ledger
 from opalctl.driver.ranks import FollowerSteps, Ranks, join, lost_rank, torchrun_line
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
-from opalctl.files import atomic_write_json, read_json, sha256_file, storage, storage_fault
-from opalctl.formats import StageRecord, TrainingFacts
+from opalctl.files import storage, storage_fault
+from opalctl.formats import TrainingFacts
+from opalctl.layout import AT_UPDATE_0, FINISHED, NEW, RESUMABLE, LockRuns, RunLayout, runs_dir_default
 
-RESUME_FILE = "resume.pt"
+__all__ = ["run", "FormalRun", "RunCommand", "runs_dir_default"]
+
 LOCK_WAIT_SECONDS = 30.0  # how long a run waits for a folder's lock no live run holds before calling it busy
-
-
-@dataclass
-class RunPaths:
-    base: Path
-    anchor: Path
-    run: Path
-
-    @classmethod
-    def of(cls, runs_dir: Path, lock, arm: str, seed: int) -> RunPaths:
-        base = Path(runs_dir) / f"{lock.name}-{lock.sha12}"
-        return cls(base=base, anchor=base / "anchors" / f"seed-{seed}", run=base / arm / f"seed-{seed}")
-
-
-def runs_dir_default(value: str | os.PathLike | None) -> Path:
-    return Path(value or os.environ.get("OPALCTL_RUNS") or "runs")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -111,11 +97,12 @@ class RunCommand:
         words += [flag] if flag else []
         return shlex.join(torchrun_line(self.ranks, words) if self.ranks > 1 else words)
 
-    def next_step(self, run: Path) -> tuple[str, str]:
-        """What continues ``run`` now, by what its folder holds: (verb, command line)."""
-        if (run / RESUME_FILE).exists() or at_update_0(run):
+    def next_step(self, layout: RunLayout) -> tuple[str, str]:
+        """What continues the run in ``layout`` now, by the state its folder is in: (verb, command line)."""
+        state = layout.state
+        if state in (RESUMABLE, AT_UPDATE_0):
             return "resume", self.line("--resume")
-        if (run / "start.json").exists():
+        if state not in (NEW, FINISHED):
             return "start it again", self.line("--restart")
         return "start it again", self.line()
 
@@ -126,10 +113,10 @@ class FolderLock:
     The evaluator and the steps helper inherit it and hold it as long as they live; nothing is ever written into
     it."""
 
-    def __init__(self, run: Path):
-        self.run, self.path = run, run.parent / f".{run.name}.lock"
+    def __init__(self, layout: RunLayout):
+        self.run, self.path = layout.root, layout.folder_lock
         with storage(self.path):
-            run.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
 
     def fileno(self) -> int:
@@ -170,96 +157,68 @@ class FolderLock:
             self.fd = -1
 
 
-def claim_folder(run: Path, mode: str, command: RunCommand) -> FolderLock:
+def claim_folder(layout: RunLayout, mode: str, command: RunCommand) -> FolderLock:
     """Take the run folder's lock, then decide under it whether this start may use the folder (``mode``: start,
     resume or restart), and make it ready; returns the held lock."""
-    lock = FolderLock(run)
+    lock = FolderLock(layout)
     try:
         lock.acquire()
-        _may_use(run, mode, command)
-        with storage(run):
-            _prepare(run, mode)
+        _may_use(layout, mode, command)
+        with storage(layout.root):
+            _prepare(layout, mode)
     except BaseException:
         lock.close()
         raise
     return lock
 
 
-def at_update_0(run: Path) -> bool:
-    """A started run that never got past update 0: start.json, but neither a resume checkpoint nor a steps record
-    (killed while writing its first resume checkpoint). Continuing it is starting it from update 0 again: nothing
-    it trained is lost."""
-    steps = run / "steps.jsonl.gz"
-    return (run / "start.json").exists() and not (run / RESUME_FILE).exists() and (
-        not steps.exists() or steps.stat().st_size == 0)
-
-
-def _may_use(run: Path, mode: str, command: RunCommand) -> None:
+def _may_use(layout: RunLayout, mode: str, command: RunCommand) -> None:
     """Refuse, naming the folder, a start this folder's state does not allow."""
-    resumable = (run / RESUME_FILE).exists() or at_update_0(run)
-    started = resumable or (run / "start.json").exists()
-    if (run / "report.json").exists():
+    run, state = layout.root, layout.state
+    if state == FINISHED:
         said = "restarted" if mode == "restart" else "overwritten"
-        raise BadInput(f"run {run} already finished (its report is {run / 'report.json'}) and a finished run is "
+        raise BadInput(f"run {run} already finished (its report is {layout.report}) and a finished run is "
                        f"never {said}; use --runs-dir for a separate copy")
-    if mode == "resume" and not started:
+    if mode == "resume" and state == NEW:
         raise BadInput(f"there is no run to resume in {run}; start it without --resume")
-    if mode == "resume" and not resumable:
-        raise BadInput(f"run {run} has no resume checkpoint ({run / RESUME_FILE} is missing), so --resume cannot "
+    if mode == "resume" and state not in (RESUMABLE, AT_UPDATE_0):
+        raise BadInput(f"run {run} has no resume checkpoint ({layout.resume} is missing), so --resume cannot "
                        f"continue it; start it again from update 0 with `{command.line('--restart')}`, which keeps "
                        f"what it wrote aside")
-    if mode == "start" and started:
-        way = (f"continue it with `{command.line('--resume')}`" if resumable else
+    if mode == "start" and state != NEW:
+        way = (f"continue it with `{command.line('--resume')}`" if state in (RESUMABLE, AT_UPDATE_0) else
                f"start it again from update 0 with `{command.line('--restart')}`, which keeps what it wrote aside")
         raise BadInput(f"run folder {run} already holds a started run, and a run is never overwritten; {way}")
 
 
-def _prepare(run: Path, mode: str) -> None:
+def _prepare(layout: RunLayout, mode: str) -> None:
     """Under the lock: move an abandoned attempt aside (``--restart``), or clear what a dead session left that no
-    record counts, then make the folder."""
-    started = (run / RESUME_FILE).exists() or (run / "start.json").exists()
-    if mode == "restart" and started:
-        aside = 1 + max([int(p.name.rpartition("-")[2]) for p in run.parent.glob(f"{run.name}.abandoned-*")
-                         if p.name.rpartition("-")[2].isdigit()], default=0)
-        run.rename(run.parent / f"{run.name}.abandoned-{aside}")
-    elif (not started or at_update_0(run)) and (run / "opal").exists():
-        # an agent's records from a start that never trained an update: nothing of a run to keep
-        shutil.rmtree(run / "opal")
-    if run.is_dir():
-        # the temporary files of writes a killed session never finished (files.atomic_write_bytes): no record
-        # names them, and the lock says that no process of this run is writing any more; a folder made by an
-        # older opalctl also held its lock in the folder itself
-        for leftover in [*run.glob(".*.tmp"), run / ".running"]:
-            leftover.unlink(missing_ok=True)
-    run.mkdir(parents=True, exist_ok=True)
+    record counts, then make the folder and training's own folder in it."""
+    state = layout.state
+    if mode == "restart" and state != NEW:
+        layout.root.rename(layout.next_abandoned())
+    elif state in (NEW, AT_UPDATE_0):
+        # what a start that never trained an update left: the agent's records and the training's own files (its
+        # start is made again from update 0); the records of results are the evaluator's, made again too
+        for folder in (layout.agent, layout.training):
+            if folder.is_dir() and folder != layout.root:
+                shutil.rmtree(folder)
+    for folder in {layout.root, layout.training}:
+        if folder.is_dir():
+            # the temporary files of writes a killed session never finished (files.atomic_write_bytes): no record
+            # names them, and the lock says that no process of this run is writing any more; a folder made by an
+            # older opalctl also held its lock in the folder itself
+            for leftover in [*folder.glob(".*.tmp"), folder / ".running"]:
+                leftover.unlink(missing_ok=True)
+    layout.training.mkdir(parents=True, exist_ok=True)
 
 
-def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts, total: float,
-                model_digest: str, anchor: dict[str, Any], confinement: dict[str, Any] | None) -> str:
-    """``initial.pt`` and ``start.json``: what this run starts from, written before its first update; returns
-    start.json's sha256, which every resume checkpoint carries."""
-    initial = checkpoints.save(paths.run / "initial.pt", parts.model.state_dict(), kind="initial",
-                               meta={"update": 0})
-    atomic_write_json(paths.run / "start.json", {
-        "lock": str(lock.path.resolve()),
-        "lock_sha256": lock.sha256,
-        "protocol": lock.name,
-        "arm": arm_name,
-        "arm_config": lock.resolved["arms"][arm_name],
-        "seed": seed,
-        "budget": {"clock": protocol.budget.clock, "total": total,
-                   "fractions": list(protocol.budget.fractions), "threads": protocol.budget.threads},
-        "training": lock.resolved["training"],
-        "initial": {"file": "initial.pt", "sha256": initial["sha256"], "model_sha256": model_digest},
-        "inherited": parts.built.inherited,
-        "initialised": parts.built.initialised,
-        "anchor": {"folder": os.path.relpath(paths.anchor, paths.run), "model_sha256": anchor["model_sha256"]},
-        "confinement": confinement,
-        **({"ranks": protocol.training.ranks} if protocol.training.ranks > 1 else {}),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": platform.node(),
-    })
-    return sha256_file(paths.run / "start.json")
+def write_initial(layout: RunLayout, parts) -> dict[str, Any]:
+    """``initial.pt``, written before the training process is confined (afterwards it cannot write beside the
+    records); returns what the evaluator's ``start.json`` records of it."""
+    initial = checkpoints.save(layout.initial, parts.model.state_dict(), kind="initial", meta={"update": 0})
+    return {"file": layout.name_of(layout.initial), "sha256": initial["sha256"],
+            "model_sha256": initial["model_sha256"]}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -267,30 +226,29 @@ def write_start(paths: RunPaths, lock, arm_name: str, seed: int, protocol, parts
 
 @dataclass
 class Carried:
-    """What a resume checkpoint carries beside the parts' own states and the ledger."""
+    """What a resume checkpoint carries beside the parts' own states and the ledger. The stage records are the
+    evaluator's, in the run folder: the resume only counts how many of them it has passed."""
 
-    incumbent: Incumbent = field(default_factory=Incumbent)
-    stages: list[StageRecord] = field(default_factory=list)
+    stages: int = 0  # the stages judged before this checkpoint
     next_checkpoint: int = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
     steps_lines: int = 0  # the lines steps.jsonl.gz holds for the updates before this session
-    # what a resume checks its files against (None: a checkpoint written by an opalctl that did not carry them)
-    start_sha256: str | None = None  # start.json's bytes
+    # what a resume checks its steps file against (None: a checkpoint written by an opalctl that did not carry them)
     steps_seen: str | None = None  # the rows digest after those lines
     steps_sha256: str | None = None  # the bytes of steps.jsonl.gz up to the end of those lines
 
 
-def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int, ranks: Ranks | None = None) -> Carried:
+def restore(layout: RunLayout, parts, meter, ledger: Ledger, limit_bytes: int, ranks: Ranks | None = None) -> Carried:
     """Load the resume checkpoint into the parts, the meter, the RNGs and the ledger; return what it carries. Under
     torchrun each rank restores its own sampler and RNG states (``ranks``), from a checkpoint of the same world."""
     try:
-        payload = checkpoints.load(run_dir / RESUME_FILE, limit_bytes=limit_bytes, expected_shapes=parts.shapes,
+        payload = checkpoints.load(layout.resume, limit_bytes=limit_bytes, expected_shapes=parts.shapes,
                                    require_finite=False)
     except checkpoints.CheckpointRefused as error:
         raise checkpoints.CheckpointRefused(
             f"cannot resume: {error.message}; start the run again from update 0 with --restart, which keeps "
-            f"what {run_dir} holds aside") from None
+            f"what {layout.root} holds aside") from None
     extra = payload["extra"]
-    own = rank_state(run_dir / RESUME_FILE, extra.get("ranks"), ranks or Ranks())
+    own = rank_state(layout.resume, extra.get("ranks"), ranks or Ranks())
     parts.model.load_state_dict(payload["model"])
     # an agent arm's optimizer state differs between rank 0 (the agent's) and the ranks that follow it
     parts.optimizer.load_state_dict(own["optimizer"] if own is not None and "optimizer" in own else extra["optimizer"])
@@ -299,10 +257,8 @@ def restore(run_dir: Path, parts, meter, ledger: Ledger, limit_bytes: int, ranks
     meter.load_state_dict(extra["meter"])
     set_rng_state(extra["rng"] if own is None else own["rng"])
     ledger.load_state_dict(extra["totals"])
-    return Carried(incumbent=Incumbent.from_json(extra["incumbent"]),
-                   stages=[_stage_record(run_dir, stage) for stage in extra["stages"]],
-                   next_checkpoint=extra["next_checkpoint"], steps_lines=int(extra["steps_lines"]),
-                   start_sha256=extra.get("start_sha256"), steps_seen=extra.get("steps_seen"),
+    return Carried(stages=int(extra["stages"]), next_checkpoint=extra["next_checkpoint"],
+                   steps_lines=int(extra["steps_lines"]), steps_seen=extra.get("steps_seen"),
                    steps_sha256=extra.get("steps_sha256"))
 
 
@@ -315,20 +271,6 @@ def rank_state(path: Path, states: list[dict[str, Any]] | None, ranks: Ranks) ->
                        f"{ranks.world}; resume it with the world the lock's training.ranks says, or start it again "
                        f"from update 0 with --restart")
     return None if states is None else states[ranks.rank]
-
-
-def check_start(run_dir: Path, carried: Carried) -> None:
-    """Refuse a resume whose start.json is gone or is not the one the run wrote."""
-    start, resume = run_dir / "start.json", run_dir / RESUME_FILE
-    if carried.start_sha256 is None:
-        return
-    if not start.is_file():
-        raise InputChanged(f"{start} is missing, and the resume checkpoint {resume} records what it held; restore "
-                           f"it, or start the run again from update 0 with --restart")
-    if sha256_file(start) != carried.start_sha256:
-        raise InputChanged(f"{start} is not the one this run wrote (its resume checkpoint {resume} records sha256 "
-                           f"{carried.start_sha256[:12]}); restore it, or start the run again from update 0 with "
-                           f"--restart")
 
 
 def check_steps(path: Path, found, carried: Carried, resume: Path) -> None:
@@ -344,15 +286,6 @@ def check_steps(path: Path, found, carried: Carried, resume: Path) -> None:
                            f"0 with --restart")
 
 
-def _stage_record(run_dir: Path, stage: dict[str, Any]) -> StageRecord:
-    """A stage record a resume checkpoint carries; one written by an opalctl that carried only a summary of it
-    is read from its stage file."""
-    if "checkpoint" not in stage:
-        path = run_dir / f"{stage_name(stage['stage'] - 1)}.json"
-        return StageRecord.from_json(read_json(path), what=f"stage record {path}")
-    return StageRecord.from_json(stage, what=f"a stage record in {run_dir / RESUME_FILE}")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the loop
 
@@ -360,11 +293,11 @@ class BudgetLoop:
     """Steps 4 and 5 of the module docstring: the budget loop over the parts, its stages and its checkpoints."""
 
     def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, evaluator: EvaluatorProcess,
-                 steps: StepsWriter, carried: Carried, run_dir: Path, progress: Callable[..., None],
+                 steps: StepsWriter, carried: Carried, layout: RunLayout, progress: Callable[..., None],
                  say: Callable[[str], None], ranks: Ranks | None = None):
         self.protocol, self.arm, self.parts, self.agent = protocol, arm, parts, agent
         self.meter, self.clock, self.ledger, self.evaluator, self.steps = meter, clock, ledger, evaluator, steps
-        self.carried, self.run_dir = carried, run_dir
+        self.carried, self.layout = carried, layout
         self.progress, self.say = progress, say
         # under torchrun rank 0 alone acts on stages and writes; the others wait for it (driver/ranks.py)
         self.ranks = ranks or Ranks()
@@ -445,7 +378,7 @@ class BudgetLoop:
                 checkpoint_due = self._boundary(reached)
             if wall1 - last_progress > 0.25:
                 last_progress = wall1
-                progress(meter.used, meter.total, stage=len(self.carried.stages),
+                progress(meter.used, meter.total, stage=self.carried.stages,
                          stages=len(self.protocol.budget.fractions), loss=float(loss.detach()))
 
     def _between_updates(self) -> None:
@@ -465,13 +398,15 @@ class BudgetLoop:
         return carried.next_checkpoint * every - 1e-9
 
     def stage(self, indices: list[int]) -> None:
-        """Save the stages' checkpoint and have the evaluator judge it; print and carry the records it answers."""
+        """Save the stages' checkpoint and have the evaluator judge it. What it answers is the stages it recorded;
+        the results themselves reach this process only for an arm without an agent (an agent arm's training
+        process runs agent code, which must not learn them: they are in the evaluator's stage records)."""
         ledger, meter, carried = self.ledger, self.meter, self.carried
         with ledger.outside():
             ledger.take(self.steps.take_sums())
             with ledger.outside("checkpoint_wall"):
                 saved = [{"index": index, **checkpoints.save(
-                    self.run_dir / f"{stage_name(index)}.pt", self.parts.model.state_dict(), kind="stage",
+                    self.layout.stage_checkpoint(index + 1), self.parts.model.state_dict(), kind="stage",
                     meta={"stage": index + 1, "update": meter.updates})} for index in indices]
             if self.agent is not None:
                 self.agent.report_dev(stage=indices[-1] + 1)  # opens the evaluation-integrity check here
@@ -479,15 +414,13 @@ class BudgetLoop:
                                examples=ledger.examples, train_cpu_seconds=ledger.train_cpu,
                                train_wall_seconds=ledger.train_wall, loss=self.steps.last_loss)
             with ledger.outside("eval_wall"):
-                verdict = self.evaluator.ask(Message.STAGE, {"saved": saved, "facts": facts.__dict__})
-            carried.incumbent = Incumbent.from_json(verdict["incumbent"])
+                answer = self.evaluator.ask(Message.STAGE, {"saved": [_saved_entry(entry) for entry in saved],
+                                                            "facts": facts.to_json()})
             count = len(self.protocol.budget.fractions)
-            for stage in verdict["stages"]:
-                record = StageRecord.from_json(stage, what="a stage record the evaluator answered")
-                carried.stages.append(record)
-                said = "promoted" if record.promoted else f"kept {record.incumbent_after}"
-                reasons = "" if record.promoted else f" ({'; '.join(record.decision['reasons'][:2])})"
-                self.say(f"stage {record.stage}/{count} at update {record.update}: {said}{reasons}")
+            for recorded in answer["stages"]:
+                carried.stages += 1
+                said = recorded.get("said") or f"judged (in {self.layout.stage_record(recorded['stage']).name})"
+                self.say(f"stage {recorded['stage']}/{count} at update {meter.updates}: {said}")
 
     def write_resume(self) -> None:
         """``resume.pt``, on rank 0; under torchrun it carries every rank's own sampler and RNG states, and an
@@ -508,7 +441,7 @@ class BudgetLoop:
             extra = self._loop_state()
             if states is not None:
                 extra["ranks"] = states
-            checkpoints.save(self.run_dir / RESUME_FILE, self.parts.model.state_dict(), kind="resume",
+            checkpoints.save(self.layout.resume, self.parts.model.state_dict(), kind="resume",
                              extra=extra, meta={"update": self.meter.updates})
 
     def _loop_state(self) -> dict[str, Any]:
@@ -522,18 +455,22 @@ class BudgetLoop:
             "meter": self.meter.state_dict(),
             "rng": rng_state(),
             "totals": self.ledger.state_dict(),
-            "incumbent": carried.incumbent.to_json(),
-            "stages": [stage.to_json() for stage in carried.stages],
+            "stages": carried.stages,
             "next_checkpoint": carried.next_checkpoint,
             "steps_lines": self.steps.lines,
             "steps_seen": self.steps.seen,
             "steps_sha256": self.steps.sha256,
-            "start_sha256": carried.start_sha256,
         }
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the run
+
+def _saved_entry(saved: dict[str, Any]) -> dict[str, Any]:
+    """What the evaluator is told of a stage checkpoint this process saved: a claim it checks against the file it
+    reads itself (the path is the layout's, never one sent)."""
+    return {key: saved[key] for key in ("index", "sha256", "model_sha256", "bytes")}
+
 
 class FormalRun:
     """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps. Under torchrun
@@ -547,7 +484,7 @@ class FormalRun:
         self.protocol = lock.protocol()
         self.arm = choose_arm(self.protocol, arm_name, seed, f"lock {lock.path}", "the lock's")
         self.arm_name, self.seed = arm_name, seed
-        self.paths = RunPaths.of(runs_dir, lock, arm_name, seed)
+        self.layout = LockRuns.of(runs_dir, lock).run(arm_name, seed)
         self.clock_factory = clock_factory
         self.progress = progress or (lambda *args, **kwargs: None)
         self.say = say or (lambda text: None)
@@ -572,7 +509,7 @@ class FormalRun:
         try:
             if not self.ranks.lead:  # rank 0 alone prints; the others would say it again
                 self.progress, self.say = (lambda *args, **kwargs: None), (lambda text: None)
-            handle = self.ranks.answer_of_lead(lambda: claim_folder(self.paths.run, mode, self.command))
+            handle = self.ranks.answer_of_lead(lambda: claim_folder(self.layout, mode, self.command))
             try:
                 return self._execute(resume, handle)
             finally:
@@ -589,7 +526,7 @@ class FormalRun:
         # the arm is built; it holds the folder's lock too, so no resume starts before it has ended
         evaluator = EvaluatorProcess(Opening(
             lock=str(self.lock.path), lock_sha256=self.lock.sha256, arm=self.arm_name, seed=self.seed,
-            run_dir=str(self.paths.run), anchor_dir=str(self.paths.anchor), sys_path=list(sys.path)),
+            run_dir=str(self.layout.root), anchor_dir=str(self.layout.anchor.folder), sys_path=list(sys.path)),
             inherit_fds=(lock_handle.fileno(),))
         try:
             return self._train(evaluator, resume, lock_handle, session)
@@ -599,20 +536,20 @@ class FormalRun:
     def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
         from opalctl.driver.budget import clock_spec
 
-        protocol, run_dir, ranks = self.protocol, self.paths.run, self.ranks
+        protocol, layout, ranks = self.protocol, self.layout, self.ranks
         parts, agent, meter, clock = self._build()
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
-        resuming = resume and (run_dir / RESUME_FILE).exists()  # else the claim found it at update 0 (at_update_0)
+        resuming = resume and layout.resume.exists()  # else the claim found it at update 0
         if ranks.lead:
             carried, steps = self._open_records(evaluator, parts, agent, meter, ledger, resuming, lock_handle)
         else:
             if agent is not None and self.confine:  # every rank's training process runs the agent's programs
-                confine_training(run_dir)
-            carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
+                confine_training(layout)
+            carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
                 if resuming else Carried()
             steps = FollowerSteps()
         loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
-                          run_dir, self.progress, self.say, ranks)
+                          layout, self.progress, self.say, ranks)
         if evaluator is not None:
             evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
         try:
@@ -623,36 +560,35 @@ class FormalRun:
         report = None
         if ranks.lead:
             report = evaluator.ask(Message.CLOSE, training.to_json())["report"]
-            (run_dir / RESUME_FILE).unlink(missing_ok=True)
+            layout.resume.unlink(missing_ok=True)
         return ranks.from_lead(report)
 
     def _open_records(self, evaluator: EvaluatorProcess, parts, agent, meter, ledger: Ledger, resuming: bool,
                       lock_handle) -> tuple[Carried, StepsWriter]:
-        """Rank 0's start of the records: the confinement, a new run's start.json and initial.pt or a resume's
-        checks and carried stages, and the steps writer."""
-        protocol, run_dir = self.protocol, self.paths.run
-        confinement = confine_training(run_dir) if agent is not None and self.confine else None
-        anchor = evaluator.answer()["anchor"]
-        evaluator.ask(Message.CONFINED, {"confinement": confinement})
-        steps_path = run_dir / "steps.jsonl.gz"
+        """Rank 0's start of the records: a new run's ``initial.pt`` (before the confinement: it lies beside the
+        records), the confinement, the start the evaluator records, a resume's checks and carried stages, and the
+        steps writer. Everything sent to the evaluator here is sent before any agent program can have run."""
+        protocol, layout = self.protocol, self.layout
+        initial = None if resuming else write_initial(layout, parts)
+        confinement = confine_training(layout) if agent is not None and self.confine else None
+        evaluator.answer()  # the anchor is evaluated, or its record checked
+        evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
+                                      "inherited": None if resuming else parts.built.inherited,
+                                      "initialised": None if resuming else parts.built.initialised,
+                                      "host": platform.node()})
         if resuming:
             evaluator.advice = "resume the run with --resume"
-            carried = restore(run_dir, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
-            check_start(run_dir, carried)
-            check_steps(steps_path, locate(steps_path, carried.steps_lines), carried, run_dir / RESUME_FILE)
-            verdict = evaluator.ask(Message.CARRIED, {"stages": [stage.to_json() for stage in carried.stages]})
-            carried.incumbent = Incumbent.from_json(verdict["incumbent"])
-            self.say(f"resuming {run_dir} at update {meter.updates}")
+            carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
+            check_steps(layout.steps, locate(layout.steps, carried.steps_lines), carried, layout.resume)
+            evaluator.ask(Message.CARRIED, {"stages": carried.stages, "update": meter.updates})
+            self.say(f"resuming {layout.root} at update {meter.updates}")
         else:
             carried = Carried()
-            model_digest = checkpoints.model_sha256(parts.model.state_dict())
-            carried.start_sha256 = write_start(self.paths, self.lock, self.arm_name, self.seed, protocol, parts,
-                                               meter.total, model_digest, anchor, confinement)
-        steps_offset, seen, _ = locate(steps_path, carried.steps_lines)  # a new run: offset 0, the file starts over
+        steps_offset, seen, _ = locate(layout.steps, carried.steps_lines)  # a new run: offset 0, the file starts over
         # A steps line carries a CPU figure only when the clock charges CPU seconds (see ledger.py for the CPU
         # figure under the other clocks). The steps helper holds the folder's lock too, so no resume cuts the file
         # back while it still writes.
-        steps = StepsWriter(steps_path, offset=steps_offset, seen=seen, lines=carried.steps_lines,
+        steps = StepsWriter(layout.steps, offset=steps_offset, seen=seen, lines=carried.steps_lines,
                             cpu_charges=ledger.cpu_charges, inherit_fds=(lock_handle.fileno(),))
         return carried, steps
 
@@ -674,19 +610,20 @@ class FormalRun:
             # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
             # and decisions happen between timed updates; the budget schedule keeps setting the base learning rate
             agent = wrap_agent(self.arm, parts.optimizer, parts.model, progress=lambda: meter.fraction_used,
-                               run_dir=self.paths.run / "opal", clip=parts.clip, budget=protocol.budget,
+                               layout=self.layout, clip=parts.clip, budget=protocol.budget,
                                world=self.ranks.world)
             parts = replace(parts, optimizer=agent, clip=None)
         return parts, agent, meter, clock
 
 
-def confine_training(run_dir: Path) -> dict[str, Any] | None:
+def confine_training(layout: RunLayout) -> dict[str, Any] | None:
     """The operating system's confinement of an agent arm's training process (``opalctl.sandbox``): no network,
-    no writes outside the run folder, no reads of the evaluation splits. Not the temporary folder: writable
-    means readable, and a project's data may well lie beneath it."""
+    no writes but to its own folder of the run (``training/``: never the records of results, which lie beside
+    it), no reads of the evaluation splits. Not the temporary folder: writable means readable, and a project's
+    data may well lie beneath it."""
     from opalctl.sandbox import confine_process, training_paths
 
-    confinement = confine_process(writable=[Path(run_dir)], readable=training_paths(), deny_network=True)
+    confinement = confine_process(writable=[layout.training], readable=training_paths(), deny_network=True)
     return confinement.to_json()
 
 
@@ -728,19 +665,21 @@ class StopSignals:
         raise KeyboardInterrupt
 
 
-def told(error: BaseException, received: int | None, command: RunCommand, run: Path | None) -> OpalctlError | None:
+def told(error: BaseException, received: int | None, command: RunCommand,
+         layout: RunLayout | None) -> OpalctlError | None:
     """What a run that failed with ``error`` tells the user, when it is a stop, a lost rank or a storage fault: an
     ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a sentence naming the
     failed collective when another torchrun rank is gone, a ``StorageFault`` whose sentence ends with the command
     that continues the run; None for anything else."""
-    verb, line = command.next_step(run) if run is not None else ("start it again", command.line())
+    verb, line = command.next_step(layout) if layout is not None else ("start it again", command.line())
     if received is not None:
         return Interrupted(received, line, what=verb)
     gone = lost_rank(error) if command.ranks > 1 else None
     if gone is not None:
         return OpalctlError(f"another rank of this torchrun run stopped ({gone}); {verb} with: {line}")
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
-        error = storage_fault(error.filename or run, error.errno, error.strerror or "") or error
+        where = error.filename or (layout.root if layout is not None else None)
+        error = storage_fault(where, error.errno, error.strerror or "") or error
     return error.for_command(line) if isinstance(error, StorageFault) else None
 
 
@@ -751,19 +690,19 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
     from opalctl.protocol.lock import read_lock
 
     command = RunCommand(str(lock_path), arm, seed, None if runs_dir is None else str(runs_dir))
-    run_dir = None
+    layout = None
     with StopSignals() as stops:
         try:
             lock = read_lock(Path(lock_path))
             formal = FormalRun(lock, arm, seed, runs_dir_default(runs_dir), clock_factory=clock_factory,
                                progress=progress, say=say, confine=confine, command=command)
-            run_dir = formal.paths.run
+            layout = formal.layout
             command = formal.command  # the lock says whether continuing it is a torchrun command
             report = formal.execute(resume=resume, restart=restart)
         except BaseException as error:
-            saying = told(error, stops.received, command, run_dir)
+            saying = told(error, stops.received, command, layout)
             if saying is None:
                 raise
             raise saying from None
-    report["run_dir"] = str(formal.paths.run)
+    report["run_dir"] = str(formal.layout.root)
     return report

@@ -15,6 +15,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event, RecordDamaged, StageRecord, StartRecord, read_jsonl
+from opalctl.layout import RunLayout
 
 
 def show(run_dir: str | Path) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def show(run_dir: str | Path) -> dict[str, Any]:
         "stages": [_stage_row(stage) for stage in stages],
         "selected": read.selected.value,
         "report": read.report.value,
-        "decisions": agent_decisions(folder / "opal" / "events.jsonl"),
+        "decisions": agent_decisions(RunLayout.of(folder).opal / "events.jsonl"),
     }
 
 

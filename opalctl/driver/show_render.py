@@ -10,6 +10,7 @@ from typing import Any
 
 from opalctl import console
 from opalctl.compare.labels import legend, short_labels
+from opalctl.layout import RunLayout
 from opalctl.opal.agents.heuristic import Check, decided_by
 
 RATIONALE_ON_TERMINAL = 48  # characters of a rationale shown in the table on a terminal
@@ -55,7 +56,7 @@ def _decisions(decisions: list[dict[str, Any]]) -> None:
 def rule_of(run_dir: str | Path, decision: int) -> Check | None:
     """The rule that decided decision ``decision`` of a formal run's agent (the heuristic records one; other
     backends do not)."""
-    return decided_by(Path(run_dir) / "opal" / "decisions" / f"{decision:03d}")
+    return decided_by(RunLayout.of(run_dir).opal / "decisions" / f"{decision:03d}")
 
 
 def _rules(result: dict[str, Any]) -> None:

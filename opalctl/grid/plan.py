@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
-
-LOG_FILE = "grid.log"  # each run's output, appended to by every start, in its own run folder
+from opalctl.layout import FINISHED, LockRuns, RunLayout, runs_dir_default
+from opalctl.layout import NEW as LAYOUT_NEW
 
 NEW, RESUME, DONE = "new", "resume", "done"
 
@@ -31,21 +31,17 @@ class GridRun:
 
     @property
     def log(self) -> Path:
-        return self.run_dir / LOG_FILE
+        return RunLayout.of(self.run_dir).grid_log
 
     @property
     def label(self) -> str:
         return f"{self.arm} seed {self.seed}"
 
     def need(self) -> str:
-        """What this run needs now, read from its folder: ``done``, ``resume`` or ``new``."""
-        from opalctl.driver.run import RESUME_FILE
-
-        if (self.run_dir / "report.json").exists():
-            return DONE
-        if (self.run_dir / RESUME_FILE).exists() or (self.run_dir / "start.json").exists():
-            return RESUME
-        return NEW
+        """What this run needs now, by the state of its folder (opalctl/layout.py): ``done``, ``resume`` or
+        ``new``."""
+        state = RunLayout.of(self.run_dir).state
+        return DONE if state == FINISHED else NEW if state == LAYOUT_NEW else RESUME
 
     def command(self, lock_path: Path, runs_dir: Path, resume: bool) -> list[str]:
         """The ``opalctl run`` arguments of this run (after ``python -m opalctl``)."""
@@ -75,7 +71,6 @@ class GridPlan:
 def plan_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
               runs_dir: str | os.PathLike | None = None) -> GridPlan:
     """The grid of ``lock_path``: the chosen arms and seeds (default all of the lock's), in starting order."""
-    from opalctl.driver.run import RunPaths, runs_dir_default
     from opalctl.protocol.lock import read_lock
 
     lock = read_lock(Path(lock_path))
@@ -83,7 +78,8 @@ def plan_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, se
     chosen_arms = _chosen(list(resolved["arms"]), arms, "arm", lock.path)
     chosen_seeds = _chosen(list(resolved["seeds"]), seeds, "seed", lock.path)
     folder = runs_dir_default(runs_dir)
-    runs = tuple(GridRun(arm, seed, RunPaths.of(folder, lock, arm, seed).run)
+    runs_of = LockRuns.of(folder, lock)
+    runs = tuple(GridRun(arm, seed, runs_of.run(arm, seed).root)
                  for arm, seed in ordered(chosen_arms, chosen_seeds))
     return GridPlan(lock_path=lock.path, runs_dir=folder, runs=runs, threads=int(resolved["budget"]["threads"]),
                     budget=dict(resolved["budget"]))

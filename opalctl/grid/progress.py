@@ -16,7 +16,7 @@ import time
 import zlib
 from pathlib import Path
 
-STEPS_FILE = "steps.jsonl.gz"
+from opalctl.layout import RunLayout
 
 
 class StepsTail:
@@ -76,7 +76,8 @@ class RunProgress:
 
     def __init__(self, run_dir: Path, clock=time.monotonic):
         self.run_dir = run_dir
-        self.tail = StepsTail(run_dir / STEPS_FILE)
+        self.layout = RunLayout.of(run_dir)
+        self.tail = StepsTail(self.layout.steps)
         self.clock = clock
         self.total: float | None = None
         self.first: tuple[float, float] | None = None  # (time, fraction) when this session first saw progress
@@ -84,7 +85,7 @@ class RunProgress:
     def read(self) -> dict:
         """``fraction`` (or None before the first line), ``updates`` and ``eta_seconds`` (or None)."""
         if self.total is None:
-            self.total = _budget_total(self.run_dir / "start.json")
+            self.total = _budget_total(self.layout.start)
         line = self.tail.read()
         if line is None or not self.total:
             return {"fraction": None, "updates": None, "eta_seconds": None}

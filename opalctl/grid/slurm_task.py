@@ -26,10 +26,10 @@ POLL_SECONDS = 0.2
 
 
 def run_folder(lock: str, runs_dir: str, arm: str, seed: int) -> Path:
-    from opalctl.driver.run import RunPaths
+    from opalctl.layout import LockRuns
     from opalctl.protocol.lock import read_lock
 
-    return RunPaths.of(Path(runs_dir), read_lock(Path(lock)), arm, seed).run
+    return LockRuns.of(Path(runs_dir), read_lock(Path(lock))).run(arm, seed).root
 
 
 class SlurmRunTask(submitit.helpers.Checkpointable):

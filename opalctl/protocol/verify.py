@@ -28,6 +28,7 @@ from opalctl.driver.chain import CHANGED, CheckpointFile, Finding, RecordFile, R
 from opalctl.errors import BadInput, InputChanged, OpalctlError
 from opalctl.files import sha256_bytes, sha256_file
 from opalctl.formats import RecordChanged, RecordDamaged, decode_record
+from opalctl.layout import LockRuns, RunLayout, runs_dir_default
 from opalctl.protocol.lock import Lock, protocol_digest, read_lock
 
 
@@ -133,12 +134,14 @@ def _checkpoint(folder: Path, name: str, load: bool, limit_bytes: int) -> Checkp
     return found
 
 
-def _steps(path: Path) -> StepsFile:
+def _steps(layout: RunLayout) -> StepsFile:
     from opalctl.driver.records import read_steps
 
+    path = layout.steps
+    name = layout.name_of(path)
     if not path.is_file():
-        return StepsFile(None)
-    found = StepsFile(sha256_file(path))
+        return StepsFile(None, name)
+    found = StepsFile(sha256_file(path), name)
     try:
         for line in read_steps(path):
             found.lines += 1
@@ -155,22 +158,27 @@ def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes:
     """Every record of a run folder that the chain names, as it is on the disk (driver/chain.py checks it)."""
     from opalctl import checkpoints
 
-    folder = Path(run_dir)
+    layout = RunLayout.of(run_dir)
+    folder = layout.root
     limit = limit_bytes or checkpoints.DEFAULT_LIMIT_BYTES
-    stages = [_record(folder, path.name) for path in sorted(folder.glob("stage-*.json"))]
-    anchor_name = f"../../anchors/{folder.name}/anchor.json"  # the layout of driver/run.py's RunPaths
-    found = RunFolder(start=_record(folder, "start.json"), stages=stages, last=_record(folder, "last.json"),
-                      selected=_record(folder, "selected.json"), report=_record(folder, "report.json"),
-                      anchor=_record(folder, anchor_name), steps=_steps(folder / "steps.jsonl.gz"),
-                      resumable=(folder / "resume.pt").exists())
-    for name in ["initial.pt"] + [stage.name.replace(".json", ".pt") for stage in stages]:
+    stages = [_record(folder, path.name) for path in layout.stage_records()]
+    found = RunFolder(start=_record(folder, layout.name_of(layout.start)), stages=stages,
+                      last=_record(folder, layout.name_of(layout.last)),
+                      selected=_record(folder, layout.name_of(layout.selected)),
+                      report=_record(folder, layout.name_of(layout.report)),
+                      anchor=_record(folder, layout.name_of(layout.anchor.record)), steps=_steps(layout),
+                      resumable=layout.resume.exists())
+    for path in layout.stage_records():
+        number = int(path.stem.removeprefix("stage-"))
+        found.stage_checkpoints[path.name] = layout.name_of(layout.stage_checkpoint(number))
+    for name in [layout.name_of(layout.initial), *found.stage_checkpoints.values()]:
         found.checkpoints[name] = _checkpoint(folder, name, load_checkpoints, limit)
     return found
 
 
 def is_run_folder(path: Path) -> bool:
-    """A folder opalctl ran in: it holds a start record, or any record only a run writes."""
-    return any((path / name).exists() for name in ("start.json", "report.json", "resume.pt", "stage-01.json"))
+    """A folder opalctl ran in (opalctl/layout.py)."""
+    return RunLayout.of(path).is_run_folder()
 
 
 def _lock_of_run(folder: RunFolder, given: Lock | None) -> tuple[Lock | None, list[Finding]]:
@@ -213,15 +221,12 @@ def verify_run(run_dir: str | Path, lock: Lock | None = None) -> dict[str, Any]:
 
 def verify_runs(lock_path: str | Path, runs_dir=None) -> dict[str, Any]:
     """The lock (as ``verify``), then every run folder of it under the runs folder."""
-    from opalctl.driver.run import runs_dir_default
-
     lock = read_lock(Path(lock_path))
-    base = runs_dir_default(runs_dir) / f"{lock.name}-{lock.sha12}"
-    folders = sorted(path for arm in lock.resolved["arms"] for path in (base / arm).glob("seed-*")
-                     if path.is_dir())
+    runs_of = LockRuns.of(runs_dir_default(runs_dir), lock)
+    folders = sorted(layout.root for arm in lock.resolved["arms"] for layout in runs_of.seeds_of(arm))
     runs = [verify_run(path, lock) for path in folders]
     checked = verify_lock(lock)
-    return {**checked, "ok": checked["ok"] and all(run["ok"] for run in runs), "runs_base": str(base),
+    return {**checked, "ok": checked["ok"] and all(run["ok"] for run in runs), "runs_base": str(runs_of.base),
             "runs": runs}
 
 

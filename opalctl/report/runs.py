@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.formats import Event, RecordDamaged
+from opalctl.layout import RunLayout
 
 CURVE_POINTS = 1500
 
@@ -39,7 +40,7 @@ def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
     """The run's loss against training seconds, thinned to ``CURVE_POINTS`` unless ``every_update``; empty
     without records. A finished run's steps file was checked against its digest already (``show``); an
     unfinished run's that does not decode is refused naming it."""
-    path = Path(run_dir) / "steps.jsonl.gz"
+    path = RunLayout.of(run_dir).steps
     if not path.is_file():
         return Curve()
     try:
@@ -73,7 +74,7 @@ def program_diff(run_dir: Path, version: int | None, files: list[str] | None) ->
     program files are not there."""
     if not version or not files:
         return ""
-    programs = Path(run_dir) / "opal" / "programs"
+    programs = RunLayout.of(run_dir).opal / "programs"
     parts = []
     for name in files:
         before, after = programs / f"v{version - 1:03d}" / name, programs / f"v{version:03d}" / name

@@ -23,6 +23,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event, read_jsonl
+from opalctl.layout import RunLayout
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
@@ -39,7 +40,8 @@ class ReplayBackend(Backend):
     def __init__(self, source: str | Path):
         given = str(source)
         folder = Path(given).expanduser()
-        records = folder / "opal" if (folder / "opal" / "events.jsonl").is_file() else folder
+        opal = RunLayout.of(folder).opal
+        records = opal if (opal / "events.jsonl").is_file() else folder
         events_path = records / "events.jsonl"
         if not events_path.is_file():
             raise BadInput(f"replay:{given}: there is no recorded agent run there (no {events_path}); give the run "

@@ -1,0 +1,252 @@
+"""The run folders: every file of a lock's runs named in one place, who writes it, and what state a run is in.
+
+Like submitit's ``JobPaths``, one object names every file of a job, so the run, the evaluator, the grid, verify,
+show, compare, the report page and export never spell a name themselves::
+
+    runs/NAME-SHA12/                            LockRuns (the folder of one lock's runs)
+        report.html                             the report page (opalctl report)
+        anchors/seed-S/anchor.json              the evaluator: the parent's metrics, once per seed
+        ARM/.seed-S.lock                        the run folder's lock, beside it (nothing is written into it)
+        ARM/seed-S.abandoned-N/                 an attempt that --restart moved aside, whole
+        ARM/seed-S/                             RunLayout (one run of one arm on one seed)
+            start.json                          the evaluator, from what training sent before agent code could run
+            initial.pt                          the training process, before it is confined
+            stage-NN.json  last.json            the evaluator
+            selected.json  report.json          the evaluator
+            grid.log                            the grid (what the run printed)
+            agent/                              the agent host: the workspace, and each decision as the host saw it
+            training/                           the training process's own, and the only place it may write once
+                                                confined: stage-NN.pt, resume.pt, steps.jsonl.gz, opal/ (the agent
+                                                optimizer's records, its account of what ran)
+
+**Who may write what.** Every record that states a result (the start, stage, last, selected and report records, the
+anchor, the agent host's records) is written by a process no agent code runs in (the evaluator, the agent host)
+into places the confined training process of an agent arm cannot write: Landlock grants it ``training/`` alone.
+What training writes there (its checkpoints, its steps, its resume state, the agent optimizer's records) is its
+claim; the evaluator hashes each stage checkpoint from the bytes it judged, so a later rewrite is caught.
+
+A run folder made before this layout (its checkpoints, steps and ``opal/`` beside the records, no ``training/``)
+still reads: ``RunLayout.training`` is then the run folder itself (``legacy``).
+
+**States.** ``RunLayout.state`` is the one place that decides where a run stands, from its files: ``new`` (no
+start record), ``at update 0`` (started, but neither a resume checkpoint nor a steps line: continuing it is
+starting it again, nothing is lost), ``resumable`` (a resume checkpoint), ``started`` (started, trained, and
+without a resume checkpoint: only ``--restart`` continues it) and ``finished`` (a report).
+
+The names of a lock, an arm and a seed become folders, so each must be a plain name (``NAME_PATTERN``): a lock edited
+by hand to name ``../../elsewhere`` is refused here, before any folder is made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from opalctl.errors import BadInput
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # a protocol's or an arm's name; never "." or ".."
+
+NEW, AT_UPDATE_0, RESUMABLE, STARTED, FINISHED = "new", "at update 0", "resumable", "started", "finished"
+
+START, INITIAL, LAST, SELECTED, REPORT = "start.json", "initial.pt", "last.json", "selected.json", "report.json"
+GRID_LOG = "grid.log"
+TRAINING, AGENT = "training", "agent"
+RESUME, STEPS, OPAL = "resume.pt", "steps.jsonl.gz", "opal"
+WORKSPACE = "workspace"
+ANCHOR = "anchor.json"
+REPORT_PAGE = "report.html"
+
+
+def runs_dir_default(value: str | os.PathLike | None) -> Path:
+    """The runs folder: ``--runs-dir``, else ``OPALCTL_RUNS``, else ``./runs``."""
+    return Path(value or os.environ.get("OPALCTL_RUNS") or "runs")
+
+
+def stage_name(stage: int) -> str:
+    """``stage-NN`` of stage number ``stage`` (1 for the first fraction)."""
+    return f"stage-{stage:02d}"
+
+
+def plain_name(value: object, what: str, where: str) -> str:
+    """``value`` when it can name a folder (``NAME_PATTERN``), else a refusal naming ``where`` (exit 2)."""
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise BadInput(f"{where}: {what} {value!r} cannot name a folder (use letters, digits, '.', '_' and '-', not "
+                       f"starting with '.' or '-'); freeze a protocol with another {what}")
+    return value
+
+
+@dataclass(frozen=True)
+class AnchorFolder:
+    """``anchors/seed-S/``: the anchor of one seed, written by the evaluator."""
+
+    folder: Path
+
+    @property
+    def record(self) -> Path:
+        return self.folder / ANCHOR
+
+
+@dataclass(frozen=True)
+class LockRuns:
+    """``runs/NAME-SHA12/``: every run of one lock."""
+
+    base: Path
+
+    @classmethod
+    def of(cls, runs_dir: str | os.PathLike, lock) -> LockRuns:
+        name = plain_name(lock.name, "name", f"lock {lock.path}")
+        return cls(Path(runs_dir) / f"{name}-{lock.sha12}")
+
+    def run(self, arm: str, seed: int) -> RunLayout:
+        plain_name(arm, "arm", f"the runs of {self.base.name}")
+        return RunLayout(self.base / arm / f"seed-{int(seed)}", self.anchor(seed))
+
+    def anchor(self, seed: int) -> AnchorFolder:
+        return AnchorFolder(self.base / "anchors" / f"seed-{int(seed)}")
+
+    def seeds_of(self, arm: str) -> list[RunLayout]:
+        """The run folders of ``arm`` that are there (``seed-S`` with S a number), in seed order."""
+        found = []
+        for folder in (self.base / arm).glob("seed-*"):
+            number = folder.name.removeprefix("seed-")
+            if folder.is_dir() and number.isdigit():
+                found.append((int(number), self.run(arm, int(number))))
+        return [layout for _, layout in sorted(found)]
+
+    @property
+    def report_page(self) -> Path:
+        return self.base / REPORT_PAGE
+
+
+class RunLayout:
+    """``runs/NAME-SHA12/ARM/seed-S/``: every file of one run, and the state it is in (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, anchor: AnchorFolder | None = None):
+        self.root = Path(root)
+        # a run folder knows its anchor by where it lies (runs/NAME-SHA12/ARM/seed-S -> runs/NAME-SHA12/anchors)
+        self.anchor = anchor or AnchorFolder(self.root.parent.parent / "anchors" / self.root.name)
+
+    def __repr__(self) -> str:
+        return f"RunLayout({str(self.root)!r})"
+
+    @classmethod
+    def of(cls, run_dir: str | os.PathLike) -> RunLayout:
+        return cls(Path(run_dir))
+
+    # -- the records (written by the evaluator and the agent host) ---------------------------------------------
+    @property
+    def start(self) -> Path:
+        return self.root / START
+
+    @property
+    def initial(self) -> Path:
+        return self.root / INITIAL
+
+    def stage_record(self, stage: int) -> Path:
+        return self.root / f"{stage_name(stage)}.json"
+
+    def stage_records(self) -> list[Path]:
+        """The stage records there are, in order."""
+        return sorted(self.root.glob("stage-[0-9][0-9].json"))
+
+    @property
+    def last(self) -> Path:
+        return self.root / LAST
+
+    @property
+    def selected(self) -> Path:
+        return self.root / SELECTED
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT
+
+    @property
+    def grid_log(self) -> Path:
+        return self.root / GRID_LOG
+
+    @property
+    def agent(self) -> Path:
+        """The agent host's folder: its workspace and the decisions as it saw them."""
+        return self.root / AGENT
+
+    @property
+    def workspace(self) -> Path:
+        return self.agent / WORKSPACE
+
+    # -- training's own ------------------------------------------------------------------------------------------
+    @property
+    def legacy(self) -> bool:
+        """A folder made before ``training/`` existed: training's files lie beside the records."""
+        if (self.root / TRAINING).is_dir():
+            return False
+        return any((self.root / name).exists() for name in (STEPS, RESUME, OPAL, "stage-01.pt"))
+
+    @property
+    def training(self) -> Path:
+        """The only folder a confined training process may write."""
+        return self.root if self.legacy else self.root / TRAINING
+
+    def stage_checkpoint(self, stage: int) -> Path:
+        return self.training / f"{stage_name(stage)}.pt"
+
+    @property
+    def resume(self) -> Path:
+        return self.training / RESUME
+
+    @property
+    def steps(self) -> Path:
+        return self.training / STEPS
+
+    @property
+    def opal(self) -> Path:
+        """The agent optimizer's own records (events, losses, reports, programs as loaded, hung versions)."""
+        return self.training / OPAL
+
+    def name_of(self, path: Path) -> str:
+        """``path`` as a record names it: relative to the run folder (``training/stage-01.pt``)."""
+        return Path(os.path.relpath(path, self.root)).as_posix()
+
+    def path_of(self, name: str) -> Path:
+        """The file a record names (``name_of``'s inverse); never outside the run folder."""
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts:
+            raise ValueError(f"{name!r} does not name a file of a run folder")
+        return self.root.joinpath(*parts)
+
+    # -- beside it ---------------------------------------------------------------------------------------------
+    @property
+    def folder_lock(self) -> Path:
+        return self.root.parent / f".{self.root.name}.lock"
+
+    def abandoned(self) -> list[Path]:
+        """The attempts ``--restart`` moved aside (``seed-S.abandoned-N``), in order."""
+        found = []
+        for path in self.root.parent.glob(f"{self.root.name}.abandoned-*"):
+            number = path.name.rpartition("-")[2]
+            if number.isdigit():
+                found.append((int(number), path))
+        return [path for _, path in sorted(found)]
+
+    def next_abandoned(self) -> Path:
+        taken = [int(path.name.rpartition("-")[2]) for path in self.abandoned()]
+        return self.root.parent / f"{self.root.name}.abandoned-{1 + max(taken, default=0)}"
+
+    # -- where it stands ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``new``, ``at update 0``, ``resumable``, ``started`` or ``finished`` (module docstring)."""
+        if self.report.exists():
+            return FINISHED
+        if self.resume.exists():
+            return RESUMABLE
+        if self.start.exists():
+            steps = self.steps
+            return AT_UPDATE_0 if not steps.exists() or steps.stat().st_size == 0 else STARTED
+        return NEW
+
+    def is_run_folder(self) -> bool:
+        """A folder opalctl ran in: it holds a start record, or any record only a run writes."""
+        return self.root.is_dir() and (self.state != NEW or self.stage_record(1).exists())
