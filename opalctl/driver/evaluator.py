@@ -49,6 +49,7 @@ from opalctl.formats import (
     TrainingFacts,
     anchor_sha256,
     read_record,
+    record_sha256,
 )
 from opalctl.layout import AnchorFolder, RunLayout
 
@@ -305,38 +306,34 @@ class Evaluator:
         return {"stages": [{"stage": record.stage, "said": said_of(record) if tell else None} for record in records]}
 
     def carried(self, count: int) -> dict[str, Any]:
-        """A resume's first ``count`` stages: the evaluator's own records, in the run folder, each of this run's
-        anchor and each checkpoint still the file it was judged on; the incumbent and the kernel's count of CPU
-        seconds go on from the last of them."""
-        from opalctl import checkpoints
-        from opalctl.driver.judge import Incumbent
-        from opalctl.files import sha256_bytes
-
+        """A resume's first ``count`` stages: the evaluator's own records in the run folder, each judged again from
+        its checkpoint (which must still be the file it was judged on) and refused, naming the file, when it is not
+        what a new judgement gives or not as opalctl wrote it; the incumbent and the kernel's count of CPU seconds
+        go on from the last of them."""
         advice = f"move the run folder {self.run_dir} aside and start the run again"
         if not 0 <= count <= len(self.judge.fractions):
             raise RecordDamaged(f"the resume checkpoint of {self.run_dir} says it passed {count} stages, and the run "
                                 f"has {len(self.judge.fractions)}; {advice}")
-        for number in range(1, count + 1):
-            path = self.layout.stage_record(number)
-            record = _read_stage_file(path)
-            if record.stage != number or record.anchor_sha256 != self.anchor_sha256:
-                raise RecordChanged(f"stage record {path} is not stage {number} of this run judged against its "
-                                    f"anchor; {advice}")
-            name = record.checkpoint["file"]
-            try:
-                data = checkpoints.read_beneath(self.run_dir, name, limit_bytes=self.judge.limit_bytes)
-            except checkpoints.CheckpointRefused as error:
-                raise RecordDamaged(f"{error.message}; {advice}") from None
-            if sha256_bytes(data) != record.checkpoint["sha256"]:
-                raise RecordChanged(f"checkpoint {self.run_dir / name} is not the file stage {number} was judged on "
-                                    f"(its sha256 differs from {path}); {advice}")
-            self.stages.append(record)
-            if record.promoted:
-                self.incumbent = Incumbent(stage=record.stage, metrics=record.metrics,
-                                           checkpoint={key: record.checkpoint[key]
-                                                       for key in ("file", "sha256", "model_sha256")})
-        if self.stages and self.stages[-1].process_cpu_seconds is not None and self.cpu is not None:
-            self.cpu.carried = self.stages[-1].process_cpu_seconds
+        records = [_read_own_stage(self.layout.stage_record(number), number, advice) for number in range(1, count + 1)]
+        groups: list[list[StageRecord]] = []
+        for record in records:  # the stages one update reached share its weights and are judged together
+            if groups and groups[-1][-1].update == record.update:
+                groups[-1].append(record)
+            else:
+                groups.append([record])
+        for group in groups:
+            first = group[0]
+            saved = [self._saved({"index": record.stage - 1, **record.checkpoint}) for record in group]
+            facts = StageFacts(update=first.update, budget_used=first.budget_used,
+                               budget_fraction_used=first.budget_fraction_used, examples=first.examples,
+                               train_cpu_seconds=first.train_cpu_seconds, train_wall_seconds=first.train_wall_seconds,
+                               loss=first.loss)
+            for again, record in zip(self._judge(saved, facts), group, strict=True):
+                _require_same(again, record, self.layout.stage_record(record.stage), saved[0].path)
+        self.stages[:count] = records  # the records as written (their eval_seconds too): report.json's are the files
+        last = records[-1] if records else None
+        if last is not None and last.process_cpu_seconds is not None and self.cpu is not None:
+            self.cpu.carried = last.process_cpu_seconds
         return {}
 
     # -- the close -------------------------------------------------------------------------------------------
@@ -391,8 +388,26 @@ def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
     atomic_write_json(layout.start, start.to_json())
 
 
-def _read_stage_file(path: Path) -> StageRecord:
-    return read_record(path, StageRecord, advice=f"move the run folder {path.parent} aside and start the run again")
+def _read_own_stage(path: Path, number: int, advice: str) -> StageRecord:
+    """Stage ``number``'s record as this evaluator wrote it: of that stage, and byte for byte its canonical form
+    (a key added or a value retyped by hand is an edit)."""
+    from opalctl.files import sha256_file
+
+    record = read_record(path, StageRecord, advice=advice)
+    if record.stage != number:
+        raise RecordChanged(f"stage record {path} holds the record of stage {record.stage}; {advice}")
+    if sha256_file(path) != record_sha256(record.to_json()):
+        raise RecordChanged(f"stage record {path} is not as opalctl wrote it (it was edited); {advice}")
+    return record
+
+
+def _require_same(judged: StageRecord, written: StageRecord, path: Path, checkpoint: Path) -> None:
+    """Refuse a stage record whose judged fields (or training facts) differ from a new judgement of its checkpoint."""
+    mine, theirs = judged.to_json(), written.to_json()
+    differ = [key for key in mine if key not in ("eval_seconds", "process_cpu_seconds") and mine[key] != theirs.get(key)]
+    if differ:
+        raise RecordChanged(f"stage record {path} does not match a new evaluation of {checkpoint} ({', '.join(differ[:4])} "
+                            f"differ); move the run folder {path.parent} aside and start the run again")
 
 
 def prepare_anchor(lock, task, splits, seed: int, folder: Path, parent, model_digest: str) -> dict[str, Any]:

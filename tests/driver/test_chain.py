@@ -65,7 +65,8 @@ def chain_runs(digits_template, tmp_path_factory):
     with pytest.raises(KeyboardInterrupt):
         run(lock, "paused", 1, runs_dir=runs, clock_factory=lambda name: StoppingClock(make_clock(name), STOP_AT))
     base = Path(report["run_dir"]).parents[1]
-    assert (base / "paused" / "seed-1" / "resume.pt").is_file() and (base / "paused" / "seed-1" / "stage-02.pt").is_file()
+    paused = base / "paused" / "seed-1" / "training"
+    assert (paused / "resume.pt").is_file() and (paused / "stage-02.pt").is_file()
     return {"lock": lock, "runs": runs, "base": base}
 
 
@@ -185,21 +186,21 @@ CASES = [
      "stage-01.json"),
     ("stage-01.json and stage-02.json swapped", swap_stages, "stage-01.json"),
     ("stage-05.json added", lambda r: shutil.copy(r / "stage-04.json", r / "stage-05.json"), "stage-05.json"),
-    ("stage-02.pt one byte flipped", lambda r: flip(r / "stage-02.pt"), "stage-02.pt"),
-    ("stage-02.pt deleted", lambda r: delete(r / "stage-02.pt"), "stage-02.pt"),
-    ("stage-02.pt cut short", lambda r: cut(r / "stage-02.pt"), "stage-02.pt"),
-    ("stage-02.pt replaced by stage-01.pt", lambda r: shutil.copy(r / "stage-01.pt", r / "stage-02.pt"),
+    ("stage-02.pt one byte flipped", lambda r: flip(r / "training" / "stage-02.pt"), "stage-02.pt"),
+    ("stage-02.pt deleted", lambda r: delete(r / "training" / "stage-02.pt"), "stage-02.pt"),
+    ("stage-02.pt cut short", lambda r: cut(r / "training" / "stage-02.pt"), "stage-02.pt"),
+    ("stage-02.pt replaced by stage-01.pt", lambda r: shutil.copy(r / "training" / "stage-01.pt", r / "training" / "stage-02.pt"),
      "stage-02.pt"),
-    ("stage-02.pt empty", lambda r: empty(r / "stage-02.pt"), "stage-02.pt"),
+    ("stage-02.pt empty", lambda r: empty(r / "training" / "stage-02.pt"), "stage-02.pt"),
     ("initial.pt one byte flipped", lambda r: flip(r / "initial.pt"), "initial.pt"),
     ("initial.pt deleted", lambda r: delete(r / "initial.pt"), "initial.pt"),
-    ("steps.jsonl.gz gzip garbage", lambda r: (r / "steps.jsonl.gz").write_bytes(b"\x1f\x8b" + b"garbage" * 40),
+    ("steps.jsonl.gz gzip garbage", lambda r: (r / "training" / "steps.jsonl.gz").write_bytes(b"\x1f\x8b" + b"garbage" * 40),
      "steps.jsonl.gz"),
-    ("steps.jsonl.gz rewritten, same line count", lambda r: steps_rewritten(r / "steps.jsonl.gz"),
+    ("steps.jsonl.gz rewritten, same line count", lambda r: steps_rewritten(r / "training" / "steps.jsonl.gz"),
      "steps.jsonl.gz"),
-    ("steps.jsonl.gz cut short", lambda r: cut(r / "steps.jsonl.gz"), "steps.jsonl.gz"),
-    ("steps.jsonl.gz deleted", lambda r: delete(r / "steps.jsonl.gz"), "steps.jsonl.gz"),
-    ("steps.jsonl.gz lines not JSON", lambda r: steps_not_json(r / "steps.jsonl.gz"), "steps.jsonl.gz"),
+    ("steps.jsonl.gz cut short", lambda r: cut(r / "training" / "steps.jsonl.gz"), "steps.jsonl.gz"),
+    ("steps.jsonl.gz deleted", lambda r: delete(r / "training" / "steps.jsonl.gz"), "steps.jsonl.gz"),
+    ("steps.jsonl.gz lines not JSON", lambda r: steps_not_json(r / "training" / "steps.jsonl.gz"), "steps.jsonl.gz"),
     ("start.json deleted", lambda r: delete(r / "start.json"), "start.json"),
     ("start.json seed edited", lambda r: edit_json(r / "start.json", lambda v: v.update(seed=2)), "start.json"),
     ("start.json cut short", lambda r: cut(r / "start.json"), "start.json"),
@@ -234,7 +235,7 @@ def test_a_finished_run_verifies_and_its_report_names_the_digest_of_every_record
     report = json.loads((run / "report.json").read_text())
     digests = report["digests"]
     assert digests["stages"] == {f"stage-0{n}.json": sha256_file(run / f"stage-0{n}.json") for n in (1, 2, 3, 4)}
-    for name, key in (("start.json", "start"), ("steps.jsonl.gz", "steps"), ("last.json", "last"),
+    for name, key in (("start.json", "start"), ("training/steps.jsonl.gz", "steps"), ("last.json", "last"),
                       ("selected.json", "selected")):
         assert digests[key] == sha256_file(run / name), name
     anchor = json.loads(anchor_of(run).read_text())
@@ -281,7 +282,7 @@ def test_an_edited_record_is_exit_3_and_an_unreadable_one_exit_1(copy, cli_inpro
 
 def test_verify_names_each_mismatch_on_its_own_line(copy, cli_inprocess):
     run = copy.run()
-    flip(run / "stage-02.pt")
+    flip(run / "training" / "stage-02.pt")
     edit_json(run / "stage-03.json", metric_up())
     result = cli_inprocess("verify", run)
     details = result.stderr.strip().splitlines()[1:]
@@ -338,23 +339,22 @@ def evaluator_of(copy, arm: str):
         torch.set_num_threads(threads)  # the evaluator sets the lock's threads, for its own process
 
 
-def carried_stages(run: Path):
+def carried_stages(run: Path) -> int:
+    """How many stages the resume checkpoint of ``run`` has passed (the records are the evaluator's files)."""
     from opalctl import checkpoints
-    from opalctl.formats import StageRecord
 
-    return [StageRecord.from_json(stage) for stage in
-            checkpoints.load(run / "resume.pt", require_finite=False)["extra"]["stages"]]
+    return checkpoints.load(run / "training" / "resume.pt", require_finite=False)["extra"]["stages"]
 
 
 RESUME_CASES = [
     ("stage-01.json garbage", lambda r: (r / "stage-01.json").write_bytes(b"{\"stage\": 1, \xff"), "stage-01.json", 1),
     ("stage-01.json metric edited", lambda r: edit_json(r / "stage-01.json", metric_up()), "stage-01.json", 3),
-    ("stage-01.json eval_seconds edited", lambda r: edit_json(r / "stage-01.json", lambda v: v.update(eval_seconds=9.0)),
+    ("stage-01.json decision edited", lambda r: edit_json(r / "stage-01.json", lambda v: v.update(promoted=True)),
      "stage-01.json", 3),
     ("stage-01.json a key added", lambda r: edit_json(r / "stage-01.json", lambda v: v.update(note="fine")),
      "stage-01.json", 3),
-    ("stage-02.pt one byte flipped", lambda r: flip(r / "stage-02.pt"), "stage-02.pt", 3),
-    ("stage-02.pt deleted", lambda r: delete(r / "stage-02.pt"), "stage-02.pt", 1),
+    ("stage-02.pt one byte flipped", lambda r: flip(r / "training" / "stage-02.pt"), "training/stage-02.pt", 3),
+    ("stage-02.pt deleted", lambda r: delete(r / "training" / "stage-02.pt"), "training/stage-02.pt", 1),
 ]
 
 
@@ -380,6 +380,7 @@ def test_the_evaluator_of_an_honest_resume_keeps_the_stage_records_as_they_were_
 
     run = copy.run("paused")
     evaluator = evaluator_of(copy, "paused")
+    assert carried_stages(run) == 2
     evaluator.carried(carried_stages(run))
     assert [record_sha256(stage.to_json()) for stage in evaluator.stages] == \
         [sha256_file(run / f"stage-0{n}.json") for n in (1, 2)], "report.json's stages will be the stage files"
