@@ -80,6 +80,25 @@ def test_each_way_around_the_static_check_is_refused_with_a_sentence(case):
     assert all(p.startswith("v001/updater.py line ") for p in problems)
 
 
+# issue 25: the two lines that passed the check and made torch's module globals (os, sys, builtins, importlib,
+# ctypes) plain names of the program
+WRAPS_BYPASS = ("def f():\n    pass\n"
+                "functools.wraps(torch.is_tensor, assigned=(), updated=(\"__globals__\",))(f)\n")
+
+
+def test_the_wraps_bypass_of_the_security_review_is_refused_with_a_sentence():
+    namespace: dict = {}
+    exec(compile("import functools\nimport torch\n" + WRAPS_BYPASS, "bypass", "exec"), namespace)
+    assert namespace["os"] is os and namespace["sys"] is sys  # what the two lines do to a program's globals
+
+    source = "import functools\nimport torch\n\n" + WRAPS_BYPASS + "os.execv('/bin/sh', ['sh'])\n"
+    problems = check_source(source, "v001/updater.py")
+    assert any("functools.wraps is not allowed: it copies attributes named as data" in p for p in problems), problems
+    assert any("'__globals__' names an interpreter internal" in p for p in problems), problems
+    with pytest.raises(ProgramRejected, match="functools.wraps is not allowed"):
+        check_program("updater", source, label="v001/updater")
+
+
 HONEST = {
     "tensor_data_and_grad": "def f(p):\n    p.data = p.data.float()\n    p.grad = None",
     "own_state": "class U:\n    def __init__(self):\n        self._n = 0\n        self.buf = {}\n"

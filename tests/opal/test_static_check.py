@@ -39,6 +39,68 @@ REFUSED = {
     "torch_ops": ("x = torch.ops.aten", "torch.ops"),
     "torch_utils": ("x = torch.utils.data", "torch.utils"),
     "async": ("async def f():\n    pass", "async"),
+    # issue 25: the allowlist's holes, each refused with its sentence
+    "functools_wraps": ("import functools\ndef f():\n    pass\ng = functools.wraps(torch.is_tensor)(f)",
+                        "functools.wraps is not allowed"),
+    "from_functools_import_wraps": ("from functools import wraps", "functools.wraps is not allowed"),
+    "dunder_string_in_a_keyword_tuple": ("x = dict(names=('__globals__',))", "names an interpreter internal"),
+    "dunder_string_as_a_dict_key": ("x = {'__class__': 1}", "'__class__'"),
+    "dunder_bytes": ("x = b'__dict__'", "'__dict__'"),
+    "dunder_word_inside_a_string": ("x = 'a,__str__ b'", "holds '__str__'"),
+    "dunder_template_for_format": ("x = '__{}__'.format('globals')", "template"),
+    "dunder_template_for_percent": ("x = '__%s__' % 'globals'", "template"),
+    "dunder_template_as_an_f_string": ("def f(n):\n    return f'__{n}__'", "template"),
+    "frame_attribute_as_a_string": ("x = ['f_globals']", "'f_globals'"),
+    "dunder_keyword_argument_name": ("x = dict(__globals__=1)", "keyword argument name"),
+    "dunder_class_name": ("class __globals__:\n    pass", "class name"),
+    "private_member_of_a_torch_class": ("x = torch.Tensor._make_subclass", "torch.Tensor._make_subclass"),
+    "private_member_of_torch_nn_module": ("x = torch.nn.Module._apply", "torch.nn.Module._apply"),
+    "inherited_private_member_on_self": ("class M(torch.nn.Module):\n    def m(self):\n        return self._apply(abs)",
+                                         "never set or define _apply"),
+    "self_rebound_by_walrus": ("class A:\n    def m(self, o):\n        if (self := o):\n            return self._secret",
+                               "rebinding 'self'"),
+    "self_rebound_by_a_for_loop": ("class A:\n    def m(self, o):\n        for self in [o]:\n"
+                                   "            return self._secret", "rebinding 'self'"),
+    "self_rebound_by_with_as": ("class A:\n    def m(self, o):\n        with o as self:\n            return self._secret",
+                                "rebinding 'self'"),
+    "self_rebound_by_except_as": ("class A:\n    def m(self):\n        try:\n            pass\n"
+                                  "        except Exception as self:\n            self.args = ()", "rebinding 'self'"),
+    "self_rebound_in_a_comprehension": ("class A:\n    def m(self, o):\n        return [self._secret for self in [o]]",
+                                        "rebinding 'self'"),
+    "self_rebound_by_a_nested_parameter": ("class A:\n    def m(self):\n        def inner(self):\n"
+                                           "            return self._secret\n        return inner", "rebinding 'self'"),
+    "self_rebound_by_a_lambda_parameter": ("class A:\n    def m(self):\n        return lambda self: self._secret",
+                                           "rebinding 'self'"),
+    "self_rebound_by_tuple_unpacking": ("class A:\n    def m(self, o):\n        self, n = o, 1\n"
+                                        "        return self._secret", "rebinding 'self'"),
+    "self_deleted": ("class A:\n    def m(self):\n        del self", "rebinding 'self'"),
+    "self_rebound_by_def": ("class A:\n    def m(self):\n        def self():\n            pass\n        self.x = 1",
+                            "rebinding 'self'"),
+    "cls_rebound": ("class A:\n    @classmethod\n    def m(cls, o):\n        for cls in [o]:\n"
+                    "            return cls._secret", "rebinding 'cls'"),
+    "receiver_positional_only": ("class A:\n    def m(self, /, other):\n        other.step = None",
+                                 "assigning or deleting other.step"),
+    "method_rebound_as_a_staticmethod": ("class A:\n    def m(self, v):\n        self.step = v\n"
+                                         "    m = staticmethod(m)", "rebinding the method 'm'"),
+    "method_decorated_by_a_function_of_its_own": ("def deco(f):\n    return f\nclass A:\n    @deco\n"
+                                                  "    def m(self):\n        self.n = 1", "may only be decorated"),
+    "isinstance_rebound": ("def isinstance(a, b):\n    return b", "relies on"),
+    "property_rebound": ("def property(f):\n    return f", "relies on"),
+    "storage_type_with_a_module_name": ("def f(x):\n    return x.untyped_storage().type('os')",
+                                        "takes only a dtype written out"),
+    "tensor_type_with_a_variable": ("def f(x, d):\n    return x.type(d)", "x.to(dtype)"),
+    "type_method_held_then_called": ("def f(x):\n    t = x.type\n    return t('os')",
+                                     "may only be called where it is written"),
+    "getattr_of_type": ("def f(x):\n    return getattr(x, 'type')('os')", "hides a call"),
+    "format_held_then_called": ("def f(s, o):\n    g = s.format\n    return g(o)",
+                                "may only be called where it is written"),
+    "attribute_error_obj": ("def f(e):\n    return e.obj", "AttributeError's .obj"),
+    "abc_register": ("import numbers\nnumbers.Real.register(float)", "isinstance() answers"),
+    "get_device_module": ("m = torch.get_device_module('cpu')", "returns a module"),
+    "default_generator": ("g = torch.default_generator", "global settings"),
+    "enum_functional_api": ("import enum\nE = enum.Enum('E', {'a': 1})", "builds an Enum from data"),
+    "enum_functional_api_of_a_subclass": ("from enum import Enum\nclass B(Enum):\n    pass\nE = B('E', 'a b')",
+                                          "builds an Enum from data"),
 }
 
 
@@ -80,6 +142,20 @@ ACCEPTED = {
     "state_dict_work": ("def f(opt):\n    s = opt.state_dict()\n    opt.load_state_dict(s)\n"
                         "    return {k: v for k, v in s.items()}"),
     "loops_and_comprehensions": "xs = [i * i for i in range(3) if i]\nwhile False:\n    pass",
+    "tensor_type_with_a_dtype": "def f(x):\n    return x.type(torch.float32), x.type(), x.device.type == 'cuda'",
+    "own_private_methods_and_constants": ("class A:\n    _SCALE = 2\n    def _twice(self, v):\n"
+                                          "        return v * self._SCALE\n    def m(self, v):\n"
+                                          "        return self._twice(v)"),
+    "property_with_a_setter": ("class A:\n    @property\n    def lr(self):\n        return self._lr\n"
+                               "    @lr.setter\n    def lr(self, v):\n        self._lr = v"),
+    "method_decorators": ("import functools\nclass A:\n    @torch.no_grad()\n    def step(self, p):\n"
+                          "        p.mul_(0.5)\n    @functools.cached_property\n    def size(self):\n        return 1"),
+    "a_nested_class_has_its_own_self": ("class A:\n    def m(self):\n        class B:\n            def n(self):\n"
+                                        "                self.x = 1\n        return B()"),
+    "enum_class_statement": "from enum import Enum\nclass Phase(Enum):\n    WARMUP = 1\n    DECAY = 2\nx = Phase(1)",
+    "text_and_keys": "memory = {'_count': 0, 'f_score': 1.0}\nnote = f'spike: {1.0:.3g} ____ 100%'",
+    "docstring_prose": "def f():\n    \"\"\"Reads nothing through __class__ or f_back.\"\"\"\n    return 1",
+    "namedtuple": "from collections import namedtuple\nPoint = namedtuple('Point', 'x y')",
 }
 
 
