@@ -262,11 +262,7 @@ class Evaluator:
         if body.get("initial") is not None:
             write_start_record(self, body)
             return {}
-        start = read_record(self.layout.start, StartRecord,
-                            advice=f"move the run folder {self.run_dir} aside and start the run again")
-        if (start.lock_sha256, start.arm, start.seed) != (self.lock.sha256, self.arm_name, self.seed):
-            raise RecordChanged(f"{self.layout.start} is not the start of this run (another lock, arm or seed); "
-                                f"move the run folder {self.run_dir} aside and start the run again")
+        check_start_record(self.layout.start, self.lock.sha256, self.arm_name, self.seed)
         return {}
 
     # -- stages ----------------------------------------------------------------------------------------------
@@ -386,6 +382,20 @@ def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         host=body.get("host") or _platform.node(), ranks=protocol.training.ranks)
     atomic_write_json(layout.start, start.to_json())
+
+
+def check_start_record(path: Path, lock_sha256: str, arm: str, seed: int) -> None:
+    """A resumed run's ``start.json``: there, of this lock, arm and seed, and as opalctl wrote it."""
+    from opalctl.files import sha256_file
+
+    advice = "restore it, or start the run again from update 0 with --restart"
+    if not path.is_file():
+        raise RecordChanged(f"{path} is missing, and the run's resume checkpoint says it started; {advice}")
+    start = read_record(path, StartRecord, advice=advice)
+    if (start.lock_sha256, start.arm, start.seed) != (lock_sha256, arm, seed) or \
+            sha256_file(path) != record_sha256(start.to_json()):
+        raise RecordChanged(f"{path} is not the one this run wrote (it names another lock, arm or seed, or was "
+                            f"edited); {advice}")
 
 
 def _read_own_stage(path: Path, number: int, advice: str) -> StageRecord:

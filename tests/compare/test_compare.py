@@ -231,7 +231,7 @@ def _final_loss(run_dir: Path) -> float:
     """The mean loss of the last 16 updates, read here from the steps records with gzip and json."""
     import gzip
 
-    with gzip.open(run_dir / "steps.jsonl.gz", "rt") as handle:
+    with gzip.open(run_dir / "training" / "steps.jsonl.gz", "rt") as handle:
         losses = [json.loads(line)["loss"] for line in handle if line.strip()]
     return statistics.fmean(losses[-16:])
 

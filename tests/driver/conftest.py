@@ -204,8 +204,15 @@ class PausingDigits(Digits):
 '''
 
 # the files a finished run folder holds with the fractions [0.25, 0.5, 0.75, 1.0]: its records and nothing else
-FINISHED_FILES = sorted(["initial.pt", "last.json", "report.json", "selected.json", "start.json", "steps.jsonl.gz",
-                         *[f"stage-0{k}.{ext}" for k in range(1, 5) for ext in ("json", "pt")]])
+# (training's own files under training/, opalctl/layout.py)
+FINISHED_FILES = sorted(["initial.pt", "last.json", "report.json", "selected.json", "start.json",
+                         "training/steps.jsonl.gz", *[f"stage-0{k}.json" for k in range(1, 5)],
+                         *[f"training/stage-0{k}.pt" for k in range(1, 5)]])
+
+
+def files_of(run_dir: Path) -> list[str]:
+    """Every file beneath a run folder, by its name relative to it (what FINISHED_FILES lists)."""
+    return sorted(path.relative_to(run_dir).as_posix() for path in Path(run_dir).rglob("*") if path.is_file())
 
 
 def wait_for(path: Path, child: subprocess.Popen, timeout: float = CHILD_TIMEOUT) -> None:

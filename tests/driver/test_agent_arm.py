@@ -113,7 +113,7 @@ def crash(project, tmp_path):
 # -- reading the agent's records ---------------------------------------------------------------------------------
 
 def events(run_dir):
-    return [json.loads(line) for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()]
 
 
 def comparable_events(run_dir):
@@ -126,14 +126,14 @@ def first_applied(run_dir):
 
 
 def programs(run_dir):
-    folder = run_dir / "opal" / "programs"
+    folder = run_dir / "training" / "opal" / "programs"
     return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def decision_records(run_dir):
     """Per decision: what the agent read (timing line removed), what it answered, and the outcome."""
     out = {}
-    for folder in sorted((run_dir / "opal" / "decisions").iterdir()):
+    for folder in sorted((run_dir / "training" / "opal" / "decisions").iterdir()):
         meta = json.loads((folder / "meta.json").read_text())
         out[folder.name] = (TIMING_LINE.sub("updater step: (timing)", (folder / "message.md").read_text()),
                             (folder / "response.md").read_text(), meta["outcome"], meta["requested_at"],
@@ -142,7 +142,7 @@ def decision_records(run_dir):
 
 
 def opal_stream(run_dir, name):
-    return (run_dir / "opal" / f"{name}.jsonl").read_text()
+    return (run_dir / "training" / "opal" / f"{name}.jsonl").read_text()
 
 
 def without_timing(figures):
@@ -177,7 +177,7 @@ def assert_same_agent_run(tools, got_dir, want_dir, resumes):
     assert decision_records(got_dir) == decision_records(want_dir)
 
     step_keys = ("update", "charge", "used", "loss", "rows", "seen")
-    got_steps, want_steps = list(read_steps(got_dir / "steps.jsonl.gz")), list(read_steps(want_dir / "steps.jsonl.gz"))
+    got_steps, want_steps = list(read_steps(got_dir / "training" / "steps.jsonl.gz")), list(read_steps(want_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in got_steps] == list(range(1, AMOUNT + 1))
     assert [{k: s[k] for k in step_keys} for s in got_steps] == [{k: s[k] for k in step_keys} for s in want_steps]
 
@@ -214,7 +214,7 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project, 
     assert requested == sorted(requested) and 0 < requested[0] and requested[-1] < AMOUNT
 
     # programs: v000 is the shipped starting program; the final version is there; decisions 001..008
-    opal = run_dir / "opal"
+    opal = run_dir / "training" / "opal"
     assert (opal / "programs" / "v000" / "updater.py").read_text() == default_sources()["updater.py"]
     assert (opal / "programs" / f"v{figures['version']:03d}" / "updater.py").is_file()
     assert figures["version"] >= 1 and (opal / "programs" / "v001" / "updater.py").read_text() != \
@@ -224,11 +224,11 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project, 
     assert sorted(p.name for p in (opal / "decisions").iterdir()) == [f"{n:03d}" for n in range(1, 9)]
 
     # one steps line per update
-    steps = list(read_steps(run_dir / "steps.jsonl.gz"))
+    steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in steps] == list(range(1, AMOUNT + 1))
     assert steps[-1]["seen"] == report["rows_digest"]
     assert tools.read(run_dir / "start.json")["arm_config"]["agent"]["backend"] == "heuristic"
-    assert not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "training" / "resume.pt").exists()
 
 
 # -- 2. determinism, and bit for bit the plain arm until the agent changes something -----------------------------
@@ -248,8 +248,8 @@ def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_
     # until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
     agent_project.run("adamw", 1, runs_dir=tmp_path / "first")
     plain = agent_project.run_dir("adamw", 1, runs=tmp_path / "first")
-    agent_steps = list(read_steps(first / "steps.jsonl.gz"))
-    plain_steps = list(read_steps(plain / "steps.jsonl.gz"))
+    agent_steps = list(read_steps(first / "training" / "steps.jsonl.gz"))
+    plain_steps = list(read_steps(plain / "training" / "steps.jsonl.gz"))
     assert [(s["loss"], s["seen"]) for s in agent_steps[:applied["update"]]] == \
         [(s["loss"], s["seen"]) for s in plain_steps[:applied["update"]]]
     agent_stages, plain_stages = tools.stage_files(first), tools.stage_files(plain)
@@ -272,14 +272,14 @@ def child(project, arm="agent", *, resume, env=None, seed=1):
 
 def assert_killed(result, run_dir):
     assert result.returncode == KILLED, f"expected SIGKILL, got {result.returncode}: {result.stderr[-2000:]}"
-    assert not (run_dir / "report.json").exists() and (run_dir / "resume.pt").exists()
-    steps = [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")]
+    assert not (run_dir / "report.json").exists() and (run_dir / "training" / "resume.pt").exists()
+    steps = [s["update"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")]
     assert steps == list(range(1, len(steps) + 1)), "the steps written so far are whole and in order"
 
 
 def resume_state(run_dir):
     """(the update of the resume checkpoint, the agent optimizer's state in it)."""
-    payload = checkpoints.load(run_dir / "resume.pt", require_finite=False)
+    payload = checkpoints.load(run_dir / "training" / "resume.pt", require_finite=False)
     return payload["meta"]["update"], payload["extra"]["optimizer"]
 
 
@@ -287,7 +287,7 @@ def finish(project, run_dir, main_cli):
     """``opalctl run ... --resume`` (in this process: nothing kills it any more) until the run's end."""
     code, _, err = main_cli(project.run_args("agent", 1, "--resume"))
     assert code == 0, err[-3000:]
-    assert (run_dir / "report.json").exists() and not (run_dir / "resume.pt").exists()
+    assert (run_dir / "report.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
 
 def checkpoint_at_or_after(update):
@@ -317,8 +317,8 @@ def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tool
     assert checkpoint == (applied["update"] - 1) // EVERY * EVERY and state["current"] == 0
     tail = events(run_dir)[-1]
     assert (tail["kind"], tail["decision"], tail["update"]) == ("requested", applied["decision"], applied["update"])
-    assert (run_dir / "opal" / "workspace" / "updater.py").read_text() == \
-        (crash.reference / "opal" / "programs" / "v001" / "updater.py").read_text(), "the edit was made"
+    assert (run_dir / "training" / "opal" / "workspace" / "updater.py").read_text() == \
+        (crash.reference / "training" / "opal" / "programs" / "v001" / "updater.py").read_text(), "the edit was made"
 
     finish(crash, run_dir, main_cli)
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=2)
@@ -372,7 +372,7 @@ def test_an_agent_arm_whose_evaluator_dies_during_the_anchor_evaluation_can_be_s
     run_dir = crash.run_dir("agent", 1)
     result = child(crash, resume=False, env={"KILL_EVALUATE_AT": "2"})
     assert result.returncode == 1 and "the evaluator of" in result.stderr, result.stderr[-2000:]
-    assert not (run_dir / "start.json").exists() and not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
     code, _, err = main_cli(crash.run_args("agent", 1))
     assert code == 0, err
@@ -402,7 +402,7 @@ main(sys.argv[1:])
     run_dir = crash.run_dir("agent", 1)
     result = crash.process(crash.run_args("agent", 1), python=["-c", torn])
     assert result.returncode == KILLED, result.stderr[-2000:]
-    assert (run_dir / "start.json").exists() and not (run_dir / "resume.pt").exists()
+    assert (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
     finish(crash, run_dir, main_cli)
     assert [e["kind"] for e in events(run_dir)].count("start") == 1
     assert_same_agent_run(tools, run_dir, crash.reference, resumes=0)
@@ -492,12 +492,12 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, tools, monkeyp
     assert agent["budget"]["used"] == plain["budget"]["used"] == 1.0 and agent["budget"]["overshoot"] == 0.0
     assert [s["update"] for s in agent["stages"]] == [s["update"] for s in plain["stages"]] == [64, 128, 192, 256]
     assert [s["budget_used"] for s in agent["stages"]] == [s["budget_used"] for s in plain["stages"]]
-    assert [s["charge"] for s in read_steps(run_dir / "steps.jsonl.gz")] == CHARGES
+    assert [s["charge"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == CHARGES
     # the training seconds leave the waiting out: they are the timed updates' seconds and nothing else, and no
     # timed update held one of the 8 waits of SLEEP (a digits update takes about a millisecond); compared with
     # the rows, not with the plain arm's seconds, so a loaded machine cannot fail it
     assert agent["seconds"]["train_cpu"] == plain["seconds"]["train_cpu"] == 1.0
-    walls = [s["wall"] for s in read_steps(run_dir / "steps.jsonl.gz")]
+    walls = [s["wall"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")]
     assert agent["seconds"]["train_wall"] == pytest.approx(sum(walls), rel=1e-6)
     assert max(walls) < SLEEP
 
@@ -589,4 +589,4 @@ def test_an_llm_backend_without_its_key_or_binary_is_refused_by_run(project, too
     assert len(lines) == 1 and lines[0].startswith("opalctl: error: ") and repr(backend) in lines[0]
     assert needs in lines[0]
     run_dir = project.run_dir("llm", 1)
-    assert not (run_dir / "start.json").exists() and not (run_dir / "opal").exists()
+    assert not (run_dir / "start.json").exists() and not (run_dir / "training" / "opal").exists()

@@ -72,7 +72,7 @@ def recorded_original(folder, updater: str):
     """An agent run's records whose decision 1 applied ``updater`` (what ``replay:`` reads)."""
     from opalctl.opal.optimizer import default_sources
 
-    records = folder / "opal"
+    records = folder / "training" / "opal"
     (records / "programs" / "v001").mkdir(parents=True)
     (records / "programs" / "v001" / "updater.py").write_text(updater)
     (records / "programs" / "v001" / "analysis.py").write_text(default_sources()["analysis.py"])
@@ -81,7 +81,7 @@ def recorded_original(folder, updater: str):
 
 
 def events(run_dir):
-    return [json.loads(line) for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("hang_at", [1, 40], ids=["at_its_first_step", "after_its_trial"])
@@ -100,11 +100,11 @@ def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_versi
     hung = project.process(project.run_args("agent", 1))
     assert hung.returncode == EXIT_PROGRAM_HUNG, hung.stderr[-3000:]
     assert "v001 hung in step()" in hung.stderr and "--resume`" in hung.stderr
-    [entry] = [json.loads(line) for line in (run_dir / "opal" / "hung.jsonl").read_text().splitlines()]
+    [entry] = [json.loads(line) for line in (run_dir / "training" / "opal" / "hung.jsonl").read_text().splitlines()]
     assert entry["version"] == 1 and entry["call"] == "step()"
     assert events(run_dir)[-1]["kind"] == "reverted" and events(run_dir)[-1]["reason"] == "hung"
     assert not (run_dir / "report.json").exists()
-    resumed_from = checkpoints.load(run_dir / "resume.pt", require_finite=False)["meta"]["update"]
+    resumed_from = checkpoints.load(run_dir / "training" / "resume.pt", require_finite=False)["meta"]["update"]
     assert entry["update"] - resumed_from <= EVERY, "at most one checkpoint interval is lost"
 
     finished = project.process(project.run_args("agent", 1, "--resume"))

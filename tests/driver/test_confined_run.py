@@ -47,12 +47,18 @@ def _write_outside():
         handle.write("escaped")
 
 
+def _write_beside_the_records():
+    with open(os.environ["PROBE_RECORDS"], "w") as handle:
+        handle.write("a record the evaluator never wrote")
+
+
 class ProbingDigits(Digits):
     def loss(self, model, batch):
         if not DONE:
             DONE.append(True)
             found = {"read_split": _probe("read", _read_split), "connect": _probe("connect", _connect),
-                     "write_outside": _probe("write", _write_outside)}
+                     "write_outside": _probe("write", _write_outside),
+                     "write_beside_the_records": _probe("write", _write_beside_the_records)}
             sys.stderr.write("PROBE " + json.dumps(found) + "\\n")
         return super().loss(model, batch)
 '''
@@ -69,10 +75,11 @@ def test_an_agent_arms_training_process_reads_no_split_reaches_no_network_and_wr
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(4)
-        env = project.env(PROBE_SPLIT=str(split), PROBE_PORT=str(server.getsockname()[1]),
-                          PROBE_OUTSIDE=str(outside))
-        plain = project.process(project.run_args("adamw", 1), env=env)
-        confined = project.process(project.run_args("agent", 1), env=env)
+        env = dict(PROBE_SPLIT=str(split), PROBE_PORT=str(server.getsockname()[1]), PROBE_OUTSIDE=str(outside))
+        plain = project.process(project.run_args("adamw", 1), env=project.env(
+            **env, PROBE_RECORDS=str(project.run_dir("adamw", 1) / "probe.json")))
+        confined = project.process(project.run_args("agent", 1), env=project.env(
+            **env, PROBE_RECORDS=str(project.run_dir("agent", 1) / "probe.json")))
     assert plain.returncode == 0 and confined.returncode == 0, (plain.stderr[-2000:], confined.stderr[-2000:])
 
     def probes(result):
@@ -80,16 +87,19 @@ def test_an_agent_arms_training_process_reads_no_split_reaches_no_network_and_wr
         return json.loads(line[len("PROBE "):])
 
     # the plain arm runs no agent code and is not confined: the same probes succeed there
-    assert probes(plain) == {"read_split": "ok", "connect": "ok", "write_outside": "ok"}
+    assert probes(plain) == {"read_split": "ok", "connect": "ok", "write_outside": "ok",
+                             "write_beside_the_records": "ok"}
     outside.unlink()
     report = tools.read(project.run_dir("agent", 1) / "report.json")
     confinement = report["confinement"]
     if confinement["mechanism"] == "none":
         pytest.skip(f"{helpers.SYSTEM_SKIP} Landlock ({confinement['reason']})")
     assert confinement["network_denied"] is True
-    assert confinement["writable"] == [str(project.run_dir("agent", 1))]
+    # it writes only training's own folder of the run: never the records of results beside it
+    assert confinement["writable"] == [str(project.run_dir("agent", 1) / "training")]
     assert probes(confined) == {"read_split": "PermissionError", "connect": "PermissionError",
-                                "write_outside": "PermissionError"}
+                                "write_outside": "PermissionError", "write_beside_the_records": "PermissionError"}
+    assert not (project.run_dir("agent", 1) / "probe.json").exists()
     assert not outside.exists()
     # and the run ended as a run does: the evaluator judged every stage
     assert len(report["stages"]) == len(report["budget"]["fractions"]) and report["updates"] == 8

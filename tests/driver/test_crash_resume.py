@@ -148,13 +148,13 @@ def assert_killed(result, run_dir):
     assert result.returncode == KILLED, f"expected SIGKILL, got {result.returncode}: {result.stderr[-2000:]}"
     assert_no_evaluator_left(run_dir)
     assert not (run_dir / "report.json").exists()
-    assert (run_dir / "resume.pt").exists()
-    steps = [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")]
+    assert (run_dir / "training" / "resume.pt").exists()
+    steps = [s["update"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")]
     assert steps == list(range(1, len(steps) + 1)), "the steps written so far are whole and in order"
 
 
 def resume_meta(run_dir):
-    return checkpoints.load(run_dir / "resume.pt", require_finite=False)["meta"]
+    return checkpoints.load(run_dir / "training" / "resume.pt", require_finite=False)["meta"]
 
 
 def finish(project, arm, run_dir, tries=3):
@@ -164,7 +164,7 @@ def finish(project, arm, run_dir, tries=3):
         if result.returncode == 0:
             break
     assert result.returncode == 0, result.stderr[-2000:]
-    assert (run_dir / "report.json").exists() and not (run_dir / "resume.pt").exists()
+    assert (run_dir / "report.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
 
 STEP_KEYS = ("update", "charge", "used", "loss", "rows", "seen")
@@ -193,8 +193,8 @@ def assert_same_run(tools, crashed, uninterrupted, resumes):
     assert tools.read(crashed / "selected.json") == tools.read(uninterrupted / "selected.json")
     assert tools.read(crashed / "last.json")["model_sha256"] == tools.read(uninterrupted / "last.json")["model_sha256"]
 
-    got_steps = list(read_steps(crashed / "steps.jsonl.gz"))
-    want_steps = list(read_steps(uninterrupted / "steps.jsonl.gz"))
+    got_steps = list(read_steps(crashed / "training" / "steps.jsonl.gz"))
+    want_steps = list(read_steps(uninterrupted / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in got_steps] == list(range(1, UPDATES + 1))
     assert [{k: s[k] for k in STEP_KEYS} for s in got_steps] == [{k: s[k] for k in STEP_KEYS} for s in want_steps]
 
@@ -230,7 +230,7 @@ def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
     assert_killed(child(crash, "adamw", resume=False, torn=("resume.pt", 4)), run_dir)
     # the torn write never replaced the checkpoint: the one before it (update 20) is intact, the half file is aside
     assert resume_meta(run_dir)["update"] == 20
-    assert len(list(run_dir.glob(".resume.pt.*.tmp"))) == 1
+    assert len(list((run_dir / "training").glob(".resume.pt.*.tmp"))) == 1
 
     assert_killed(child(crash, "adamw", resume=True, torn=("resume.pt", 18)), run_dir)
     assert resume_meta(run_dir)["update"] == UPDATES - 10
@@ -259,7 +259,7 @@ def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sent
     result = child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "8"})
     assert_evaluator_stopped(result, run_dir)
     assert "exit status -9" in result.stderr and result.stderr.strip().endswith("resume the run with --resume")
-    assert (run_dir / "stage-02.pt").exists() and not (run_dir / "stage-02.json").exists()
+    assert (run_dir / "training" / "stage-02.pt").exists() and not (run_dir / "stage-02.json").exists()
     assert resume_meta(run_dir)["update"] == 90
 
     finish(crash, "adamw", run_dir)
@@ -269,7 +269,7 @@ def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sent
 def test_resume_from_a_damaged_checkpoint_is_refused_naming_it(crash, tools, main_cli):
     run_dir = crash.run_dir("adamw", 1)
     assert_killed(child(crash, "adamw", resume=False, env={"KILL_LOSS_AT": "25"}), run_dir)
-    resume = run_dir / "resume.pt"
+    resume = run_dir / "training" / "resume.pt"
     payload = checkpoints.load(resume, require_finite=False)
     name, tensor = max(payload["model"].items(), key=lambda item: item[1].numel())
     data = bytearray(resume.read_bytes())
@@ -292,7 +292,7 @@ def test_a_run_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_
     result = child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "2"})
     assert_evaluator_stopped(result, run_dir)
     assert result.stderr.strip().endswith("start the run again")
-    assert not (run_dir / "start.json").exists() and not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
     code, _, err = main_cli(crash.run_args("adamw", 1, "--resume"))
     assert code == 2 and "start it without --resume" in err

@@ -4,7 +4,6 @@ against ``json.dumps``)."""
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -174,17 +173,22 @@ def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that
     before = rng_state()
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
     assert _same_rng(before, rng_state()) == [], "building the judge draws nothing from the run's generators"
-    initial = SavedStage.of(0, checkpoints.save(tmp_path / "initial.pt", parts.model.state_dict(), kind="stage"))
+    def saved_as(name: str) -> SavedStage:
+        record = checkpoints.save(tmp_path / name, parts.model.state_dict(), kind="stage")
+        return SavedStage(index=0, root=tmp_path, name=name, sha256=record["sha256"],
+                          model_sha256=record["model_sha256"], bytes=record["bytes"])
+
+    initial = saved_as("initial.pt")
     update = make_update(parts.task, parts.model, parts.optimizer, parts.clip)
     for _ in range(5):
         update(parts.sampler.next_batch())
-    saved = SavedStage.of(0, checkpoints.save(tmp_path / "stage-01.pt", parts.model.state_dict(), kind="stage"))
+    saved = saved_as("stage-01.pt")
     assert judge.evaluate(saved) == evaluate_all(parts.task, parts.model, parts.splits)
     assert judge.model is not parts.model and judge.load_seconds > 0
     assert judge.evaluate(initial) != judge.evaluate(saved)
     with pytest.raises(checkpoints.CheckpointRefused, match="holds another model than the stage saved"):
-        judge.evaluate(SavedStage(index=0, path=initial.path, sha256=initial.sha256, model_sha256=saved.model_sha256,
-                                  bytes=initial.bytes))
+        judge.evaluate(SavedStage(index=0, root=tmp_path, name=initial.name, sha256=initial.sha256,
+                                  model_sha256=saved.model_sha256, bytes=initial.bytes))
 
 
 def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(project, tools, monkeypatch):
@@ -205,7 +209,7 @@ def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_proce
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
     run_dir = project.run_dir("adamw", 1)
     for stage in report["stages"]:
-        saved = SavedStage(index=stage["stage"] - 1, path=run_dir / stage["checkpoint"]["file"],
+        saved = SavedStage(index=stage["stage"] - 1, root=run_dir, name=stage["checkpoint"]["file"],
                            sha256=stage["checkpoint"]["sha256"], model_sha256=stage["checkpoint"]["model_sha256"],
                            bytes=stage["checkpoint"]["bytes"])
         assert judge.evaluate(saved) == stage["metrics"]
@@ -226,7 +230,7 @@ def test_the_pilot_measures_the_runs_own_first_updates(project, tools):
     lock = project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW}, entry=entry)
     measured = pilot(lock, "adamw", steps=2, seed=1)
     project.run("adamw", 1)
-    losses = [line["loss"] for line in read_steps(project.run_dir("adamw", 1) / "steps.jsonl.gz")]
+    losses = [line["loss"] for line in read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz")]
     assert (measured["loss_first"], measured["loss_last"]) == (losses[WARMUP], losses[WARMUP + 1])
 
 
@@ -239,20 +243,3 @@ def test_a_cuda_run_on_a_machine_without_cuda_says_what_to_do(project, tools, ma
     assert code == 2 and "training.device is cuda but this machine has no CUDA device; run on a machine with a " \
                          "GPU or set training.device: cpu" in err
     assert not project.run_dir("adamw", 1).exists()
-
-
-def test_a_resume_checkpoint_that_carried_stage_summaries_reads_the_stage_files(tmp_path):
-    from opalctl.driver.run import _stage_record
-    from opalctl.files import atomic_write_json
-
-    record = StageRecord(stage=2, fraction=0.5, update=4, budget_used=4.0, budget_fraction_used=0.5, examples=256,
-                         train_cpu_seconds=0.1, train_wall_seconds=0.1, checkpoint={"file": "stage-02.pt"},
-                         metrics={"selection.correct": 3}, eval_seconds=0.01, incumbent_before="anchor",
-                         decision={"promoted": True, "reasons": [], "checks": []}, promoted=True,
-                         incumbent_after=2, shared_state_with=[], loss=math.pi)
-    atomic_write_json(tmp_path / "stage-02.json", record.to_json())
-    summary = {key: record.to_json()[key] for key in ("stage", "fraction", "update", "budget_used",
-                                                      "train_cpu_seconds", "train_wall_seconds", "metrics",
-                                                      "promoted")}
-    assert _stage_record(tmp_path, summary) == record
-    assert _stage_record(tmp_path, record.to_json()) == record

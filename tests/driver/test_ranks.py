@@ -8,7 +8,7 @@ import torch
 
 from opalctl.driver.budget import CLOCKS, clock_spec
 from opalctl.driver.ranks import Ranks, join, rank_seed, world_from
-from opalctl.driver.run import RESUME_FILE, RunCommand, rank_state
+from opalctl.driver.run import RunCommand, rank_state
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.opal.distributed import wrap_distributed
 
@@ -75,8 +75,8 @@ def test_the_command_that_continues_a_two_rank_run_is_the_torchrun_one():
 def test_a_resume_checkpoint_of_another_world_is_refused_naming_resume_pt(tmp_path):
     states = [{"sampler": {}, "rng": {}}, {"sampler": {}, "rng": {}}]
     with pytest.raises(BadInput) as caught:
-        rank_state(tmp_path / RESUME_FILE, states, ranks=Ranks())
-    assert str(tmp_path / RESUME_FILE) in caught.value.message and "2 rank(s)" in caught.value.message
+        rank_state(tmp_path / "resume.pt", states, ranks=Ranks())
+    assert str(tmp_path / "resume.pt") in caught.value.message and "2 rank(s)" in caught.value.message
 
 
 def test_wrap_distributed_takes_a_progress_callable_only_when_told_it_is_the_same_on_every_rank():

@@ -130,9 +130,9 @@ def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages
     assert any("overshot" in line for line in report["limitations"])
     assert tools.read(run_dir / "last.json")["model_sha256"] == four["checkpoint"]["model_sha256"] \
         == report["final_model_sha256"]
-    assert not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "training" / "resume.pt").exists()
 
-    steps = list(read_steps(run_dir / "steps.jsonl.gz"))
+    steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in steps] == list(range(1, 10))
     assert [s["charge"] for s in steps] == charges
     assert [s["used"] for s in steps] == cumulative[1:]
@@ -153,7 +153,7 @@ def test_one_slow_update_that_crosses_every_fraction_records_every_stage_at_that
     assert all("tie" in s["decision"]["reasons"][0] for s in stages[1:])
     assert tools.read(run_dir / "selected.json")["stage"] == 1
     assert report["updates"] == 4 and report["budget"]["used"] == 3.1875 and report["budget"]["overshoot"] == 2.1875
-    assert [s["charge"] for s in read_steps(run_dir / "steps.jsonl.gz")] == charges
+    assert [s["charge"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == charges
 
 
 def test_updates_clock_counts_whole_updates(project, tools):
@@ -162,7 +162,7 @@ def test_updates_clock_counts_whole_updates(project, tools):
     run_dir = project.run_dir("adamw", 2)
     assert [s["update"] for s in tools.stage_files(run_dir)] == [10, 20, 30, 40]
     assert report["updates"] == 40 and report["budget"]["overshoot"] == 0.0
-    steps = list(read_steps(run_dir / "steps.jsonl.gz"))
+    steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in steps] == list(range(1, 41)) and {s["charge"] for s in steps} == {1.0}
     assert steps[-1]["seen"] == report["rows_digest"]
     start = tools.read(run_dir / "start.json")
@@ -210,7 +210,7 @@ def test_each_line_digests_the_rows_its_update_trained_on(project, tools, reusin
     entry = project.task_module(REUSING_TASK, "ReusingDigits") if reusing else None
     project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": tools.ADAMW})
     project.run("adamw", 1)
-    steps = list(read_steps(project.run_dir("adamw", 1) / "steps.jsonl.gz"))
+    steps = list(read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz"))
     # the same batches, drawn again from a fresh built-in sampler with the run's seed and batch size
     protocol = project.protocol()
     task = Digits(protocol["task"]["config"])

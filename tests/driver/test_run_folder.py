@@ -14,7 +14,8 @@ from opalctl.driver.records import read_steps
 
 
 def names(folder):
-    return sorted(path.name for path in folder.iterdir())
+    """Every file beneath a run folder, by its name relative to it."""
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
 
 
 def paused_pid(pause, children, timeout):
@@ -58,10 +59,10 @@ def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second
 
     survivor, alone_dir = tools.read(run_dir / "report.json"), project.run_dir("adamw", 1, runs=tmp_path / "alone")
     assert survivor["final_model_sha256"] == alone["final_model_sha256"] and survivor["resumes"] == 0
-    assert [s["update"] for s in read_steps(run_dir / "steps.jsonl.gz")] == list(range(1, 21))
+    assert [s["update"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == list(range(1, 21))
     # a finished folder holds its records and nothing else: no lock, no marker, no temporary file
     assert names(run_dir) == names(alone_dir) == tools.FINISHED_FILES
-    assert names(run_dir.parent) == [".seed-1.lock", "seed-1"]
+    assert sorted(path.name for path in run_dir.parent.iterdir()) == [".seed-1.lock", "seed-1"]
 
 
 def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_aside_and_never_restarts_a_finished_run(
@@ -71,7 +72,7 @@ def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_
     with pytest.raises(RuntimeError, match="the test stops this run here"):
         project.run("adamw", 1)
     monkeypatch.delenv("FAIL_AT")
-    (run_dir / "resume.pt").unlink()
+    (run_dir / "training" / "resume.pt").unlink()
     abandoned = tools.snapshot(run_dir)
     before = tools.snapshot(project.runs)
 
@@ -111,7 +112,7 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
     with pytest.raises(RuntimeError):
         project.run("adamw", 1)
     monkeypatch.delenv("FAIL_AT")
-    steps, start = run_dir / "steps.jsonl.gz", run_dir / "start.json"
+    steps, start = run_dir / "training" / "steps.jsonl.gz", run_dir / "start.json"
     written = {path: path.read_bytes() for path in (steps, start)}
 
     def forged_loss(lines):

@@ -39,7 +39,7 @@ def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_o
         said = [line for line in err.strip().splitlines() if not line.startswith("stage ")]  # the rest: its stages
         assert said == [f"opalctl: interrupted ({number.name}); resume with: {command}"], err[-2000:]
         run_dir = project.run_dir("adamw", 1, runs=runs)
-        assert (run_dir / "resume.pt").exists() and not (run_dir / "report.json").exists()
+        assert (run_dir / "training" / "resume.pt").exists() and not (run_dir / "report.json").exists()
         (run_dir / ".report.json.stale.tmp").write_text("{")  # as a write a killed session never finished leaves
 
         code, _, err = main_cli(shlex.split(command)[1:])  # what the line says to type
@@ -47,7 +47,7 @@ def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_o
         report = tools.read(run_dir / "report.json")
         assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
         assert report["rows_digest"] == uninterrupted["rows_digest"]
-        assert sorted(p.name for p in run_dir.iterdir()) == tools.FINISHED_FILES
+        assert tools.files_of(run_dir) == tools.FINISHED_FILES
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

@@ -60,7 +60,7 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resum
     line = one_line(err)
     assert code == 1 and out == "" and str(run_dir) in line and "the disk is full" in line, line
     assert line.endswith(f"free space there, then `{resume}` continues the run"), line
-    assert (run_dir / "resume.pt").exists() and not (run_dir / "report.json").exists()
+    assert (run_dir / "training" / "resume.pt").exists() and not (run_dir / "report.json").exists()
     assert not list(run_dir.glob(".*.tmp")), "a refused write leaves no temporary file"
 
     (disk / "ballast").unlink()
@@ -77,7 +77,7 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resum
     assert code == 0, err
     report = tools.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] >= 1
-    assert sorted(p.name for p in run_dir.iterdir()) == tools.FINISHED_FILES
+    assert tools.files_of(run_dir) == tools.FINISHED_FILES
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["helper process", "in-process twin"])

@@ -74,8 +74,8 @@ def killed(world, tools, tmp_path_factory):
                     check=False)
     run_dir = project.run_dir("heuristic", 1, runs=runs)
     state = {"returncode": died.returncode, "rank-0": json.loads((out / "rank-0.json").read_text()),
-             "files": sorted(p.name for p in run_dir.iterdir()),
-             "events": [json.loads(line)["kind"] for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]}
+             "files": sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()),
+             "events": [json.loads(line)["kind"] for line in (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()]}
     resumed = torchrun(project, "-m", "opalctl", *project.run_args("heuristic", 1, "--resume", runs=runs), "--json")
     return state, resumed, run_dir
 
@@ -122,7 +122,7 @@ def test_the_charge_is_the_maximum_over_ranks_for_updates_and_the_sum_for_cpu(wo
 def test_sigkill_of_rank_1_of_an_agent_arm_then_resume_under_torchrun_ends_as_the_uninterrupted_run(world, killed):
     _, _, seen = world
     state, resumed, run_dir = killed
-    assert state["returncode"] != 0 and "resume.pt" in state["files"] and "report.json" not in state["files"]
+    assert state["returncode"] != 0 and "training/resume.pt" in state["files"] and "report.json" not in state["files"]
     assert "applied" in state["events"]  # killed while the agent's program ran: its state is in resume.pt
     # rank 0 stops on torchrun's SIGTERM, or on its collective with the rank that is gone, whichever comes first
     assert f"resume with: torchrun --nproc-per-node 2 -m opalctl run {world[0].lock} " in state["rank-0"]["error"]
@@ -130,7 +130,7 @@ def test_sigkill_of_rank_1_of_an_agent_arm_then_resume_under_torchrun_ends_as_th
     assert report["resumes"] == 1 and report["ranks"] == 2
     assert report["final_model_sha256"] == seen[0]["heuristic"]["final_model_sha256"]
     assert report["rows_digest"] == seen[0]["heuristic"]["rows_digest"]
-    assert not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "training" / "resume.pt").exists()
 
 
 def test_a_lock_of_two_ranks_run_without_torchrun_is_refused_naming_the_torchrun_command(world, main_cli):
@@ -155,8 +155,8 @@ def test_a_two_rank_heuristic_agent_arm_finishes_on_both_ranks_with_rank_0s_deci
     heuristic = seen[0]["heuristic"]
     assert heuristic["updates"] == UPDATES and seen[1]["heuristic"] == heuristic  # no RanksDiverged on either
     run_dir = Path(heuristic["run_dir"])
-    kinds = [json.loads(line)["kind"] for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()]
     assert "applied" in kinds, kinds
-    assert [p.name for p in (run_dir / "opal" / "decisions").iterdir()]
+    assert [p.name for p in (run_dir / "training" / "opal" / "decisions").iterdir()]
     assert heuristic["final_model_sha256"] != seen[0]["plain"]["final_model_sha256"]  # its program did change
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 
-from opalctl.grid.plan import LOG_FILE
-
 ARMS = ("--arm", "adamw", "--arm", "cosine", "--arm", "spare", "--seed", "2", "--jobs", "2")
 
 
 def run_folder(grid_project, runs, arm, seed):
-    from opalctl.driver.run import RunPaths
+    from opalctl.layout import LockRuns
     from opalctl.protocol.lock import read_lock
 
-    return RunPaths.of(runs, read_lock(grid_project.lock), arm, seed).run
+    return LockRuns.of(runs, read_lock(grid_project.lock)).run(arm, seed).root
 
 
 def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_once(grid_project, grid_tools,
@@ -28,8 +26,8 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     runs, gate = tmp_path / "runs", tmp_path / "gate"
     gate.mkdir()
     broken = run_folder(grid_project, runs, "spare", 2)
-    broken.mkdir(parents=True)
-    (broken / "resume.pt").write_bytes(b"not a checkpoint")  # this run cannot resume: it fails
+    (broken / "training").mkdir(parents=True)
+    (broken / "training" / "resume.pt").write_bytes(b"not a checkpoint")  # this run cannot resume: it fails
     grid = grid_project.grid(*ARMS, runs=runs, gate=gate)
     grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
                         "both runs to be held in the middle of their budget")
@@ -44,7 +42,7 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
         {"adamw": "interrupted", "cosine": "interrupted", "spare": "interrupted"}
     for arm in ("adamw", "cosine"):
         folder = run_folder(grid_project, runs, arm, 2)
-        assert (folder / "resume.pt").exists() and not (folder / "report.json").exists()
+        assert (folder / "training" / "resume.pt").exists() and not (folder / "report.json").exists()
 
     (gate / "open").write_text("")
     again = grid_project.grid(*ARMS, runs=runs, gate=gate)
@@ -53,14 +51,14 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     final = grid_tools.events(stdout)[-1]
     assert {run["arm"]: run["state"] for run in final["runs"]} == \
         {"adamw": "resumed", "cosine": "resumed", "spare": "failed"}, "a failed run stops no other"
-    assert "failed: spare seed 2 (exit " in stderr and f"its output is in {broken / LOG_FILE}" in stderr
-    assert (broken / LOG_FILE).read_text().count("--- opalctl grid") == 1
+    assert "failed: spare seed 2 (exit " in stderr and f"its output is in {broken / 'grid.log'}" in stderr
+    assert (broken / "grid.log").read_text().count("--- opalctl grid") == 1
     for arm in ("adamw", "cosine"):
         folder = run_folder(grid_project, runs, arm, 2)
         report = json.loads((folder / "report.json").read_text())
         assert grid_tools.same_run(report, grid_project.reference(arm, 2)) == {}
         assert report["resumes"] == 1
-        log = (folder / LOG_FILE).read_text()
+        log = (folder / "grid.log").read_text()
         starts = [line for line in log.splitlines() if line.startswith("--- opalctl grid")]
         # the headers the grid writes, not the interrupted run's own "resume with: ... --resume" line
         assert len(starts) == 2 and sum("--resume" in line for line in starts) == 1, "started once, resumed once"

@@ -40,7 +40,7 @@ def test_finished_runs_are_skipped_without_starting_anything_and_interrupted_one
                                                                                                tmp_path, helpers):
     plan = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
     for run in plan.runs:
-        run.run_dir.mkdir(parents=True)
+        (run.run_dir / "training").mkdir(parents=True)
         (run.run_dir / "report.json").write_text("{}")
     before = helpers.tree(tmp_path / "runs")
     seen = []
@@ -49,7 +49,7 @@ def test_finished_runs_are_skipped_without_starting_anything_and_interrupted_one
     assert [e["state"] for e in seen] == ["skipped"] * len(plan.runs)
     assert helpers.tree(tmp_path / "runs") == before, "nothing was started, written or run twice"
     (plan.runs[0].run_dir / "report.json").unlink()
-    (plan.runs[0].run_dir / "resume.pt").write_bytes(b"")
+    (plan.runs[0].run_dir / "training" / "resume.pt").write_bytes(b"")
     assert plan.runs[0].need() == "resume"
     assert plan.runs[0].command(plan.lock_path, plan.runs_dir, True)[-1] == "--resume"
 
@@ -67,12 +67,12 @@ def steps_line(update, used):
 
 def test_progress_reads_the_last_whole_line_of_a_growing_steps_file(tmp_path):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    (run_dir / "training").mkdir(parents=True)
     (run_dir / "start.json").write_text(json.dumps({"budget": {"total": 100}}))
     now = [0.0]
     progress = RunProgress(run_dir, clock=lambda: now[0])
     assert progress.read() == {"fraction": None, "updates": None, "eta_seconds": None}
-    steps = run_dir / "steps.jsonl.gz"
+    steps = run_dir / "training" / "steps.jsonl.gz"
     first = gzip.compress(b"".join(steps_line(u, u) for u in range(1, 11)))
     second = gzip.compress(b"".join(steps_line(u, u) for u in range(11, 31)))
     steps.write_bytes(first + second[: len(second) // 2])  # the second member is still being written
@@ -97,9 +97,9 @@ def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid
     plan = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
     finished, running, interrupted = plan.runs
     for run in plan.runs:
-        run.run_dir.mkdir(parents=True)
+        (run.run_dir / "training").mkdir(parents=True)
     (finished.run_dir / "report.json").write_text("{}")
-    (interrupted.run_dir / "resume.pt").write_bytes(b"")
+    (interrupted.run_dir / "training" / "resume.pt").write_bytes(b"")
     (running.run_dir / "start.json").write_text(json.dumps({"budget": {"total": 10}}))
     with open(running.run_dir / ".running", "a+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)

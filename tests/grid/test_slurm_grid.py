@@ -13,8 +13,6 @@ import subprocess
 
 import pytest
 
-from opalctl.grid.plan import LOG_FILE
-
 pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None,
                                 reason="needs a system component: Slurm (sbatch); ci/slurm/setup.sh sets one up")
 
@@ -57,7 +55,7 @@ def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_dig
     report = json.loads((folder / "report.json").read_text())
     assert grid_tools.same_run(report, grid_project.reference("adamw", 1)) == {}
     assert report["resumes"] >= 1
-    log = (folder / LOG_FILE).read_text()
+    log = (folder / "grid.log").read_text()
     starts = [line for line in log.splitlines() if line.startswith("--- opalctl grid")]
     resumes = sum("--resume" in line for line in starts)  # the headers, not the run's own "resume with" line
     assert resumes >= 1 and len(starts) == 1 + resumes, "started once, every later start a resume"

@@ -23,7 +23,7 @@ def _read(folder):
 def _steps(run_dir):
     import gzip
 
-    with gzip.open(run_dir / "steps.jsonl.gz", "rt") as handle:
+    with gzip.open(run_dir / "training" / "steps.jsonl.gz", "rt") as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 
@@ -56,7 +56,7 @@ def test_the_export_holds_each_runs_loss_stage_metrics_and_decisions(grid, tmp_p
                 [(s["update"], pytest.approx(s["metrics"][metric], rel=1e-6)) for s in report["stages"]]
             assert accumulator.Scalars(f"anchor/{metric}")[0].value == \
                 pytest.approx(report["anchor_metrics"][metric], rel=1e-6)
-        events_path = run_dir / "opal" / "events.jsonl"
+        events_path = run_dir / "training" / "opal" / "events.jsonl"
         answered = [json.loads(line) for line in events_path.read_text().splitlines()] if events_path.exists() else []
         outcomes = [e for e in answered if e.get("kind") in ("applied", "kept")]
         if not outcomes:
@@ -107,9 +107,9 @@ def _strip_the_chain(run_dir):
 
 
 def _flip_a_steps_byte(run_dir):
-    data = bytearray((run_dir / "steps.jsonl.gz").read_bytes())
+    data = bytearray((run_dir / "training" / "steps.jsonl.gz").read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (run_dir / "steps.jsonl.gz").write_bytes(bytes(data))
+    (run_dir / "training" / "steps.jsonl.gz").write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage", [_strip_the_chain, _flip_a_steps_byte], ids=["edited-report", "damaged-steps"])

@@ -123,7 +123,7 @@ def test_the_page_holds_what_a_reader_needs_and_nothing_that_fetches(page, grid)
         assert f'id="{anchor}"' in text
     assert "verifies: all" in text and grid["lock"].read_bytes() and "<code>" in text
     events = [json.loads(line) for line in
-              (next(grid["runs"].glob("*/agent/seed-1")) / "opal" / "events.jsonl").read_text().splitlines()]
+              (next(grid["runs"].glob("*/agent/seed-1")) / "training" / "opal" / "events.jsonl").read_text().splitlines()]
     applied = [e for e in events if e.get("kind") == "applied"]
     kept = [e for e in events if e.get("kind") == "kept"]
     assert kept and kept[0]["summary"].replace("'", "&#x27;") in text
