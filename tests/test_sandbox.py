@@ -289,7 +289,7 @@ def test_confining_from_another_thread_is_refused_before_anything_is_applied():
 
 
 WITHOUT_LANDLOCK = r'''
-import ctypes, json, sys
+import ctypes, json, os, sys
 from pathlib import Path
 
 # A seccomp filter answers ENOSYS to landlock_create_ruleset (444), as a kernel without Landlock does.
@@ -310,6 +310,18 @@ assert libc.prctl(22, 2, ctypes.byref(program), 0, 0) == 0, ctypes.get_errno()  
 from opalctl.sandbox import confine_process, training_paths
 
 outside = Path(sys.argv[1])
+if sys.argv[2:] == ["bounded"]:  # the bounds apply without Landlock
+    from opalctl.sandbox import Bounds
+
+    confinement = confine_process(writable=[outside / "run"], readable=training_paths(),
+                                  bounds=Bounds(file_bytes=1 << 20, no_processes=True, drop_capabilities=True))
+    try:
+        os.fork()
+        forked = "ok"
+    except PermissionError:
+        forked = "EPERM"
+    print(json.dumps({**confinement.to_json(), "fork": forked}))
+    sys.exit(0)
 confinement = confine_process(writable=[outside / "run"], readable=training_paths())
 (outside / "written-after.txt").write_text("nothing was applied")
 print(json.dumps(confinement.to_json()))
@@ -325,6 +337,21 @@ def test_without_landlock_nothing_is_applied_and_the_reason_is_recorded(tmp_path
     assert child.returncode == 0, child.stderr
     confinement = json.loads(child.stdout)
     assert confinement == {"mechanism": "none", "abi": None, "network_denied": False, "writable": [], "readable": [],
-                           "listable": [],
+                           "listable": [], "bounds": None,
                            "reason": "this kernel has no Landlock (Linux 5.13 or later has it); nothing applied"}
     assert (tmp_path / "written-after.txt").read_text() == "nothing was applied"
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
+                    reason="the seccomp filter that hides Landlock is written for x86_64 Linux")
+def test_without_landlock_the_bounds_still_apply_and_are_recorded(tmp_path):
+    (tmp_path / "run").mkdir()
+    child = subprocess.run([sys.executable, "-c", WITHOUT_LANDLOCK, str(tmp_path), "bounded"], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    confinement = json.loads(child.stdout)
+    assert confinement["mechanism"] == "none" and confinement["fork"] == "EPERM"
+    bounds = confinement["bounds"]
+    assert bounds["processes"] == "none allowed" and bounds["file_bytes"] == 1 << 20
+    assert bounds["capabilities"] in ("all dropped", "none held") and bounds["not_applied"] == {}
+    assert bounds["memory_bytes"] is None  # not asked

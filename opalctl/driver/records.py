@@ -27,6 +27,11 @@ full of the model's work, and Python or torch work done there costs several time
   ``StepsWriter(..., in_process=True)``, handles the very same frames in the training process (same bytes, same
   digests; tested), for reading and for testing the fast path against.
 
+The helper of an agent arm's run starts before the training process is confined, since no process can start
+after (opalctl/sandbox.py), and opens its file only when its first frame says where the file continues: a resume
+knows that only once its checkpoint is loaded, which runs agent code, after the confinement. Its path is fixed
+when it starts, it opens it without following a link, and it confines itself as it starts (``HelperProcess``).
+
 The helper answers only when asked to make the file durable (``begin_sync``, at every checkpoint, and ``close``):
 it fsyncs and replies with the file's length, the running digest of rows (``seen``) and the sha256 of the file's
 bytes so far. A checkpoint waits for that reply before it encodes the run's state: it carries the line count, the
@@ -42,11 +47,13 @@ end. A write the storage refuses (a full disk, a read-only folder) ends the run 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -66,8 +73,9 @@ FLUSH_LINES = 512
 SEEN_START = "0" * 32
 # A frame: a header (kind, line count, id bytes) then, for kind L (lines), one column of 8-byte numbers per
 # StepRow field, in StepRow's order, then the ids of every line as int64. The ``ids`` column holds each line's
-# id bytes. Kinds: L lines, S make durable and reply, C the same, then close. The layout follows StepRow:
-# a field added there without its code here stops the import.
+# id bytes. Kinds: O open the file (first and once; its body, of the header's third number of bytes, is JSON:
+# the offset to cut the file back to and the rows digest there), L lines, S make durable and reply, C the same,
+# then close. The layout follows StepRow: a field added there without its code here stops the import.
 _HEADER = struct.Struct("<cII")
 _FIELD_CODES = {"update": "q", "charge": "d", "used": "d", "wall": "d", "loss": "d", "ids": "q"}
 _CODES = tuple(_FIELD_CODES[name] for name in StepRow._fields)
@@ -106,6 +114,17 @@ def frame_body_bytes(count: int, id_bytes: int) -> int:
     return len(_CODES) * 8 * count + id_bytes
 
 
+def _body_bytes(kind: bytes, count: int, extra: int) -> int:
+    """The length of the body that follows a frame's header."""
+    return frame_body_bytes(count, extra) if kind == b"L" else extra if kind == b"O" else 0
+
+
+def encode_open(offset: int, seen: str) -> bytes:
+    """The O frame: where the file continues (0 and ``SEEN_START`` for a new run)."""
+    body = json.dumps({"offset": int(offset), "seen": seen}).encode()
+    return _HEADER.pack(b"O", 0, len(body)) + body
+
+
 def format_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: list[bytes]) -> tuple[list[str], str]:
     """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
     sha256 = hashlib.sha256
@@ -126,7 +145,7 @@ class StepsFile:
         self.path = path
         self.seen = seen
         self.cpu_charges = cpu_charges
-        self.handle = open(path, "r+b" if os.path.exists(path) else "w+b")
+        self.handle = open_own_file(path)
         self.handle.truncate(offset)
         self.bytes_digest = hashlib.sha256()
         while block := self.handle.read(CHUNK):
@@ -152,16 +171,42 @@ class StepsFile:
         self.handle.close()
 
 
-class HelperProcess:
-    """The fast path: a helper process writes the frames it reads from a pipe (see the module docstring)."""
+def open_own_file(path: str):
+    """``path`` opened for reading and writing (made when missing), never through a link and only as a regular
+    file with one name: the helper may hold more rights than the training process that names its file
+    (``HelperProcess``), so what lies at the path must be the run's own file, not a link planted there."""
+    not_own = OSError(errno.EINVAL, "a link, a folder or a file with another name too lies there, where the run "
+                                    "writes only a file of its own")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+    except OSError as error:
+        raise (not_own if error.errno in (errno.ELOOP, errno.EISDIR) else error) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise not_own
+    os.set_blocking(fd, True)  # O_NONBLOCK only kept a fifo from holding the open
+    return os.fdopen(fd, "r+b")
 
-    def __init__(self, path: Path, offset: int, seen: str, cpu_charges: bool, inherit_fds: tuple[int, ...]):
+
+class HelperProcess:
+    """The fast path: a helper process writes the frames it reads from a pipe (see the module docstring).
+
+    It starts before the file is opened (the O frame opens it), so that it can start before the training process
+    is confined, which can then start no process (opalctl/sandbox.py), and still cut the file back to where a
+    resume checkpoint, loaded after the confinement, says it continues. The path is fixed when it starts: the
+    training process, where agent code runs by then, cannot point it elsewhere, and the file is opened without
+    following a link (``open_own_file``). ``confine``: the helper confines itself as it starts, writing only
+    beside its file, starting no process and holding no capability."""
+
+    def __init__(self, path: Path, cpu_charges: bool, inherit_fds: tuple[int, ...], confine: bool = False):
         self.path = path
         package_root = str(Path(__file__).resolve().parents[2])  # the helper runs this very copy of opalctl
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        command = [sys.executable, "-m", "opalctl.driver.records", str(path), str(int(offset)), seen,
-                   "cpu" if cpu_charges else "-"]
+        command = [sys.executable, "-m", "opalctl.driver.records", str(path), "cpu" if cpu_charges else "-",
+                   "confine" if confine else "-"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
         try:  # room for a whole flush, so that sending it never waits for the helper
@@ -193,7 +238,10 @@ class HelperProcess:
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            try:
+                self.process.kill()
+            except PermissionError:  # a confined training process cannot signal it (sandbox.py): it is left to
+                return  # end with its input, as it does
             self.process.wait()
 
     def _failed(self) -> None:
@@ -213,33 +261,33 @@ class HelperProcess:
 
 
 class InProcess:
-    """The plain twin of ``HelperProcess``: the same frames, handled here by the same ``StepsFile``."""
+    """The plain twin of ``HelperProcess``: the same frames, handled here by the same ``WritingEnd`` (``confine``
+    is the helper's: here the frames are handled in the process the run itself confines)."""
 
-    def __init__(self, path: Path, offset: int, seen: str, cpu_charges: bool, inherit_fds: tuple[int, ...] = ()):
+    def __init__(self, path: Path, cpu_charges: bool, inherit_fds: tuple[int, ...] = (), confine: bool = False):
         self.path = path
         self.answers: deque[dict[str, Any]] = deque()
-        self.file: StepsFile | None = None
+        self.writing = WritingEnd(str(path), cpu_charges)
         self.ended = False
-        try:
-            self.file = StepsFile(str(path), offset, seen, cpu_charges)
-            self.answers.append(self.file.state())
-        except OSError as error:
-            self.answers.append(_os_error(error, str(path)))
 
     def send(self, data: bytes) -> None:
-        if self.ended or self.file is None:
+        if self.ended:
             raise OpalctlError(f"the writer of the run's steps records {self.path} stopped; resume the run with "
                                f"--resume")
         position = 0
         while position < len(data):
-            kind, count, id_bytes = _HEADER.unpack_from(data, position)
+            kind, count, extra = _HEADER.unpack_from(data, position)
             position += _HEADER.size
+            body = data[position:position + _body_bytes(kind, count, extra)]
+            position += len(body)
             try:
-                answer = _handle(self.file, kind, count, data[position:position + frame_body_bytes(count, id_bytes)])
+                answer = self.writing.handle(kind, count, body)
             except OSError as error:  # as the helper answers it
                 self.end()
+                if kind == b"O":  # the helper replies, and the reply is the sentence
+                    self.answers.append(_os_error(error, str(self.path)))
+                    return
                 raise write_failure(self.path, _os_error(error, str(self.path))) from None
-            position += frame_body_bytes(count, id_bytes) if kind == b"L" else 0
             if answer is not None:
                 self.answers.append(answer)
 
@@ -247,8 +295,8 @@ class InProcess:
         return self.answers.popleft()
 
     def end(self) -> None:
-        if self.file is not None and not self.ended:
-            self.file.handle.close()
+        if not self.ended:
+            self.writing.close()
         self.ended = True
 
 
@@ -264,17 +312,53 @@ def write_failure(path: Path, answer: dict[str, Any]) -> OpalctlError:
             or OpalctlError(f"the run's steps records {path} cannot be written: {answer['error']}"))
 
 
-def _handle(steps: StepsFile, kind: bytes, count: int, body: bytes) -> dict[str, Any] | None:
-    """One frame; the reply it asks for, if any (a C frame also closes the file)."""
-    if kind == b"L":
-        steps.write(count, body)
+class WritingEnd:
+    """What the writing end does with each frame, in the helper or in its twin: the file's path is fixed when it
+    starts, the O frame opens it (once, first), the others write and sync it."""
+
+    def __init__(self, path: str, cpu_charges: bool):
+        self.path = path
+        self.cpu_charges = cpu_charges
+        self.file: StepsFile | None = None
+
+    def handle(self, kind: bytes, count: int, body: bytes) -> dict[str, Any] | None:
+        """One frame; the reply it asks for, if any (a C frame also closes the file). A refused write raises."""
+        if kind == b"O":
+            if self.file is not None:
+                return {"error": "the helper was asked to open the file a second time"}
+            where = _open_request(body)
+            if where is None:
+                return {"error": f"the helper received an open request it cannot read: {body[:100]!r}"}
+            self.file = StepsFile(self.path, where[0], where[1], self.cpu_charges)
+            return self.file.state()
+        if self.file is None:
+            return {"error": f"the helper received {kind!r} before the file was opened"}
+        if kind == b"L":
+            self.file.write(count, body)
+            return None
+        if kind in (b"S", b"C"):
+            answer = self.file.sync()
+            if kind == b"C":
+                self.close()
+            return answer
+        return {"error": f"the helper received an unknown request {kind!r}"}
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _open_request(body: bytes) -> tuple[int, str] | None:
+    """The offset and rows digest of an O frame, or None when they are not a byte offset and a digest."""
+    try:
+        request = json.loads(body)
+        offset, seen = request["offset"], request["seen"]
+    except (ValueError, TypeError, KeyError):
         return None
-    if kind in (b"S", b"C"):
-        answer = steps.sync()
-        if kind == b"C":
-            steps.close()
-        return answer
-    return {"error": f"the helper received an unknown request {kind!r}"}
+    if type(offset) is not int or offset < 0 or not isinstance(seen, str) or len(seen) != len(SEEN_START) \
+            or any(char not in "0123456789abcdef" for char in seen):
+        return None
+    return offset, seen
 
 
 class StepsWriter:
@@ -287,23 +371,52 @@ class StepsWriter:
     back to ``offset``, 0 for a new run). ``seen``, the running digest of rows seen, and ``sha256``, the digest of
     the file's bytes, are as of the last ``finish_sync`` or ``close``. ``in_process`` chooses the plain twin over
     the helper process.
+
+    ``StepsWriter(path, ...)`` starts the writing end and opens the file at once. A run that confines its training
+    process starts it first (``StepsWriter.started``, before the confinement, after which no process can start)
+    and opens the file later (``open``, once a resume checkpoint has said where the file continues).
     """
 
     def __init__(self, path: Path, offset: int = 0, seen: str = SEEN_START, cpu_charges: bool = False,
                  inherit_fds: tuple[int, ...] = (), lines: int = 0, in_process: bool = False):
+        self._start(path, cpu_charges, inherit_fds, in_process, confine=False)
+        self.open(offset, seen, lines)
+
+    @classmethod
+    def started(cls, path: Path, cpu_charges: bool = False, inherit_fds: tuple[int, ...] = (),
+                in_process: bool = False, confine: bool = False) -> StepsWriter:
+        """The writing end started, waiting for ``open`` to name where the file continues; ``confine``: the helper
+        confines itself as it starts (``HelperProcess``)."""
+        writer = cls.__new__(cls)
+        writer._start(path, cpu_charges, inherit_fds, in_process, confine)
+        return writer
+
+    def _start(self, path: Path, cpu_charges: bool, inherit_fds: tuple[int, ...], in_process: bool,
+               confine: bool) -> None:
         self.path = Path(path)
-        self.lines = lines
+        self.lines = 0
+        self.opened = False
         self.cpu_charges = cpu_charges  # the charges are CPU seconds (the cpu clock): each line's "cpu" is its charge
         # updates added since the last flush; the same list for the writer's whole life (emptied, never replaced),
         # so the loop may hold its bound ``append``
         self.pending: list[tuple] = []
-        self.seen = seen
+        self.seen = SEEN_START
         self.sha256 = ""  # the sha256 of the file's bytes, as of the last reply
         self.sums = self._zero()
         self.last_loss = float("nan")
         end = InProcess if in_process else HelperProcess
-        self.channel = end(self.path, offset, seen, cpu_charges, inherit_fds)
-        self._reply()  # the file is open (and, on resume, cut back), or the sentence says why it could not be
+        self.channel = end(self.path, cpu_charges, inherit_fds, confine=confine)
+
+    def open(self, offset: int = 0, seen: str = SEEN_START, lines: int = 0) -> None:
+        """Open the file, cut back to ``offset`` (0 for a new run), its rows digest ``seen`` there and ``lines``
+        lines before it (``locate``'s figures on resume); wait until it is open, or raise the sentence saying why
+        it could not be."""
+        if self.opened:
+            raise RuntimeError(f"the steps records {self.path} are open already")
+        self.lines, self.seen = lines, seen
+        self.channel.send(encode_open(offset, seen))
+        self._reply()
+        self.opened = True
 
     @property
     def process(self) -> subprocess.Popen:
@@ -343,6 +456,8 @@ class StepsWriter:
         pending = self.pending
         if not pending:
             return
+        if not self.opened:
+            raise RuntimeError(f"lines sent before the steps records {self.path} were opened")
         columns = dict(zip(StepRow._fields, zip(*pending)))
         losses = columns["loss"] = read_floats(list(columns["loss"]))
         frame, examples = encode_lines(columns)
@@ -370,6 +485,9 @@ class StepsWriter:
     def close(self) -> None:
         """Send the pending lines, wait until the file is complete on the disk, and end the writing end."""
         if self.channel.ended:
+            return
+        if not self.opened:  # started, never opened: nothing to make durable
+            self.channel.end()
             return
         self.flush()
         self.channel.send(_HEADER.pack(b"C", 0, 0))
@@ -401,30 +519,30 @@ def _read_exactly(stream, size: int) -> bytes | None:
     return b"".join(parts)
 
 
-def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
-    """The helper process: write the lines it is sent, make the file durable and reply when asked."""
+def serve(path: str, cpu_charges: bool, confine: bool = False) -> int:
+    """The helper process: open the file when asked (``WritingEnd``), write the lines it is sent, make the file
+    durable and reply when asked; ``confine``: first confine itself (``confine_helper``)."""
     for number in STOP_SIGNALS:  # they stop the run; the helper then sees its input end
         signal.signal(number, signal.SIG_IGN)
+    if confine:
+        confine_helper(path)
     source, answers = sys.stdin.buffer, sys.stdout.buffer
+    writing = WritingEnd(path, cpu_charges)
 
     def reply(answer: dict) -> None:
         answers.write((json.dumps(answer) + "\n").encode())
         answers.flush()
 
     try:
-        steps = StepsFile(path, offset, seen, cpu_charges)
-        reply(steps.state())
         while True:
             header = _read_exactly(source, _HEADER.size)
             if header is None:
                 return 0  # the run is gone: what is pending is cut by the resume anyway
-            kind, count, id_bytes = _HEADER.unpack(header)
-            body = b""
-            if kind == b"L":
-                body = _read_exactly(source, frame_body_bytes(count, id_bytes))
-                if body is None:
-                    return 0
-            answer = _handle(steps, kind, count, body)
+            kind, count, extra = _HEADER.unpack(header)
+            body = _read_exactly(source, _body_bytes(kind, count, extra))
+            if body is None:
+                return 0
+            answer = writing.handle(kind, count, body)
             if answer is not None:
                 reply(answer)
                 if "error" in answer:
@@ -434,6 +552,15 @@ def serve(path: str, offset: int, seen: str, cpu_charges: bool) -> int:
     except OSError as error:
         reply(_os_error(error, path))
         return 1
+
+
+def confine_helper(path: str) -> dict:
+    """The helper's own confinement, as it starts (before it reads a frame): it writes only in its file's folder,
+    reads what a training process reads, reaches no network, starts no process and holds no capability."""
+    from opalctl.sandbox import Bounds, confine_process, training_paths
+
+    return confine_process(writable=[Path(path).parent], readable=training_paths(), deny_network=True,
+                           bounds=Bounds(no_processes=True, drop_capabilities=True)).to_json()
 
 
 def _members(data: bytes) -> Iterator[tuple[bytes, int]]:
@@ -500,4 +627,4 @@ def locate(path: Path, lines: int) -> StepsEnd:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "cpu"))
+    sys.exit(serve(sys.argv[1], sys.argv[2] == "cpu", sys.argv[3] == "confine"))

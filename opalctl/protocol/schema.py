@@ -137,8 +137,36 @@ class Selection(Strict):
         return out
 
 
+MEMORY_FLOOR_BYTES = 512 << 20  # limits.memory_bytes at the least
+
+
 class Limits(Strict):
-    checkpoint_bytes: Annotated[int, Field(ge=1024)] = 2 << 30
+    """``limits``: what a run may load, and what the confined training process of an agent arm may use
+    (opalctl/sandbox.py, opalctl/training_folder.py). ``auto`` is a rule, evaluated when a run starts; the value it
+    gave is recorded in the run's ``confinement.bounds``."""
+
+    checkpoint_bytes: Annotated[int, Field(ge=1024)] = 2 << 30  # also one file's bound (at least 1 GiB)
+    # RLIMIT_DATA; auto: three quarters of the machine's (or its cgroup's) memory, shared by the ranks
+    memory_bytes: int | Literal["auto"] = "auto"
+    # checked by the evaluator at every stage; auto: a checkpoint per stage, the resume checkpoint and one being
+    # written, each within checkpoint_bytes, and 1 GiB for the steps and the agent optimizer's records
+    training_folder_bytes: int | Literal["auto"] = "auto"
+
+    @field_validator("memory_bytes", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> Any:
+        return _bytes_or_auto(value, MEMORY_FLOOR_BYTES, "512 MiB: torch alone takes some 220 MB")
+
+    @field_validator("training_folder_bytes", mode="before")
+    @classmethod
+    def _folder(cls, value: Any) -> Any:
+        return _bytes_or_auto(value, 1 << 20, "1 MiB")
+
+
+def _bytes_or_auto(value: Any, floor: int, floor_text: str) -> Any:
+    if value == "auto" or (type(value) is int and value >= floor):
+        return value
+    raise ValueError(f"give a number of bytes, at least {floor} ({floor_text}), or auto (got {value!r})")
 
 
 class Protocol(Strict):

@@ -50,20 +50,31 @@ def write_rows(writer: StepsWriter, rows) -> list:
     return seen + [(sums, writer.seen, writer.lines, writer.last_loss)]
 
 
+def writer_of(path: Path, cpu_charges: bool, in_process: bool, started_first: bool, **where) -> StepsWriter:
+    """A writer opened at once, or started first and opened afterwards, as a confined run does."""
+    if not started_first:
+        return StepsWriter(path, cpu_charges=cpu_charges, in_process=in_process, **where)
+    writer = StepsWriter.started(path, cpu_charges=cpu_charges, in_process=in_process)
+    writer.open(**where)
+    return writer
+
+
+@pytest.mark.parametrize("started_first", [False, True], ids=["opened-at-once", "started-first"])
 @pytest.mark.parametrize("cpu_charges", [False, True])
-def test_the_steps_helper_and_the_in_process_writer_write_the_same_bytes_digests_and_sums(tmp_path, cpu_charges):
+def test_the_steps_helper_and_the_in_process_writer_write_the_same_bytes_digests_and_sums(tmp_path, cpu_charges,
+                                                                                          started_first):
     weight = torch.tensor(0.5)
     rows = [(update, 0.25 * update, 0.5 * update, 0.001 * update,
              float("nan") if update == 3 else (weight * update).detach() if update % 2 else 0.1 * update,
              np.arange(update, update + 5, dtype=np.int64)) for update in range(1, 12)]
     fast, plain = tmp_path / "fast.jsonl.gz", tmp_path / "plain.jsonl.gz"
-    fast_figures = write_rows(StepsWriter(fast, cpu_charges=cpu_charges), rows)
-    plain_figures = write_rows(StepsWriter(plain, cpu_charges=cpu_charges, in_process=True), rows)
+    fast_figures = write_rows(writer_of(fast, cpu_charges, False, started_first), rows)
+    plain_figures = write_rows(writer_of(plain, cpu_charges, True, started_first), rows)
     assert fast.read_bytes() == plain.read_bytes()
     assert repr(fast_figures) == repr(plain_figures)  # repr: the nan loss compares equal to itself
     # and the twin resumes like the helper: the file cut back to a line count, the digest continued
     offset, seen, _ = locate(plain, 6)
-    resumed = StepsWriter(plain, offset=offset, seen=seen, lines=6, cpu_charges=cpu_charges, in_process=True)
+    resumed = writer_of(plain, cpu_charges, True, started_first, offset=offset, seen=seen, lines=6)
     for row in rows[6:]:
         resumed.add(*row)
     resumed.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 
 import numpy as np
 import pytest
@@ -170,3 +171,81 @@ def test_a_closed_writer_refuses_more_lines_in_one_sentence_and_closes_twice_qui
     with pytest.raises(OpalctlError, match="stopped"):
         writer.flush()
     assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the writing end started first, the file opened later (a confined run starts it before the confinement)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+def test_a_writer_started_first_writes_nothing_until_told_where_the_file_continues(tmp_path, in_process):
+    path = tmp_path / "steps.jsonl.gz"
+    whole = StepsWriter(path)
+    for update in range(1, 6):
+        whole.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
+        if update == 3:
+            whole.begin_sync()
+            whole.finish_sync()
+    whole.close()
+    reference = path.read_bytes()
+    offset, seen, _ = locate(path, 3)
+    path.write_bytes(reference + b"lines a crash left past the checkpoint")
+    started = StepsWriter.started(path, in_process=in_process)
+    assert path.read_bytes().endswith(b"a crash left past the checkpoint")  # not cut back before it is opened
+    started.open(offset, seen, lines=3)
+    for update in range(4, 6):
+        started.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update))
+    started.close()
+    assert path.read_bytes() == reference and started.lines == 5 and started.seen == whole.seen
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+@pytest.mark.parametrize("planted", ["link", "second name", "folder"])
+def test_what_is_planted_at_the_steps_path_before_it_is_opened_is_refused_and_left_untouched(tmp_path, in_process,
+                                                                                          planted):
+    path, victim = tmp_path / "training" / "steps.jsonl.gz", tmp_path / "victim.txt"
+    path.parent.mkdir()
+    victim.write_bytes(b"a file outside the training folder")
+    writer = StepsWriter.started(path, in_process=in_process)
+    if planted == "link":  # what agent code could do between the start and the open
+        path.symlink_to(victim)
+    elif planted == "second name":
+        os.link(victim, path)
+    else:
+        path.mkdir()
+    with pytest.raises(OpalctlError, match=r"^the run's steps records .*steps.jsonl.gz cannot be written: a link, "
+                                           r"a folder or a file with another name too lies there, where the run "
+                                           r"writes only a file of its own"):
+        writer.open()
+    writer.abandon()
+    assert victim.read_bytes() == b"a file outside the training folder"
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+def test_the_file_is_opened_once_and_no_line_is_sent_before(tmp_path, in_process):
+    from opalctl.driver.records import encode_open
+
+    writer = StepsWriter.started(tmp_path / "steps.jsonl.gz", in_process=in_process)
+    writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(2))
+    with pytest.raises(RuntimeError, match="lines sent before the steps records .* were opened"):
+        writer.flush()
+    writer.pending.clear()
+    writer.open()
+    with pytest.raises(RuntimeError, match="are open already"):
+        writer.open()
+    writer.add(1, 1.0, 1.0, 0.1, 0.5, np.arange(2))
+    writer.begin_sync()
+    writer.finish_sync()
+    writer.channel.send(encode_open(0, SEEN_START))  # as code in the training process could send it
+    with pytest.raises(OpalctlError, match="asked to open the file a second time"):
+        writer._reply()
+    assert [line["update"] for line in read_steps(tmp_path / "steps.jsonl.gz")] == [1]  # not cut back
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+def test_a_writer_closed_before_it_was_opened_ends_quietly_and_writes_nothing(tmp_path, in_process):
+    writer = StepsWriter.started(tmp_path / "steps.jsonl.gz", in_process=in_process)
+    writer.close()
+    assert writer.channel.ended and not (tmp_path / "steps.jsonl.gz").exists()
+    if not in_process:
+        assert writer.process.returncode == 0

@@ -46,6 +46,13 @@ def test_the_digits_template_is_valid(tmp_path):
     assert protocol.parent_for(2) == "parents/digits/seed-2.pt"
     assert protocol.arms["adamw"].schedule == "constant"  # a default, resolved by the schema
     assert protocol.training.checkpoint_every == 0.1
+    assert (protocol.limits.memory_bytes, protocol.limits.training_folder_bytes) == ("auto", "auto")
+
+
+def test_the_bounds_of_the_training_process_take_a_number_of_bytes_or_auto(tmp_path):
+    text = edited("arms:\n", "limits: {memory_bytes: 8589934592, training_folder_bytes: auto}\narms:\n")
+    limits = load_protocol(write(tmp_path, text)).limits
+    assert (limits.memory_bytes, limits.training_folder_bytes) == (8 << 30, "auto")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -145,6 +152,12 @@ def test_a_misspelt_key_is_named_before_the_missing_one(tmp_path):
     ("floors: {retention.correct: 4}", "floors: {retention.accuracy: 4}", "reports no metric 'accuracy'"),
     ("floors: {retention.correct: 4}", "floors: {retention.correct: -1}", "selection.floors.retention.correct"),
     ("arms:\n", "limits: {checkpoint_bytes: 10}\narms:\n", "limits.checkpoint_bytes"),
+    ("arms:\n", "limits: {memory_bytes: 1000}\narms:\n",
+     "limits.memory_bytes: give a number of bytes, at least 536870912 (512 MiB: torch alone takes some 220 MB), or "
+     "auto (got 1000)"),
+    ("arms:\n", "limits: {memory_bytes: lots}\narms:\n", "limits.memory_bytes: give a number of bytes"),
+    ("arms:\n", "limits: {training_folder_bytes: 1.5e9}\narms:\n",
+     "limits.training_folder_bytes: give a number of bytes, at least 1048576 (1 MiB), or auto (got 1500000000.0)"),
     ("arms:\n  adamw:", "arms: {}\nunused:\n  adamw:", "unknown key"),
 ])
 def test_refused(tmp_path, old, new, expected):
