@@ -290,9 +290,23 @@ class Evaluator:
         self.stages.extend(records)
         return records
 
+    def check_training_folder(self) -> None:
+        """An agent arm's ``training/`` within ``limits.training_folder_bytes``, measured from here (the training
+        process's own count could say anything); past it the run ends in the sentence, and a resume clears what the
+        run never writes (opalctl/training_folder.py)."""
+        from opalctl.training_folder import training_folder_bytes, training_folder_excess
+
+        if self.arm.agent is None:
+            return
+        limit, _ = training_folder_bytes(self.protocol.limits, len(self.judge.fractions))
+        excess = training_folder_excess(self.layout, limit)
+        if excess is not None:
+            raise OpalctlError(excess)
+
     def stage(self, saved: list[dict[str, Any]], facts: StageFacts) -> dict[str, Any]:
         from opalctl.files import atomic_write_json
 
+        self.check_training_folder()
         records = self._judge([self._saved(entry) for entry in saved], facts)
         self.machine.sample()
         for record in records:
@@ -337,6 +351,7 @@ class Evaluator:
         from opalctl import checkpoints
         from opalctl.driver.closing import RunOutcome, close_run
 
+        self.check_training_folder()
         if len(self.stages) != len(self.judge.fractions):
             raise RecordDamaged(f"the training process of {self.run_dir} closed the run after {len(self.stages)} of "
                                 f"{len(self.judge.fractions)} stages; move the run folder aside and start the run "

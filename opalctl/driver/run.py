@@ -544,7 +544,7 @@ class FormalRun:
             carried, steps = self._open_records(evaluator, parts, agent, meter, ledger, resuming, lock_handle)
         else:
             if agent is not None and self.confine:  # every rank's training process runs the agent's programs
-                confine_training(layout)
+                confine_training(layout, protocol)
             carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
                 if resuming else Carried()
             steps = FollowerSteps()
@@ -565,31 +565,47 @@ class FormalRun:
 
     def _open_records(self, evaluator: EvaluatorProcess, parts, agent, meter, ledger: Ledger, resuming: bool,
                       lock_handle) -> tuple[Carried, StepsWriter]:
-        """Rank 0's start of the records: a new run's ``initial.pt`` (before the confinement: it lies beside the
-        records), the confinement, the start the evaluator records, a resume's checks and carried stages, and the
-        steps writer. Everything sent to the evaluator here is sent before any agent program can have run."""
+        """Rank 0's start of the records: a resume's strays cleared, a new run's ``initial.pt`` (before the
+        confinement: it lies beside the records), the steps helper (started before the confinement too: after it
+        this process starts no process), the confinement, the start the evaluator records, a resume's checks and
+        carried stages, and the steps file opened where the run left it. Everything sent to the evaluator here is
+        sent before any agent program can have run."""
+        from opalctl.training_folder import clear_strays
+
         protocol, layout = self.protocol, self.layout
+        confining = agent is not None and self.confine
+        if resuming:  # under the folder's lock, before anything of this session opens a file there
+            removed = clear_strays(layout)
+            if removed:
+                self.say(f"removed {len(removed)} file(s) from {layout.training} that the run never writes "
+                         f"({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''})")
         initial = None if resuming else write_initial(layout, parts)
-        confinement = confine_training(layout) if agent is not None and self.confine else None
-        evaluator.answer()  # the anchor is evaluated, or its record checked
-        evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
-                                      "inherited": None if resuming else parts.built.inherited,
-                                      "initialised": None if resuming else parts.built.initialised,
-                                      "host": platform.node()})
-        if resuming:
-            evaluator.advice = "resume the run with --resume"
-            carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
-            check_steps(layout.steps, locate(layout.steps, carried.steps_lines), carried, layout.resume)
-            evaluator.ask(Message.CARRIED, {"stages": carried.stages, "update": meter.updates})
-            self.say(f"resuming {layout.root} at update {meter.updates}")
-        else:
-            carried = Carried()
-        steps_offset, seen, _ = locate(layout.steps, carried.steps_lines)  # a new run: offset 0, the file starts over
         # A steps line carries a CPU figure only when the clock charges CPU seconds (see ledger.py for the CPU
         # figure under the other clocks). The steps helper holds the folder's lock too, so no resume cuts the file
         # back while it still writes.
-        steps = StepsWriter(layout.steps, offset=steps_offset, seen=seen, lines=carried.steps_lines,
-                            cpu_charges=ledger.cpu_charges, inherit_fds=(lock_handle.fileno(),))
+        steps = StepsWriter.started(layout.steps, cpu_charges=ledger.cpu_charges,
+                                    inherit_fds=(lock_handle.fileno(),), confine=confining)
+        try:
+            release_secrets()  # the agent host has taken them, if there is one: nothing of them stays here
+            confinement = confine_training(layout, protocol) if confining else None
+            evaluator.answer()  # the anchor is evaluated, or its record checked
+            evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
+                                          "inherited": None if resuming else parts.built.inherited,
+                                          "initialised": None if resuming else parts.built.initialised,
+                                          "host": platform.node()})
+            if resuming:
+                evaluator.advice = "resume the run with --resume"
+                carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
+                check_steps(layout.steps, locate(layout.steps, carried.steps_lines), carried, layout.resume)
+                evaluator.ask(Message.CARRIED, {"stages": carried.stages, "update": meter.updates})
+                self.say(f"resuming {layout.root} at update {meter.updates}")
+            else:
+                carried = Carried()
+            steps_offset, seen, _ = locate(layout.steps, carried.steps_lines)  # new: offset 0, the file starts over
+            steps.open(steps_offset, seen, carried.steps_lines)
+        except BaseException:
+            steps.abandon()
+            raise
         return carried, steps
 
     def _build(self):
@@ -616,15 +632,28 @@ class FormalRun:
         return parts, agent, meter, clock
 
 
-def confine_training(layout: RunLayout) -> dict[str, Any] | None:
+def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
     """The operating system's confinement of an agent arm's training process (``opalctl.sandbox``): no network,
     no writes but to its own folder of the run (``training/``: never the records of results, which lie beside
-    it), no reads of the evaluation splits. Not the temporary folder: writable means readable, and a project's
-    data may well lie beneath it."""
-    from opalctl.sandbox import confine_process, training_paths
+    it), no reads of the evaluation splits, no new process, and bounds on its memory and on any one file it
+    writes (the protocol's ``limits``). Not the temporary folder: writable means readable, and a project's data
+    may well lie beneath it."""
+    from opalctl.sandbox import confine_process, training_bounds, training_paths
 
-    confinement = confine_process(writable=[layout.training], readable=training_paths(), deny_network=True)
+    bounds = training_bounds(protocol.limits, stages=len(protocol.budget.fractions), ranks=protocol.training.ranks)
+    confinement = confine_process(writable=[layout.training], readable=training_paths(), deny_network=True,
+                                  bounds=bounds)
     return confinement.to_json()
+
+
+def release_secrets() -> None:
+    """Close this process's end of the secrets an ``opalctl run`` process was started again without (the agent
+    host read them, if there is one; opal/agents/host.py)."""
+    try:
+        from opalctl.opal.agents.host import release_secrets as release
+    except ImportError:  # the agent host of this opalctl holds no secrets for the training process to release
+        return
+    release()
 
 
 class StopSignals:
@@ -674,6 +703,11 @@ def told(error: BaseException, received: int | None, command: RunCommand,
     verb, line = command.next_step(layout) if layout is not None else ("start it again", command.line())
     if received is not None:
         return Interrupted(received, line, what=verb)
+    from opalctl.sandbox import bound_refusal
+
+    refusal = bound_refusal(error, f"{verb} with: {line}")
+    if refusal is not None:
+        return refusal
     gone = lost_rank(error) if command.ranks > 1 else None
     if gone is not None:
         return OpalctlError(f"another rank of this torchrun run stopped ({gone}); {verb} with: {line}")
