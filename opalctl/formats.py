@@ -283,6 +283,11 @@ class AgentFigures(_Record):
     versions: int
     eval_integrity: dict[str, Any] | None  # flagged, information, tensors; None when the check is off
     format: int = FORMAT_VERSION
+    # the seconds agent code ran in the training process, {"inside_updates": {"cpu", "wall"}, "outside_updates":
+    # {"cpu", "wall"}}: inside the timed updates (its steps and analysis) and outside them (loading and building
+    # programs at decisions, state_dict() at checkpoints, load_state_dict() at resumes; the formal run charges the
+    # outside seconds to the budget); None: a record written before they were measured
+    agent_code_seconds: dict[str, dict[str, float]] | None = None
 
 
 @dataclass

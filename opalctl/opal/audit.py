@@ -39,9 +39,15 @@ from typing import Any
 
 import torch
 
+from opalctl.opal.guard import failure_message
+from opalctl.opal.plain import type_name
+
 OPERATOR_SCOPE = 0  # RecordScope::FUNCTION: calls recorded by the dispatcher
 TOP = 10
 SYNC_WARNING = "called a synchronizing CUDA operation"
+BUILTIN_WARNINGS = (UserWarning, DeprecationWarning, PendingDeprecationWarning, SyntaxWarning, RuntimeWarning,
+                    FutureWarning, ImportWarning, UnicodeWarning, BytesWarning, ResourceWarning, EncodingWarning,
+                    Warning)
 MARK = "opal.audit.step"  # a record_function scope around fn (a user scope: not an operator)
 SYNC_RUNTIME_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
                                 "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol",
@@ -158,14 +164,20 @@ def _run_marked(fn: Callable[[], Any], cuda: bool) -> tuple[list[warnings.Warnin
 
 
 def _sync_warnings(caught: list[warnings.WarningMessage]) -> int:
-    """How many of the warnings were CUDA's sync warnings; the others are warned again (not ours to swallow)."""
+    """How many of the warnings were CUDA's sync warnings; the others are warned again (not ours to swallow). The
+    program's step made them, and a warning of its own could run its code when shown: each is read as text without
+    calling it (``failure_message``) and warned again as that text, under its category when that is a built-in one."""
     count = 0
     for message in caught:
-        if SYNC_WARNING in str(message.message):
+        warning = message.message
+        text = failure_message(warning) if issubclass(type(warning), BaseException) else ""
+        if SYNC_WARNING in text:
             count += 1
         else:
-            warnings.warn_explicit(message.message, message.category, message.filename, message.lineno,
-                                   source=message.source)
+            category = next((known for known in BUILTIN_WARNINGS if message.category is known), UserWarning)
+            filename = message.filename if type(message.filename) is str else "<unknown>"
+            lineno = message.lineno if type(message.lineno) is int else 0
+            warnings.warn_explicit(text or type_name(warning), category, filename, lineno)
     return count
 
 

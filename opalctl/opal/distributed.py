@@ -193,6 +193,10 @@ class DistributedAgent:
     def figures(self) -> dict[str, Any]:
         return self.agent.figures()
 
+    def take_outside_charge(self) -> tuple[float, float]:
+        """This rank's ``AgentOptimizer.take_outside_charge``."""
+        return self.agent.take_outside_charge()
+
     def state_dict(self) -> dict[str, Any]:
         return self.agent.state_dict()
 
@@ -247,12 +251,16 @@ class DistributedAgent:
             for parameter in agent.named.values():
                 self.link.tensor_from_root(parameter.data)
         optimizer, scheduler = agent.spec.optimizer, agent.spec.scheduler
-        states = self.link.object_from_root(
-            _cpu({"optimizer": optimizer.state_dict(),
-                  "scheduler": scheduler.state_dict() if scheduler is not None else None})
-            if self.rank == 0 else None)
+        sent = None
+        if self.rank == 0:
+            # only plain data crosses (pickling an object a program left in the user's optimizer would run its
+            # code); what is left out of it is left out of rank 0's own optimizer too, so the ranks stay equal
+            base, scheduler_state, _ = agent.user_state.checked(agent.current)
+            sent = _cpu({"optimizer": base, "scheduler": scheduler_state})
+        states = self.link.object_from_root(sent)
         if self.rank != 0:
-            optimizer.load_state_dict(states["optimizer"])
+            if states["optimizer"] is not None:
+                optimizer.load_state_dict(states["optimizer"])
             if scheduler is not None and states["scheduler"] is not None:
                 scheduler.load_state_dict(states["scheduler"])
 

@@ -18,6 +18,16 @@ records, see ``hangs.py``), prints one sentence and ends the process with ``EXIT
 Around each call, torch's global state (grad mode, the number of threads, the default dtype, the global random
 generator) is taken and put back (``TorchState``); what a program changed is kept in ``StepGuard.changes`` for
 the optimizer to record.
+
+A failure is written without running the program's code: ``failure_text``, ``failure_message`` and ``trace_of``
+read the exception's class, arguments and frames directly (``str(error)`` would call a ``__str__`` the program may
+define, and the standard traceback formatter may ask its module for source lines), and ``method_call`` reads a
+method of a program's object inside the guarded call.
+
+Every call of agent code is timed (``AgentCodeTime``: wall and CPU seconds, inside the optimizer's step or
+outside it; version 0, the user's optimizer or the programs given to ``wrap``, is not agent code and is not
+timed): the formal run charges what ran outside timed updates to its budget (``take_outside``), and the totals are
+in the agent figures.
 """
 
 from __future__ import annotations
@@ -27,13 +37,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from opalctl.errors import EXIT_PROGRAM_HUNG
+from opalctl.opal.plain import plain_problem, type_name
 
 HANG_GRACE = 1.0  # seconds past the alarm (at least; the limit itself when longer) before a call counts as hung
 
@@ -95,9 +105,59 @@ def contained(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | 
     return value, None
 
 
+_ARGS = BaseException.__dict__["args"]  # the exception's arguments, read without its class's code
+_TRACEBACK = BaseException.__dict__["__traceback__"]
+
+
+def failure_message(error: BaseException) -> str:
+    """What ``str(error)`` gives for an ordinary exception, without calling any code of the exception: its
+    arguments when they are plain data (a string, say), else only their types. ``str(error)`` would call the
+    class's ``__str__`` (or an argument's), which a program can define to loop forever or to return a string
+    subclass of its own."""
+    args = _ARGS.__get__(error)
+    if type(args) is not tuple or not args:
+        return ""
+    keyed = issubclass(type(error), KeyError)  # str(KeyError(x)) is repr(x)
+    if len(args) == 1 and type(args[0]) is str and not keyed:
+        return args[0]
+    if plain_problem(args, tensors="none") is not None:
+        kinds = ", ".join(type_name(arg) for arg in args[:3])
+        return f"(its arguments, of types {kinds}, are not shown)"
+    if len(args) > 1:
+        return repr(args)
+    return repr(args[0]) if keyed else str(args[0])
+
+
+def failure_text(error: BaseException) -> str:
+    """``Name: message`` of a failure, as ``f"{type(error).__name__}: {error}"`` reads for an ordinary exception,
+    calling no code of the exception (``failure_message``)."""
+    message = failure_message(error)
+    return f"{type_name(error)}: {message}" if message else type_name(error)
+
+
+def method_call(obj: Any, method: str, *args: Any) -> Any:
+    """``obj.method(*args)``, for a guarded call: the attribute is read inside it too (an object of a program's may
+    define ``__getattr__``)."""
+    return getattr(obj, method)(*args)
+
+
+def _text(value: Any) -> str:
+    return value if type(value) is str else str(value) if type(value) is int else f"<{type_name(value)}>"
+
+
 def trace_of(error: BaseException, limit: int) -> str:
-    """The last ``-limit`` frames of ``error``'s traceback, as ``traceback.format_exc`` would print them."""
-    return "".join(traceback.format_exception(error, limit=limit))
+    """The last ``-limit`` frames of ``error``'s traceback (file, line and function of each, without the source
+    line) and ``failure_text``, in the layout ``traceback.format_exception`` prints. Built from the frames' code
+    objects only: the standard formatter calls ``str(error)`` and may ask a program's module for its source."""
+    frames = []
+    tb = _TRACEBACK.__get__(error)
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append(f'  File "{_text(code.co_filename)}", line {_text(tb.tb_lineno)}, in {_text(code.co_name)}\n')
+        tb = tb.tb_next
+    frames = frames[limit:] if limit < 0 else frames[:limit]
+    head = "Traceback (most recent call last):\n" if frames else ""
+    return head + "".join(frames) + failure_text(error) + "\n"
 
 
 RNG_COMPARED_EVERY = 64  # after the first ones, every 64th call compares the generator's state (see TorchState)
@@ -189,12 +249,70 @@ class Watchdog:
                 guard.hung(current[1], current[2])
 
 
+def is_agent_code(version: Any) -> bool:
+    """Whether ``version``'s calls are agent code: every version but 0, which is the user's own optimizer (the
+    released starting program) or the programs the caller handed to ``wrap``, never the agent's."""
+    return version is not None and version.number != 0
+
+
+class AgentCodeTime:
+    """The seconds agent code ran in this process, wall and CPU (``time.process_time``, which counts every thread of
+    the process), split by where: inside a timed update (the optimizer's ``step``, which a formal run times with the
+    update: a program's step and its analysis) or outside one (a decision's top levels and ``build()``, a
+    checkpoint's ``state_dict()``, a resume's top levels and ``load_state_dict()``). What ran outside since the last
+    ``take_outside`` is kept apart, for the formal run to charge to its budget: work a program does outside the
+    timed updates (training its model in ``build()``, say) is never free."""
+
+    __slots__ = ("inside_cpu", "inside_wall", "outside_cpu", "outside_wall", "untaken_cpu", "untaken_wall")
+
+    def __init__(self) -> None:
+        self.inside_cpu = self.inside_wall = self.outside_cpu = self.outside_wall = 0.0
+        self.untaken_cpu = self.untaken_wall = 0.0
+
+    def add(self, inside: bool, cpu: float, wall: float) -> None:
+        if inside:
+            self.inside_cpu += cpu
+            self.inside_wall += wall
+        else:
+            self.outside_cpu += cpu
+            self.outside_wall += wall
+            self.untaken_cpu += cpu
+            self.untaken_wall += wall
+
+    def take_outside(self) -> tuple[float, float]:
+        """``(cpu seconds, wall seconds)`` of agent code run outside timed updates since the last take."""
+        taken = (self.untaken_cpu, self.untaken_wall)
+        self.untaken_cpu = self.untaken_wall = 0.0
+        return taken
+
+    def figures(self) -> dict[str, dict[str, float]]:
+        """The totals, as ``AgentFigures.agent_code_seconds`` holds them."""
+        return {"inside_updates": {"cpu": self.inside_cpu, "wall": self.inside_wall},
+                "outside_updates": {"cpu": self.outside_cpu, "wall": self.outside_wall}}
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        return self.figures()
+
+    def load_state_dict(self, state: dict[str, dict[str, float]] | None) -> None:
+        """Add the totals of the sessions before this one (None: a state saved before they were carried). What
+        this session ran before the load (the programs installed again at a resume) stays counted, and untaken."""
+        if state is None:
+            return
+        inside, outside = state["inside_updates"], state["outside_updates"]
+        self.inside_cpu += float(inside["cpu"])
+        self.inside_wall += float(inside["wall"])
+        self.outside_cpu += float(outside["cpu"])
+        self.outside_wall += float(outside["wall"])
+
+
 class StepGuard:
     """One optimizer's program calls under their time limit, and the checks of its parameters after a step. The
     alarm is ``active`` when it could be set (only from the main thread, and only when the program has no
     SIGALRM handler of its own); otherwise a step over its limit is still caught, after it returns
     (``enforce``), and a call that never returns still ends the process. ``version`` is the version whose step
-    ``run`` runs (set by the caller); ``on_hang(version, call, limit)`` writes the records of a hang."""
+    ``run`` runs (set by the caller); ``on_hang(version, call, limit)`` writes the records of a hang. Every call
+    of agent code is timed into ``time`` (``AgentCodeTime``), inside an update while ``in_update`` is set (by the
+    optimizer, while its ``step`` runs)."""
 
     def __init__(self, limit: float, named: dict[str, Any], on_hang: Callable[[Any, str, float], str] | None = None):
         self.limit = limit
@@ -204,6 +322,8 @@ class StepGuard:
         self.version: Any = None
         self.steps = 0  # steps run under this guard (the global generator is compared on some, see TorchState)
         self.changes: list[tuple[Any, str, list[str]]] = []  # (version, call, what it changed), for the records
+        self.time = AgentCodeTime()
+        self.in_update = False
         self._watchdog = Watchdog.shared()
         self.active = self._install()
         if self.limit:
@@ -228,8 +348,11 @@ class StepGuard:
     def run(self, fn: Callable[..., Any], *args: Any) -> float:
         """A step, ``fn(*args)``, under the time limit, torch's global state put back after it; returns its
         duration in seconds (arming is a few attribute writes: the watchdog thread does the timing)."""
+        version = self.version
+        charged = is_agent_code(version)
         started = time.perf_counter()
-        self._arm(self.version, "step()")
+        cpu = time.process_time() if charged else 0.0
+        self._arm(version, "step()")
         steps = self.steps = self.steps + 1
         saved = TorchState(compare_rng=steps < RNG_COMPARED_EVERY or steps % RNG_COMPARED_EVERY == 0)
         try:
@@ -238,12 +361,20 @@ class StepGuard:
             self._watchdog.armed = False
             changed = saved.put_back()
             if changed:
-                self.changes.append((self.version, "step()", changed))
-        return time.perf_counter() - started
+                self.changes.append((version, "step()", changed))
+            elapsed = time.perf_counter() - started
+            if charged:
+                self.time.add(self.in_update, time.process_time() - cpu, elapsed)
+        return elapsed
 
-    def call(self, version: Any, call: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    def call(self, version: Any, call: str, fn: Callable[..., Any], *args: Any,
+             charged: bool = True) -> tuple[Any, BaseException | None]:
         """Any other program call (``call`` names it: "build()", "analyze()", ...) under the same limit, through
-        ``contained``: ``(its value, None)`` or ``(None, its failure)``."""
+        ``contained``: ``(its value, None)`` or ``(None, its failure)``. ``charged=False``: a call of the user's
+        own code made on ``version``'s behalf (its hang is still ``version``'s), not timed as agent code."""
+        charged = charged and is_agent_code(version)
+        started = time.perf_counter()
+        cpu = time.process_time() if charged else 0.0
         saved = TorchState()
         self._arm(version, call)
         try:
@@ -255,7 +386,10 @@ class StepGuard:
             changed = saved.put_back()
             if changed:
                 self.changes.append((version, call, changed))
-        if error is None and self.limit and time.perf_counter() - self._watchdog.started > self.limit:
+        elapsed = time.perf_counter() - started
+        if charged:
+            self.time.add(self.in_update, time.process_time() - cpu, elapsed)
+        if error is None and self.limit and elapsed > self.limit:
             error = StepTimeout(f"{call} ran past its time limit of {self.limit:g} s")
         return value, error
 
@@ -265,7 +399,7 @@ class StepGuard:
         try:
             sentence = self.on_hang(version, call, self.limit) if self.on_hang is not None else None
         except BaseException as error:  # noqa: B036 - the process ends whatever the records did
-            sentence = f"(its records could not be written: {type(error).__name__}: {error})"
+            sentence = f"(its records could not be written: {failure_text(error)})"
         number = getattr(version, "number", None)
         label = f"v{number:03d}" if isinstance(number, int) else "the starting program"
         sys.stderr.write(f"opal: the agent's program {label} hung in {call}: it ran past its time limit of "

@@ -2,7 +2,10 @@
 the state a bad program is rolled back to, and the evaluation-integrity watch.
 
 Losses are kept as device tensors and read once per analysis interval, never once per update; ``analysis.py``
-runs on that interval, after the step, and may wake the agent.
+runs on that interval, after the step, and may wake the agent. Everything handed to it and read of its result
+happens inside its guarded call; its report (and wake-up reason) must be plain data when it is made, and its
+memory when a checkpoint saves it (``plain.py``, checked without calling any of their objects): anything else is
+the running version's failure, and the optimizer reverts it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from typing import Any
 import torch
 
 from opalctl.formats import Event
-from opalctl.opal.guard import trace_of
+from opalctl.opal.guard import failure_message, failure_text, trace_of
 from opalctl.opal.messages import rebin
+from opalctl.opal.plain import NotPlainData, json_text, plain_problem, type_name
 from opalctl.opal.slots import Snapshot, Version
 from opalctl.scalars import read_floats
 
@@ -61,7 +65,7 @@ class UnobservedUpdates:
         warnings.warn(NoLossWarning(
             "opalctl: step() ran without a loss, so the agent is told that no loss was observed; pass "
             "step(loss=...) or call observe(loss) before step() (under transformers.Trainer use "
-            "opalctl.integrations.hf.OpalTrainer)"), stacklevel=5)  # the caller of step() (a full step's depth)
+            "opalctl.integrations.hf.OpalTrainer)"), stacklevel=6)  # the caller of step() (a full step's depth)
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count, "warned": self.warned}
@@ -172,60 +176,71 @@ class Observer:
         return self.good is None or t - self.good.update >= GOOD_EVERY * every
 
     def analyse(self, t: int, version: Version, *, progress: float, losses: list[float], params, before, grads,
-                optimizer_state, lrs: list[float]) -> str | None:
-        """Run ``version``'s analysis after update ``t``; keep its report; returns why it wakes the agent (None
-        when it does not). A failure is an error shown to the agent, and an ``analysis_failed`` event."""
-        obs = {"update": t, "progress": progress, "losses": losses, "params": dict(params), "before": before,
-               "grads": dict(grads.items()), "state": {name: optimizer_state.get(p, {}) for name, p in params.items()},
-               "roles": self.roles, "lrs": lrs}
+                optimizer, groups) -> tuple[str | None, str | None]:
+        """Run ``version``'s analysis after update ``t``; keep its report. Returns why it wakes the agent (None when
+        it does not) and, when its report or wake-up reason is not plain data, why (the optimizer then reverts the
+        version). Another failure is an error shown to the agent, and an ``analysis_failed`` event."""
+        seen = (t, progress, losses, params, before, grads, optimizer, groups)
         started = time.perf_counter()
-        result, error = self.guard.call(version, "analyze()", self._analyze, version, obs)
+        result, error = self.guard.call(version, "analyze()", self._analyze, version, seen)
         self.analysis_seconds.append(time.perf_counter() - started)
         del self.analysis_seconds[:-ANALYSIS_SECONDS_KEPT]
         if error is not None:
-            message = f"{type(error).__name__}: {error}"
+            if plain_problem(self.memory, tensors="none") is not None:
+                self.memory = {}
+            if type(error) is NotPlainData:  # raised by _analyze: the sentence is ours
+                return None, failure_message(error)
+            message = failure_text(error)
             self.errors.append({"kind": "analysis", "update": t, "version": version.number, "message": message,
                                 "traceback": trace_of(error, -4)})
             self.records.event(Event.ANALYSIS_FAILED, update=t, version=version.number, message=message)
-            try:
-                json.dumps(self.memory)
-            except (TypeError, ValueError):
-                self.memory = {}
-            return None
+            return None, None
         wake, report_text = result
         if report_text is not None:
             self._report_text = report_text
             self.records.write_line("reports", f'{{"report":{report_text},"update":{t},'
                                                f'"version":{version.number}}}\n')
-        return wake
+        return wake, None
 
-    def _analyze(self, version: Version, obs: dict[str, Any]) -> tuple[str | None, str | None]:
-        """The program's ``analyze`` and everything read of its result (inside the guarded call: the result is the
-        program's objects): (why it wakes the agent or None, the report as JSON text or None)."""
+    def _analyze(self, version: Version, seen: tuple) -> tuple[str | None, str | None]:
+        """The program's ``analyze`` and everything read for it or of its result (inside the guarded call: the user's
+        optimizer state and the groups may hold a program's objects, and the result is the program's): (why it
+        wakes the agent or None, the report as JSON text or None)."""
+        t, progress, losses, params, before, grads, optimizer, groups = seen
+        state = optimizer.state
+        obs = {"update": t, "progress": progress, "losses": losses, "params": dict(params), "before": before,
+               "grads": dict(grads.items()), "state": {name: state.get(p, {}) for name, p in params.items()},
+               "roles": self.roles, "lrs": [float(g["lr"]) for g in groups]}
         with torch.no_grad():
             result = version.analysis.analyze(obs, self.memory)
         if type(result) is not dict:
-            raise TypeError(f"analyze() returned {type(result).__name__}, not a dict")
-        report = json.dumps(result["report"], default=float) if "report" in result else None
+            raise TypeError(f"analyze() returned {type_name(result)}, not a dict")
+        report = None
+        if "report" in result:
+            report, problem = json_text(result["report"], tensors="scalars")
+            if problem is not None:
+                raise NotPlainData(f"analyze() returned a report that cannot be written: {problem}")
         wake = result.get("wake")
+        if type(wake) not in (str, bool, int, float, type(None)):
+            raise NotPlainData(f"analyze() returned a wake-up reason that is a {type_name(wake)}; return a string")
         return (str(wake) if wake else None), report
 
-    def memory_copy(self, t: int, version: Version) -> dict[str, Any]:
-        """The analysis memory as plain data (checked here, at checkpoints, rather than at every analysis)."""
-        try:
-            return json.loads(json.dumps(self.memory))
-        except (TypeError, ValueError) as error:
-            self.errors.append({"kind": "analysis", "update": t, "version": version.number,
-                                "message": f"the analysis memory holds something that is not plain data ({error}); "
-                                           f"it was cleared", "traceback": ""})
-            self.memory = {}
-            return {}
+    def saved_memory(self) -> tuple[dict[str, Any], str | None]:
+        """The analysis memory as a checkpoint holds it (plain data, through JSON), and None; or, when it holds
+        anything else, ``({}, why)``, the memory cleared (the optimizer reverts the running version). Checked here,
+        at checkpoints, rather than at every analysis."""
+        text, problem = json_text(self.memory) if type(self.memory) is dict else (None, "it is not a dict")
+        if problem is None:
+            return json.loads(text), None
+        self.memory = {}
+        return {}, f"the analysis memory cannot be saved: {problem}; it was cleared"
 
-    def state_dict(self, t: int, version: Version) -> dict[str, Any]:
+    def state_dict(self, memory: dict[str, Any]) -> dict[str, Any]:
+        """The observer's state, with ``memory`` (``saved_memory``'s)."""
         if any(isinstance(x, torch.Tensor) for x in self.pending_losses):
             self.pending_losses = [float(x.float()) if isinstance(x, torch.Tensor) else x for x in self.pending_losses]
         fed = float(self.fed.float()) if isinstance(self.fed, torch.Tensor) else self.fed
-        return {"memory": self.memory_copy(t, version), "pending_losses": list(self.pending_losses),
+        return {"memory": memory, "pending_losses": list(self.pending_losses),
                 "loss_bins": self.loss_bins, "latest_report": self.latest_report, "errors": self.errors,
                 "fed": fed, "unobserved": self.unobserved.state_dict()}
 

@@ -9,7 +9,8 @@ The optimizer is a thin torch facade over parts that each own their state (and t
 - ``Observer`` and ``IntegrityWatch`` (``observer``): the losses (each update's: what ``observe`` fed since the
   step before, summed, plus the step's own; the updates that had none), the analysis, the errors shown to the
   agent, the rollback state, the evaluation-integrity recorder;
-- ``Decisions`` (``decisions``): when and how the agent is asked, and what becomes of its answers.
+- ``Decisions`` (``decisions``): when and how the agent is asked, and what becomes of its answers;
+- ``UserState`` (``user_state``): the user's optimizer and scheduler as a checkpoint saves them (plain data only).
 
 In the order an update meets them:
 
@@ -33,6 +34,11 @@ In the order an update meets them:
   record, a restored state), so that the plain path costs one integer comparison per update.
 - **Records.** Every outcome is an event in ``events.jsonl`` (see ``records``) and is shown to the agent at its
   next decision.
+- **Checkpoints.** ``state_dict()`` holds only plain data (``plain.py``): what a program made that is not (its
+  state, its analysis memory, what it left in the user's optimizer or scheduler) is the running version's
+  failure at that moment, reverted and left out, so the checkpoint is written and a resume from it works.
+- **Agent code's time.** The guard times every call of agent code, inside ``step`` or outside it;
+  ``take_outside_charge()`` hands the outside seconds to a formal run, which charges them to its budget.
 
 With the starting programs and an agent that changes nothing, every update is exactly the user's optimizer step
 (same clipping, same scheduler), so a wrapped run is bit for bit the plain run.
@@ -51,15 +57,26 @@ import torch
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
 from opalctl.opal.decisions import AgentLine, Decisions
-from opalctl.opal.guard import Interrupts, StepFailure, StepGuard, StepTimeout, contained, trace_of
+from opalctl.opal.guard import (
+    Interrupts,
+    StepFailure,
+    StepGuard,
+    StepTimeout,
+    contained,
+    failure_message,
+    failure_text,
+    trace_of,
+)
 from opalctl.opal.hangs import GuardFindings, Hangs
 from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
+from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
 from opalctl.opal.records import OpalRecords
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
 from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Snapshot, Version
+from opalctl.opal.user_state import UserState, said
 
 FORMAT = "opal-state/2"
 
@@ -143,6 +160,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.findings = GuardFindings(Hangs(run_dir), self.records, self.observer)
         self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
         self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.findings.hangs.digests)
+        self.user_state = UserState(self.spec, self.guard)
         self.guard.on_hang = lambda version, call, limit: self.findings.hung(version, call, limit, self.t, self.slots)
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
@@ -208,8 +226,16 @@ class AgentOptimizer(torch.optim.Optimizer):
     def _describe(self) -> dict[str, Any]:
         """The run's side of the facts a decision shows the agent."""
         return {"progress": self.progress(), "total_steps": self.spec.total_steps, "goal": self.spec.goal,
-                "lrs": [float(g["lr"]) for g in self.param_groups],
+                "lrs": self._learning_rates(),
                 "shapes": {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in self.named.items()}}
+
+    def _learning_rates(self) -> list[float | None]:
+        """Each group's learning rate, read without running a program's code (a program's ``param_groups`` are its
+        objects, which it may have changed since they were read at its build): None for one that is no number."""
+        groups = self.param_groups
+        if type(groups) is not list:
+            return []
+        return [plain_number(string_keyed(group).get("lr")) for group in groups]
 
     # -- the plain path ------------------------------------------------------------------------------------
     def _plain_horizon(self) -> int:
@@ -255,6 +281,18 @@ class AgentOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.guard.in_update = True  # agent code run from here on is timed as part of the update (AgentCodeTime)
+        try:
+            self._full_path(loss)
+        finally:
+            self.guard.in_update = False
+        if owner is not None:
+            owner.settle()
+        self._plan()
+        return loss
+
+    def _full_path(self, loss) -> None:
+        """A boundary when ``step`` checks for one, the full step, and its records written."""
         progress = self.progress()
         if not self.manual_boundaries and self._boundary_due(progress):
             self.between_updates()
@@ -263,10 +301,6 @@ class AgentOptimizer(torch.optim.Optimizer):
             self._full_step(StepContext(progress, loss, self.t), loss)
         if not self.manual_boundaries and self.records.waiting:
             self.records.flush()
-        if owner is not None:
-            owner.settle()
-        self._plan()
-        return loss
 
     def _full_step(self, ctx: StepContext, loss) -> None:
         slots = self.slots
@@ -313,9 +347,10 @@ class AgentOptimizer(torch.optim.Optimizer):
                      redo: bool = True) -> None:
         """``version``'s step failed: restore what can be, hand over to its fallback, and (``redo``) let the
         fallback do the same update."""
-        kind = "timeout" if isinstance(error, StepTimeout) else ("check" if isinstance(error, StepFailure)
-                                                                  else "exception")
-        message = str(error) or type(error).__name__
+        # the error may be a program's: its class is looked at, and its text read, without running its code
+        kind = "timeout" if issubclass(type(error), StepTimeout) else ("check" if issubclass(type(error), StepFailure)
+                                                                        else "exception")
+        message = failure_message(error) or type_name(error)
         trace = "" if kind == "check" else trace_of(error, -4)
         self.slots.step_failures += 1
         self.observer.errors.append({"kind": kind, "update": self.t, "version": version.number, "message": message,
@@ -336,7 +371,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         # the fallback itself failed: the starting program takes over
         self.slots.step_failures += 1
         self.records.event(Event.FAILED_STEP, update=self.t, version=fallback.number,
-                           message=f"{type(second).__name__}: {second}")
+                           message=failure_text(second))
         if fallback is not self.slots.versions[0]:
             if snapshot is not None:
                 snapshot.restore(self.named, self.spec)
@@ -357,11 +392,13 @@ class AgentOptimizer(torch.optim.Optimizer):
                                   redo=False)
             elif observer.good_due(t, slots.current.every):
                 observer.good = Snapshot.take(t, self.named, self.spec)
-        wake = observer.analyse(t, slots.current, progress=self.progress(), losses=losses, params=self.named,
-                                before=before,
-                                grads=self._grads, optimizer_state=self.spec.optimizer.state,
-                                lrs=[float(g["lr"]) for g in self.param_groups])
-        if wake is not None:
+        version = slots.current
+        wake, refused = observer.analyse(t, version, progress=self.progress(), losses=losses, params=self.named,
+                                         before=before, grads=self._grads, optimizer=self.spec.optimizer,
+                                         groups=self.param_groups)
+        if refused is not None:
+            self._output_refused(version, refused)
+        elif wake is not None:
             self.decisions.wake(wake, t)
 
     def observe(self, loss) -> None:
@@ -421,19 +458,41 @@ class AgentOptimizer(torch.optim.Optimizer):
         return self.figures()
 
     def figures(self) -> dict[str, Any]:
-        return _figures(self.decisions.counts, self.slots, self.integrity)
+        return _figures(self.decisions.counts, self.slots, self.integrity, self.guard.time)
+
+    def take_outside_charge(self) -> tuple[float, float]:
+        """``(cpu_seconds, wall_seconds)`` of agent code run outside timed updates (outside ``step``: a decision's
+        programs loaded and built, a checkpoint's ``state_dict()``, a resume's ``load_state_dict()``) since the last
+        take. A formal run charges them to its budget, so that work done there (training the model in ``build()``,
+        say) is not free. The CPU seconds count every thread of this process."""
+        return self.guard.time.take_outside()
 
     def state_dict(self) -> dict[str, Any]:
         """Each part's state; the slots' keys (versions, current, fallback, trial_left, updater, ...) sit at the top,
-        where the formal run's checkpoints are read by tools and tests."""
-        scheduler = self.spec.scheduler
+        where the formal run's checkpoints are read by tools and tests. Everything in it that a program made or
+        could have reached is plain data (``plain.py``): what is not is the running program's failure, now, and is
+        left out. The checks that may revert the running version come first, so the program state taken last is
+        that of the version that runs on."""
+        base, scheduler = self._user_states()
+        memory, problem = self.observer.saved_memory()
+        if problem is not None:
+            self._output_refused(self.slots.current, problem)
         updater_state, fallback_state = self.slots.program_states(self._state_failed)
         return {"format": FORMAT, "t": self.t, **self.slots.state_dict(updater_state, fallback_state),
-                "base": self.spec.optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "observer": self.observer.state_dict(self.t, self.slots.current),
+                "base": base, "scheduler": scheduler, "observer": self.observer.state_dict(memory),
                 "decisions": self.decisions.state_dict(), "integrity": self.integrity.state_dict(),
-                "records": self.records.offsets()}
+                "records": self.records.offsets(), "agent_code_seconds": self.guard.time.state_dict()}
+
+    def _user_states(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The user's optimizer's and scheduler's states, plain data (``UserState``); what a program left in them
+        that was left out is the running version's failure, and the states are taken again after its revert (which
+        may have restored a snapshot)."""
+        base, scheduler, left_out = self.user_state.checked(self.slots.current)
+        if left_out:
+            self._output_refused(self.slots.current, "the user's optimizer or scheduler holds what a checkpoint "
+                                                     f"cannot hold, left out of it: {said(left_out)}")
+            base, scheduler, _ = self.user_state.checked(self.slots.current)
+        return base, scheduler
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -441,7 +500,8 @@ class AgentOptimizer(torch.optim.Optimizer):
                                 f"this opalctl wrote")
         self.records.truncate(state["records"])
         # the optimizer and scheduler first: the programs installed again are built on them
-        self.spec.optimizer.load_state_dict(state["base"])
+        if state["base"] is not None:  # None: nothing of it could be saved; it goes on from its state now
+            self.spec.optimizer.load_state_dict(state["base"])
         if state["scheduler"] is not None and self.spec.scheduler is not None:
             self.spec.scheduler.load_state_dict(state["scheduler"])
         self.scheduler_owner = SchedulerOwnership.of(self.spec.scheduler)  # the loaded schedule is the one it owns
@@ -450,10 +510,23 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.observer.load_state_dict(state["observer"])
         self.decisions.load_state_dict(state["decisions"])
         self.integrity.load_state_dict(state["integrity"])
+        self.guard.time.load_state_dict(state.get("agent_code_seconds"))  # absent from states saved before
         self.records.event(Event.RESUMED, update=self.t, version=self.slots.current.number)
         self.findings.failed_at_resume(failures, self.t, self.slots)  # failed at the resume itself
         self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
+
+    def _output_refused(self, version: Version, problem: str) -> None:
+        """What ``version`` made cannot be saved or written (its report or wake-up reason, the analysis memory, what
+        it left in the user's optimizer or scheduler): when it runs and is the agent's, it fails now as a step does
+        (reverted, the agent told at its next decision); else the agent is told and a ``log`` event says it."""
+        if version is self.slots.current and version is not self.slots.versions[0]:
+            self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
+                              redo=False)
+            return
+        self.records.event(Event.LOG, update=self.t, values={"not_saved": problem, "version": version.number})
+        self.observer.errors.append({"kind": "check", "update": self.t, "version": version.number, "message": problem,
+                                     "traceback": ""})
 
     def _state_failed(self, version: Version, problem: str) -> None:
         """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""
@@ -465,7 +538,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                                message=problem, traceback="", restored="none (it was not running)")
 
 
-def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch) -> dict[str, Any]:
+def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch, agent_code) -> dict[str, Any]:
     """The agent figures (``AgentFigures.to_json()``) from the parts that count them."""
     return AgentFigures(
         decisions_asked=counts.asked, decisions_applied=counts.applied, decisions_kept=counts.kept,
@@ -473,7 +546,7 @@ def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch) -> dict[str
         decisions_reverted=slots.reverted, step_failures=slots.step_failures,
         waiting_seconds=counts.waiting_seconds, agent_seconds=counts.agent_seconds, cost_usd=counts.cost_usd,
         wakes=counts.wakes, version=slots.current.number, versions=len(slots.versions),
-        eval_integrity=integrity.figures()).to_json()
+        eval_integrity=integrity.figures(), agent_code_seconds=agent_code.figures()).to_json()
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,

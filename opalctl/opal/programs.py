@@ -107,5 +107,7 @@ def load_program(name: str, source: str, *, label: str = "", run: Runner | None 
     code = compile(source, filename, "exec", dont_inherit=True)
     _, error = (run or _run_directly)(exec, code, module.__dict__)
     if error is not None:  # the program's own top-level code failed
-        raise ProgramRejected(f"{filename} failed while loading: {type(error).__name__}: {error}") from None
+        from opalctl.opal.guard import failure_text  # its text, read without running the exception's code
+
+        raise ProgramRejected(f"{filename} failed while loading: {failure_text(error)}") from None
     return Program(name=name, source=source, module=module, sha256=hashlib.sha256(source.encode()).hexdigest())

@@ -2,16 +2,20 @@
 a failure falls back to, the trial of a new version, and the snapshots a failed step is restored from.
 
 A ``Snapshot`` holds the parameters, their gradients, the user's optimizer state and the scheduler state, and
-``restore`` puts back exactly those. It holds no program's own state (``updater.state_dict()``): a trial's or a
+``restore`` puts back exactly those; of the two states, only their plain data (``plain.py``: what a program left
+there that is not plain data is never copied, since copying it would run its code, and a restore clears it). It
+holds no program's own state (``updater.state_dict()``): a trial's or a
 rollback's snapshot is restored only when the version that was running when it was taken failed, and a failed
 version never runs again, so that state would never be read back. The state from before a swap is the one case
 where the version it was taken under runs on (after its successor was rejected or failed its first step); what
 the successor's ``build(params, previous, spec)`` did to ``previous`` is not undone, as it never was.
+
+A program's ``state_dict()`` is taken under the guard and must be plain data (``plain_problem``): anything else
+is the version's failure when the state is taken (a checkpoint), never an error of the checkpoint itself.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -19,13 +23,12 @@ from typing import Any
 
 import torch
 
-from opalctl.opal.guard import trace_of
+from opalctl.opal.guard import failure_text, method_call, trace_of
+from opalctl.opal.plain import plain_copy, plain_entries, plain_optimizer_state, plain_problem, type_name
 from opalctl.opal.programs import ProgramRejected, check_program, load_program
 
 PROGRAM_FILES = ("updater.py", "analysis.py")
 STEP_SECONDS_KEPT = 256  # the recent step durations a version keeps (the agent is shown their mean)
-STATE_ITEMS_MAX = 1_000_000  # the most containers and numbers a program's state_dict() may hold
-STATE_DEPTH_MAX = 32
 
 
 def version_digest(files: dict[str, str]) -> str:
@@ -34,30 +37,6 @@ def version_digest(files: dict[str, str]) -> str:
     for name in PROGRAM_FILES:
         digest.update(name.encode() + b"\0" + str(files.get(name, "")).encode("utf-8", "surrogateescape") + b"\0")
     return digest.hexdigest()
-
-
-def state_problem(value: Any) -> str | None:
-    """Why a program's ``state_dict()`` result cannot go into a checkpoint (None when it can): only dicts, lists
-    and tuples of tensors, numbers, strings, booleans and None, which torch.save and a ``weights_only`` load
-    round-trip, and no tensor that is part of an autograd graph."""
-    stack, items = [(value, 0)], 0
-    while stack:
-        item, depth = stack.pop()
-        items += 1
-        if items > STATE_ITEMS_MAX or depth > STATE_DEPTH_MAX:
-            return f"it is larger or deeper than a program's state may be ({STATE_ITEMS_MAX} items, depth " \
-                   f"{STATE_DEPTH_MAX})"
-        kind = type(item)
-        if kind in (torch.Tensor, torch.nn.Parameter):
-            if item.requires_grad and item.grad_fn is not None:
-                return "it holds a tensor that is part of an autograd graph; store tensor.detach()"
-        elif kind in (dict, list, tuple):
-            children = [*item.keys(), *item.values()] if kind is dict else item
-            stack.extend((child, depth + 1) for child in children)
-        elif kind not in (int, float, bool, str, type(None)):
-            return (f"it holds a {kind.__name__}; a program's state may hold only dicts, lists, tuples, tensors, "
-                    f"numbers, strings, booleans and None")
-    return None
 
 
 @dataclass
@@ -84,21 +63,6 @@ class Version:
             del self.step_seconds[:STEP_SECONDS_KEPT // 2]
 
 
-def clone(value: Any) -> Any:
-    """A deep copy in which tensors are detached clones (an optimizer's state dict, say)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [clone(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(clone(v) for v in value)
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value
-    return copy.deepcopy(value)
-
-
 @dataclass
 class Snapshot:
     """The training state a failed step is restored to (see the module docstring for what it leaves out)."""
@@ -106,17 +70,22 @@ class Snapshot:
     update: int
     params: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor | None]
-    base: dict[str, Any]
+    base: dict[str, Any] | None  # None: the user's optimizer's state had no shape that could be kept
     scheduler: dict[str, Any] | None
 
     @classmethod
     def take(cls, update: int, named: dict[str, torch.Tensor], spec) -> Snapshot:
+        """The state now; of the user's optimizer and scheduler only their plain data (``plain.py``: a program may
+        have left anything in them, and copying it would run its code), so a restore also clears what a program
+        left there."""
+        base, _ = plain_optimizer_state(spec.optimizer.state_dict(), spec.optimizer.defaults)
+        scheduler = plain_entries(spec.scheduler.state_dict(), "the scheduler")[0] if spec.scheduler is not None \
+            else None
         return cls(update=update,
                    params={name: p.detach().clone() for name, p in named.items()},
                    grads={name: (p.grad.detach().clone() if p.grad is not None else None)
                           for name, p in named.items()},
-                   base=clone(spec.optimizer.state_dict()),
-                   scheduler=clone(spec.scheduler.state_dict()) if spec.scheduler is not None else None)
+                   base=plain_copy(base), scheduler=plain_copy(scheduler))
 
     def restore(self, named: dict[str, torch.Tensor], spec) -> None:
         with torch.no_grad():
@@ -128,9 +97,10 @@ class Snapshot:
                     p.copy_(saved)
                 grad = self.grads[name]
                 p.grad = grad.clone() if grad is not None else None
-        spec.optimizer.load_state_dict(clone(self.base))
+        if self.base is not None:
+            spec.optimizer.load_state_dict(plain_copy(self.base))
         if self.scheduler is not None and spec.scheduler is not None:
-            spec.scheduler.load_state_dict(clone(self.scheduler))
+            spec.scheduler.load_state_dict(plain_copy(self.scheduler))
 
     def before_swap(self, swap: Snapshot) -> Snapshot:
         """This trial snapshot with the parameters and optimizer state of ``swap`` (the state from just before
@@ -213,10 +183,11 @@ class ProgramSlots:
             raise ProgramRejected(f"{label}/analysis.py must define analyze(obs, memory)")
         every = analysis_program.module.__dict__.get("EVERY", self.default_every)
         if type(every) is not int or every < 1:
-            raise ProgramRejected(f"{label}/analysis.py: EVERY must be a positive integer, not {every!r}")
+            shown_every = repr(every) if type(every) is int else f"a {type_name(every)}"
+            raise ProgramRejected(f"{label}/analysis.py: EVERY must be a positive integer, not {shown_every}")
         built, error = self.guard.call(version, "build()", _build, build, self.named, previous, self.spec)
         if error is not None:
-            raise ProgramRejected(f"{label}/updater.py build() raised {type(error).__name__}: {error}\n"
+            raise ProgramRejected(f"{label}/updater.py build() raised {failure_text(error)}\n"
                                   f"{trace_of(error, -3)}") from None
         if isinstance(built, str):
             raise ProgramRejected(f"{label}/updater.py: {built}")
@@ -272,6 +243,8 @@ class ProgramSlots:
         fallback = self.fallback_for(version)
         version.status = "failed"
         self.current = fallback
+        if self.fallback is version:  # it had passed its trial: a failed version is no one's fallback
+            self.fallback = fallback
         self.reverted += 1
         return fallback
 
@@ -312,10 +285,10 @@ class ProgramSlots:
     def program_state(self, version: Version) -> tuple[Any, str | None]:
         """``version``'s ``updater.state_dict()``, taken under guard and checked at once: (the state, None), or
         (None, why it failed) (the caller reverts the version: a state that cannot be saved is its failure)."""
-        state, error = self.guard.call(version, "state_dict()", version.updater.state_dict)
+        state, error = self.guard.call(version, "state_dict()", method_call, version.updater, "state_dict")
         if error is not None:
-            return None, f"state_dict() raised {type(error).__name__}: {error}"
-        problem = state_problem(state)
+            return None, f"state_dict() raised {failure_text(error)}"
+        problem = plain_problem(state)
         if problem is not None:
             return None, f"state_dict() returned a state that cannot be saved: {problem}"
         return state, None
@@ -394,8 +367,9 @@ class ProgramSlots:
     def _load_program_state(self, version: Version, program_state: Any, failures: list[tuple[Version, str]]) -> None:
         if version.status == "failed":
             return
-        _, error = self.guard.call(version, "load_state_dict()", version.updater.load_state_dict, program_state)
+        _, error = self.guard.call(version, "load_state_dict()", method_call, version.updater, "load_state_dict",
+                                   program_state)
         if error is not None:
             if version.number != 0:  # the starting program is the last resort: it runs on, from a fresh state
                 version.status = "failed"
-            failures.append((version, f"load_state_dict() raised {type(error).__name__}: {error}"))
+            failures.append((version, f"load_state_dict() raised {failure_text(error)}"))

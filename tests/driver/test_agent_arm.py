@@ -40,7 +40,7 @@ ARMS = {"adamw": ADAMW, "agent": AGENT}
 SELECTION = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 10},
              "improve_any": ["selection.correct"]}
 # fields of the agent's records that measure time, and so differ between two runs of the same arithmetic
-TIMING = {"seconds", "waited_seconds", "waiting_seconds", "agent_seconds"}
+TIMING = {"seconds", "waited_seconds", "waiting_seconds", "agent_seconds", "agent_code_seconds"}
 TIMING_LINE = re.compile(r"^updater step: .* ms on average; analysis: .* ms per call\.$", re.MULTILINE)
 
 # The task of the crash tests: the digits task with a little noise from torch's global generator on every batch

@@ -22,7 +22,7 @@ def _records(folder) -> dict[str, list]:
     """The run's records without what depends on the clock (durations, costs, timestamps); a traceback is kept as
     its last line (the frames above the program's differ between the two paths)."""
     timed = {"seconds", "waiting_seconds", "agent_seconds", "step_seconds", "analysis_seconds", "wall", "time",
-             "started", "finished", "cost_usd", "mean_step_seconds"}
+             "started", "finished", "cost_usd", "mean_step_seconds", "agent_code_seconds"}
 
     def clean(value):
         if isinstance(value, dict):

@@ -130,7 +130,13 @@ def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | N
         if problem is not None:
             return problem
         stage = "state_dict() / load_state_dict()"
-        updater.load_state_dict(updater.state_dict())
+        from opalctl.opal.plain import plain_problem
+
+        state = updater.state_dict()
+        problem = plain_problem(state)
+        if problem is not None:  # what the run would revert the program for at its next checkpoint
+            return f"updater.py: state_dict() returned a state that cannot be saved: {problem}"
+        updater.load_state_dict(state)
         stage = "analyze()"
         return trial.analyse(analyze, every, updater, before)
     except Exception as error:
@@ -171,7 +177,7 @@ class _Trial:
 
         self.params, self.generator = _stand_ins(facts)
         lrs = facts.get("lrs") or [1e-3]
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(lrs[0]) or 1e-3)
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=float(lrs[0] or 1e-3))
         self.spec = Spec(self.optimizer, None, None, facts.get("total_steps"), facts.get("goal"), self.params)
         self.grads = GradView(self.params)
         self.update = int(facts.get("update") or 0)
@@ -242,11 +248,15 @@ class _Trial:
             result = analyze(obs, memory)
         if not isinstance(result, dict):
             return f"analyze() returned {type(result).__name__}, not a dict"
-        try:
-            json.dumps(result.get("report"), default=float)
-            json.dumps(memory)
-        except (TypeError, ValueError) as error:
-            return f"analyze(): the report and memory must be plain data (numbers, strings, lists, dicts): {error}"
+        # the checks the run makes (observer.py): a report or memory that fails them reverts the program there
+        from opalctl.opal.plain import json_text
+
+        _, report_problem = json_text(result.get("report"), tensors="scalars")
+        if report_problem is not None:
+            return f"analyze() returned a report that cannot be written: {report_problem}"
+        _, memory_problem = json_text(memory)
+        if memory_problem is not None:
+            return f"analyze(): the analysis memory cannot be saved: {memory_problem}"
         return None
 
 
