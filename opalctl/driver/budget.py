@@ -85,6 +85,13 @@ class Clock:
         """The sentence a run's report lists among its limitations about this clock."""
         raise NotImplementedError
 
+    @classmethod
+    def agent_code_charge(cls, cpu_seconds: float, wall_seconds: float) -> float:
+        """What agent code that ran outside the timed updates (a program's ``build()`` at a decision, its
+        ``state_dict()`` at a checkpoint) is charged on this clock: nothing by default, where the clock charges no
+        time (it is recorded in the agent figures, and compare shows it)."""
+        return 0.0
+
     def start(self) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -122,6 +129,10 @@ class CpuClock(Clock):
     def limitation(cls, threads: int) -> str:
         return (f"The cpu clock counts this process's CPU time on {threads} thread(s); it is comparable only "
                 f"between runs with the same thread count on the same kind of machine.")
+
+    @classmethod
+    def agent_code_charge(cls, cpu_seconds: float, wall_seconds: float) -> float:
+        return cpu_seconds
 
     def start(self) -> float:
         return time.process_time()
@@ -163,6 +174,12 @@ class GpuClock(Clock):
     def limitation(cls, threads: int) -> str:
         return "The gpu clock counts device time of each update; host-side work between kernels is not charged."
 
+    @classmethod
+    def agent_code_charge(cls, cpu_seconds: float, wall_seconds: float) -> float:
+        # agent code outside the updates is not timed with events; its wall seconds bound the device time it can
+        # have kept the device busy while it ran, so the charge never falls short of what it used
+        return wall_seconds
+
     def _event(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
         event.record(self._torch.cuda.current_stream(self.device))
@@ -186,6 +203,10 @@ class WallClock(Clock):
     @classmethod
     def limitation(cls, threads: int) -> str:
         return "The wall clock includes whatever else the machine was doing; treat small differences as noise."
+
+    @classmethod
+    def agent_code_charge(cls, cpu_seconds: float, wall_seconds: float) -> float:
+        return wall_seconds
 
     def start(self) -> float:
         return time.perf_counter()
@@ -216,6 +237,32 @@ class UpdatesClock(Clock):
 
     def stop(self, token: None) -> float:
         return 1.0
+
+
+class PendingCharge:
+    """The charge of agent code that ran outside the timed updates (a program's ``build()`` at a decision, its
+    ``state_dict()`` at a checkpoint, ``load_state_dict()`` at a resume), waiting to be added to the next update's:
+    the meter charges whole updates only, and under torchrun the ranks combine one charge per update."""
+
+    def __init__(self, amount: float = 0.0):
+        self.amount = amount
+
+
+class ChargingClock:
+    """A clock whose charge for an update includes the agent code's ``PendingCharge`` from before it (an agent arm's
+    clock; it is the one a torchrun world's ranks then combine)."""
+
+    def __init__(self, clock: Clock, pending: PendingCharge):
+        self.clock, self.pending = clock, pending
+
+    def start(self) -> Any:
+        return self.clock.start()
+
+    def stop(self, token: Any) -> float:
+        charge = self.clock.stop(token)
+        if self.pending.amount:
+            charge, self.pending.amount = charge + self.pending.amount, 0.0
+        return charge
 
 
 def make_clock(name: str, device: Any = None) -> Clock:

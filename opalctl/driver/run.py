@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
+from opalctl.driver.budget import ChargingClock, PendingCharge
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.evaluation import rng_state, set_rng_state
 from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening
@@ -230,6 +231,8 @@ class Carried:
     evaluator's, in the run folder: the resume only counts how many of them it has passed."""
 
     stages: int = 0  # the stages judged before this checkpoint
+    # the charge of agent code that ran outside the timed updates, not yet added to an update's (BudgetLoop)
+    agent_charge: float = 0.0
     next_checkpoint: int = 1  # the index k of the next resume checkpoint, due at k * checkpoint_every
     steps_lines: int = 0  # the lines steps.jsonl.gz holds for the updates before this session
     # what a resume checks its steps file against (None: a checkpoint written by an opalctl that did not carry them)
@@ -257,7 +260,8 @@ def restore(layout: RunLayout, parts, meter, ledger: Ledger, limit_bytes: int, r
     meter.load_state_dict(extra["meter"])
     set_rng_state(extra["rng"] if own is None else own["rng"])
     ledger.load_state_dict(extra["totals"])
-    return Carried(stages=int(extra["stages"]), next_checkpoint=extra["next_checkpoint"],
+    return Carried(stages=int(extra["stages"]), agent_charge=float(extra.get("agent_charge", 0.0)),
+                   next_checkpoint=extra["next_checkpoint"],
                    steps_lines=int(extra["steps_lines"]), steps_seen=extra.get("steps_seen"),
                    steps_sha256=extra.get("steps_sha256"))
 
@@ -294,13 +298,17 @@ class BudgetLoop:
 
     def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, evaluator: EvaluatorProcess,
                  steps: StepsWriter, carried: Carried, layout: RunLayout, progress: Callable[..., None],
-                 say: Callable[[str], None], ranks: Ranks | None = None):
+                 say: Callable[[str], None], ranks: Ranks | None = None, pending: PendingCharge | None = None):
         self.protocol, self.arm, self.parts, self.agent = protocol, arm, parts, agent
         self.meter, self.clock, self.ledger, self.evaluator, self.steps = meter, clock, ledger, evaluator, steps
         self.carried, self.layout = carried, layout
         self.progress, self.say = progress, say
         # under torchrun rank 0 alone acts on stages and writes; the others wait for it (driver/ranks.py)
         self.ranks = ranks or Ranks()
+        from opalctl.driver.budget import clock_spec
+
+        self.agent_code_charge = clock_spec(protocol.budget.clock).agent_code_charge
+        self.pending = pending or PendingCharge()  # what the agent arm's ChargingClock adds to the next update
 
     def run(self, first_checkpoint: bool, session: tuple[float, float]) -> TrainingFacts:
         """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``);
@@ -349,6 +357,8 @@ class BudgetLoop:
         keep_step, flush_lines, flush_steps = kept.append, FLUSH_LINES, self.steps.flush
         loss_value = torch.Tensor.item if self.protocol.training.device == "cpu" else torch.Tensor.detach
         needs_boundary = agent.needs_boundary if agent is not None else None
+        if agent is not None:
+            self._take_agent_code()  # what a resume's load_state_dict ran
         apply_schedule = parts.schedule.apply if self.arm.schedule != "constant" else None  # constant: set once
         perf_counter, progress = time.perf_counter, self.progress
         last_progress = 0.0
@@ -385,6 +395,14 @@ class BudgetLoop:
         """The agent's work (and training's waiting for it), outside the timed interval."""
         with self.ledger.outside("agent_wait_wall"):
             self.agent.between_updates()
+        self._take_agent_code()
+
+    def _take_agent_code(self) -> None:
+        """The agent code that ran outside the timed updates since the last look (a program built at a decision,
+        its state taken at a checkpoint, loaded at a resume), charged with the next update on the clocks that
+        charge time: agent code never runs off the budget (docs/architecture.md)."""
+        cpu, wall = self.agent.take_outside_charge()
+        self.pending.amount += self.agent_code_charge(cpu, wall)
 
     def _boundary(self, reached: list[int]) -> float:
         """The stages this update reached, then a resume checkpoint; returns where the next checkpoint is due."""
@@ -430,6 +448,8 @@ class BudgetLoop:
             own = {"sampler": self.parts.sampler.state_dict(), "rng": rng_state()}
             if self.agent is not None:
                 own["optimizer"] = self.parts.optimizer.state_dict()
+                if not self.ranks.lead:
+                    self._take_agent_code()
             states = self.ranks.gather(own)
         if not self.ranks.lead:
             return
@@ -448,8 +468,12 @@ class BudgetLoop:
         """The state a resume continues from; call it after ``steps.finish_sync`` (every line on the disk)."""
         self.ledger.take(self.steps.take_sums())
         parts, carried = self.parts, self.carried
+        optimizer = parts.optimizer.state_dict()
+        if self.agent is not None:
+            self._take_agent_code()  # the programs' state_dict(), charged with the update after this checkpoint
         return {
-            "optimizer": parts.optimizer.state_dict(),
+            "optimizer": optimizer,
+            "agent_charge": self.pending.amount,
             "sampler": parts.sampler.state_dict(),
             "schedule": parts.schedule.state_dict(),
             "meter": self.meter.state_dict(),
@@ -494,6 +518,7 @@ class FormalRun:
         self.command = replace(command or RunCommand(str(lock.path), arm_name, seed, str(runs_dir)),
                                ranks=self.protocol.training.ranks)
         self.ranks: Ranks = Ranks()
+        self.pending = PendingCharge()  # agent code's charge from outside the updates (driver/budget.py)
 
     def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
         """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
@@ -548,8 +573,9 @@ class FormalRun:
             carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
                 if resuming else Carried()
             steps = FollowerSteps()
+        self.pending.amount = carried.agent_charge
         loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
-                          layout, self.progress, self.say, ranks)
+                          layout, self.progress, self.say, ranks, self.pending)
         if evaluator is not None:
             evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
         try:
@@ -618,6 +644,8 @@ class FormalRun:
                           {"train": self.lock.data_path("train")}, rank=self.ranks.rank)
         meter = BudgetMeter(protocol.budget.amount * self.arm.budget_multiplier, list(protocol.budget.fractions))
         clock = (self.clock_factory or (lambda name: make_clock(name, device)))(protocol.budget.clock)
+        if self.arm.agent is not None:
+            clock = ChargingClock(clock, self.pending)
         clock = self.ranks.reduced(clock, clock_spec(protocol.budget.clock).combine)
         agent = None
         if self.arm.agent is not None:

@@ -87,7 +87,7 @@ PROGRAMS = {  # case: (updater.py, analysis.py or None for the default, words of
 
 def opal_records(run_dir):
     """Where a formal run keeps the agent optimizer's records (the one place that knows)."""
-    return run_dir / "opal"
+    return run_dir / "training" / "opal"
 
 
 def recorded_original(records, updater: str, analysis: str | None):
@@ -137,7 +137,7 @@ def assert_finished(run_dir, tools):
     assert report["agent"]["decisions_reverted"] == 1
     seconds = report["agent"]["agent_code_seconds"]
     assert seconds["inside_updates"]["cpu"] > 0 and seconds["outside_updates"]["wall"] > 0
-    assert not (run_dir / "resume.pt").exists()
+    assert not (run_dir / "training" / "resume.pt").exists()
 
 
 @pytest.mark.parametrize("case", sorted(PROGRAMS))
@@ -162,7 +162,7 @@ def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and
     run_dir = project.run_dir("agent", 1, runs=runs)
     killed = project.process(project.run_args("agent", 1, runs=runs), env=project.env(KILL_LOSS_AT=str(reverted_at + 3)))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    saved = checkpoints.load(run_dir / "resume.pt", require_finite=False)
+    saved = checkpoints.load(run_dir / "training" / "resume.pt", require_finite=False)
     state = saved["extra"]["optimizer"]
     assert saved["meta"]["update"] == reverted_at and state["current"] == 0
     assert [v["status"] for v in state["versions"]] == ["passed", "failed"]
