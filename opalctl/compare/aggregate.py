@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
+from opalctl.compare.flags import outside_cpu, outside_work_flag, run_flags, unconfined_note
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
 from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, stage_metrics
@@ -137,6 +138,9 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     rows = []
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
+        entry["flags"] = run_flags(finished[arm], _hung(base, arm, finished[arm]))
+        if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
+            entry["flags"].append(outside)
         for metric, higher in directions.items():
             mine = {s: v[metric] for s, v in values[arm].items() if v.get(metric) is not None}
             entry["metrics"][metric] = summary(mine.values(), what=f"the {stage} {metric} of arm {arm}")
@@ -145,7 +149,7 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
                 theirs = {s: v[metric] for s, v in values[baseline].items() if v.get(metric) is not None}
                 figure = paired(theirs, mine, higher_is_better=higher, resamples=resamples,
                                 what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
-                figure["verdict"] = verdict(arm, baseline, metric, figure)
+                figure["verdict"] = verdict(arm, baseline, metric, figure, entry["flags"])
                 entry["paired"][metric] = figure
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
@@ -200,6 +204,9 @@ def _arm_row(arm: str, baseline: str, finished: dict[str, dict[int, dict]],
         "time_to_baseline": {},
         "agent": _agent_figures(reports),
         "anchor_note": anchor_note(arm, [reports[s] for s in seeds]),
+        # the kernel's count of the training process's CPU beyond its charged updates (compare/flags.py)
+        "outside_cpu_seconds": summary([v for v in (outside_cpu(reports[s]) for s in seeds) if v is not None]),
+        "unconfined_note": unconfined_note(arm, reports),
     }
 
 
@@ -220,4 +227,23 @@ def _agent_figures(reports: dict[int, dict]) -> dict[str, Any] | None:
     agents = [r["agent"] for r in reports.values() if r.get("agent")]
     if not agents:
         return None
-    return {key: summary([a.get(key, 0) or 0 for a in agents]) for key in AGENT_KEYS}
+    figures = {key: summary([a.get(key, 0) or 0 for a in agents]) for key in AGENT_KEYS}
+    # agent code's CPU seconds outside the timed updates: charged on the time clocks, only recorded on `updates`
+    figures["code_outside_cpu_seconds"] = summary(
+        [((a.get("agent_code_seconds") or {}).get("outside_updates") or {}).get("cpu", 0.0) for a in agents])
+    return figures
+
+
+def _hung(base: Path, arm: str, reports: dict[int, dict]) -> dict[int, int]:
+    """seed -> the program versions that hung in that run (its ``hung.jsonl``, the agent optimizer's record)."""
+    from opalctl.layout import RunLayout
+    from opalctl.opal.hangs import HUNG_FILE
+
+    counted = {}
+    for seed in reports:
+        path = RunLayout(base / arm / f"seed-{seed}").opal / HUNG_FILE
+        try:
+            counted[seed] = sum(1 for line in path.read_bytes().splitlines() if line.strip())
+        except OSError:
+            counted[seed] = 0
+    return counted

@@ -4,7 +4,9 @@ column per arm), then the paired figures (one row per arm and metric), then the 
 Long metric names get short labels with a legend (``labels``); every sentence goes to stdout whole when piped and
 wrapped to the terminal otherwise. Verdicts are printed for the primary metric and for every metric whose exact
 test reached the level (a claim), or for each metric chosen with ``--metric``. A warning follows when the arms of
-one seed trained under different concurrency (``concurrency``).
+one seed trained under different concurrency (``concurrency``), and every flag an arm's runs raise
+(``flags``: evaluation integrity, failed or hung programs, CPU spent outside the charged updates), each on its
+own line and at the end of each of the arm's verdicts.
 """
 
 from __future__ import annotations
@@ -64,23 +66,25 @@ def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:
             _mean_spread(arm["promoted_stages"]),
             f"{arm['selected_anchor']}/{len(arm['seeds'])}",
             reached,
+            _mean_spread(arm.get("outside_cpu_seconds")),
         ])
     seconds = "wall s" if result["seconds_key"] == "train_wall_seconds" else "cpu s"
     primary = labels.get(result["primary"], result["primary"])
     console.table(f"opalctl compare {result['lock']} (baseline {result['baseline']}, {stage_words(result['stage'])})",
                   ["arm", "seeds", "updates", f"train {seconds}", "promoted", "anchor kept",
-                   f"s to base's {primary}"], rows)
+                   f"s to base's {primary}", "cpu out s"], rows)
 
 
 def _agent_table(result: dict[str, Any]) -> None:
     """The agent arms' decisions, waiting and cost, mean over seeds; nothing when no arm has an agent."""
     rows = [[arm["arm"], *[_count(arm["agent"][key]["mean"]) for key in
                            ("decisions_asked", "decisions_applied", "decisions_reverted")],
-             f"{arm['agent']['waiting_seconds']['mean']:.1f}", f"{arm['agent']['cost_usd']['mean']:.2f}"]
+             f"{arm['agent']['waiting_seconds']['mean']:.1f}", f"{arm['agent']['cost_usd']['mean']:.2f}",
+             _mean_spread(arm["agent"].get("code_outside_cpu_seconds"), 2)]
             for arm in result["arms"] if arm["agent"]]
     if rows:
         console.table("agent decisions, mean over seeds", ["arm", "asked", "applied", "reverted", "waiting s",
-                                                           "cost $"], rows)
+                                                           "cost $", "code cpu s outside"], rows)
 
 
 def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:
@@ -129,6 +133,10 @@ def _sentences(result: dict[str, Any], chosen: bool) -> None:
                 console.paragraph("verdict: " + figure["verdict"])
         if arm["anchor_note"]:
             console.paragraph("anchor: " + arm["anchor_note"])
+        for flag in arm.get("flags") or []:
+            console.paragraph(f"flagged: {arm['arm']}: {flag}")
+        if arm.get("unconfined_note"):
+            console.paragraph("note: " + arm["unconfined_note"])
 
 
 def _count(mean: float) -> str:

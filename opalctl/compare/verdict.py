@@ -22,8 +22,16 @@ def p_text(figure: dict[str, Any]) -> str:
     return ("exact p = " if figure["p_exact"] else "p ≈ ") + f"{figure['p_value']:.2g}"
 
 
-def verdict(arm: str, baseline: str, metric: str, figure: dict[str, Any]) -> str:
-    """The sentence for ``figure``, a result of ``statistics.paired``."""
+def verdict(arm: str, baseline: str, metric: str, figure: dict[str, Any], flags: list[str] | None = None) -> str:
+    """The sentence for ``figure``, a result of ``statistics.paired``, followed by what the arm's runs flag
+    (compare/flags.py): no verdict is read without it."""
+    said = _verdict(arm, baseline, metric, figure)
+    if flags:
+        said += f" Flagged: {'; '.join(flags)}."
+    return said
+
+
+def _verdict(arm: str, baseline: str, metric: str, figure: dict[str, Any]) -> str:
     head = f"{arm} vs {baseline} on {metric}: "
     n = figure["n"]
     if n == 0:
