@@ -35,7 +35,7 @@ def prepare(work: Path, name: str):
     import torch
 
     from opalctl import checkpoints
-    from opalctl.driver.run import RunPaths
+    from opalctl.layout import LockRuns
     from opalctl.protocol.freeze import freeze
     from opalctl.protocol.lock import read_lock
     from opalctl.tasks import make_task
@@ -46,25 +46,28 @@ def prepare(work: Path, name: str):
     protocol = lock.protocol()
     arm_name = next(iter(protocol.arms))
     arm = protocol.arms[arm_name]
-    paths = RunPaths.of(work / "runs", lock, arm_name, 1)
-    paths.run.mkdir(parents=True)
+    paths = LockRuns.of(work / "runs", lock).run(arm_name, 1)
+    paths.training.mkdir(parents=True)
     task = make_task(protocol.task.entry, protocol.task.config)
     torch.set_num_threads(protocol.budget.threads)
     model = task.build(lock.parent_path(1), arm.model, 1).model
+    initial = checkpoints.save(paths.initial, model.state_dict(), kind="initial")
+    paths.initial_record = {"file": paths.name_of(paths.initial), "sha256": initial["sha256"],
+                            "model_sha256": initial["model_sha256"]}
     generator = torch.Generator().manual_seed(0)
     stages = []
     for index in range(len(protocol.budget.fractions)):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
-        record = checkpoints.save(paths.run / f"stage-{index + 1:02d}.pt", model.state_dict(), kind="stage",
+        record = checkpoints.save(paths.stage_checkpoint(index + 1), model.state_dict(), kind="stage",
                                   meta={"stage": index + 1})
-        stages.append({"index": index, **record})
+        stages.append({"index": index, "name": paths.name_of(paths.stage_checkpoint(index + 1)), **record})
     return lock, protocol, arm_name, arm, paths, task, stages
 
 
 def facts_of(index: int):
-    from opalctl.driver.judge import StageFacts
+    from opalctl.formats import StageFacts
 
     return StageFacts(update=index + 1, budget_used=float(index + 1), budget_fraction_used=(index + 1) / 4,
                       examples=0, train_cpu_seconds=0.0, train_wall_seconds=0.0, loss=None)
@@ -77,7 +80,8 @@ def in_process_block(lock, protocol, arm, task, splits, anchor_metrics, stages, 
     judge = Judge.build(task, splits, lock.parent_path(1), arm, 1, protocol.training.device, protocol)
     incumbent, seconds = Incumbent(), []
     for stage in stages:
-        saved = SavedStage.of(stage["index"], stage)
+        saved = SavedStage(index=stage["index"], root=run_dir, name=stage["name"], sha256=stage["sha256"],
+                           model_sha256=stage["model_sha256"], bytes=stage["bytes"])
         started = time.perf_counter()
         records, incumbent = judge.judge([saved], facts_of(stage["index"]), incumbent, anchor_metrics)
         for record in records:
@@ -91,17 +95,19 @@ def evaluator_block(lock, arm_name, paths, stages) -> tuple[float, list[float], 
 
     started = time.perf_counter()
     evaluator = EvaluatorProcess(Opening(lock=str(lock.path), lock_sha256=lock.sha256, arm=arm_name, seed=1,
-                                         run_dir=str(paths.run), anchor_dir=str(paths.anchor),
+                                         run_dir=str(paths.root), anchor_dir=str(paths.anchor.folder),
                                          sys_path=list(sys.path)))
     try:
-        anchor = evaluator.answer()["anchor"]
+        evaluator.answer()
         start_up = time.perf_counter() - started
-        evaluator.ask(Message.CONFINED, {"confinement": None})
+        evaluator.ask(Message.START, {"confinement": None, "initial": paths.initial_record, "inherited": None,
+                                      "initialised": None, "host": "bench"})
+        anchor = json.loads(paths.anchor.record.read_text())
         seconds = []
         for stage in stages:
             sent = {key: stage[key] for key in ("index", "sha256", "model_sha256", "bytes")}
             started = time.perf_counter()
-            evaluator.ask(Message.STAGE, {"saved": [sent], "facts": facts_of(stage["index"]).__dict__})
+            evaluator.ask(Message.STAGE, {"saved": [sent], "facts": facts_of(stage["index"]).to_json()})
             seconds.append(time.perf_counter() - started)
     finally:
         evaluator.end()
@@ -125,7 +131,7 @@ def main() -> None:
             starts.append(start_up)
             child.extend(seconds)
             here.extend(in_process_block(lock, protocol, arm, task, splits, anchor["metrics"], stages,
-                                         paths.run))
+                                         paths.root))
         result = {
             "task": options.task, "blocks": options.blocks, "stages": len(child),
             "in_process_stage_s": statistics.median(here), "evaluator_stage_s": statistics.median(child),
