@@ -16,7 +16,7 @@ import click
 
 from opalctl import __version__
 from opalctl.demo import MINUTES as DEMO_MINUTES
-from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, Interrupted, OpalctlError
+from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, BadInput, Interrupted, OpalctlError
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 
 json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
@@ -402,6 +402,17 @@ def demo(folder: str, runs_dir: str | None, json_mode: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the click group and turn anticipated errors into a sentence and an exit code."""
     try:
+        if argv is None:
+            # a process opalctl owns: `opalctl run` starts again at once without the secret-looking variables,
+            # which wait in a pipe for its agent host alone (opalctl.opal.handover); the pipe is kept from every
+            # other child
+            from opalctl.opal.handover import HandoverTooLarge, reexec_without_secrets, settle
+
+            try:
+                reexec_without_secrets(sys.argv[1:])
+            except HandoverTooLarge as error:
+                raise BadInput(str(error)) from None
+            settle()
         # a process opalctl owns (argv None: the console script, python -m opalctl) may confine itself for an agent
         # arm's run; a caller's process (main(ARGS) from Python, the tests) never is: confinement lasts as long as
         # the process

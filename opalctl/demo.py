@@ -138,9 +138,8 @@ def agent_rules(comparison: dict[str, Any]) -> dict[str, dict[str, int]]:
         rules: Counter = Counter()
         for seed in row["seeds"]:
             run_dir = base / row["arm"] / f"seed-{seed}"
-            decisions = RunLayout.of(run_dir).opal / "decisions"
-            for folder in sorted(decisions.glob("[0-9][0-9][0-9]")) if decisions.is_dir() else []:
-                check = rule_of(run_dir, int(folder.name))
+            for number in RunLayout.of(run_dir).decision_numbers():
+                check = rule_of(run_dir, number)
                 rules[check.rule if check is not None else "not recorded"] += 1
         if rules:
             counted[row["arm"]] = dict(sorted(rules.items(), key=lambda item: (-item[1], item[0])))

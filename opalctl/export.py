@@ -76,7 +76,8 @@ def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
                 writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
             if "budget_used" in stage:
                 writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
-        for decision in agent_decisions(RunLayout.of(run_dir).opal / "events.jsonl") or []:
+        layout = RunLayout.of(run_dir)
+        for decision in agent_decisions(layout.opal / "events.jsonl", layout.decisions) or []:
             if decision.get("answered_at") is None:
                 continue
             writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],

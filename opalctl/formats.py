@@ -8,6 +8,8 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``StageFacts``: what the training process sends the evaluator with a stage (driver/evaluator.py);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
+- ``HostDecisionRecord``: ``agent/decisions/NNN/answer.json``, one decision as the agent host saw it, and
+  ``HostRefusal``, one line of ``agent/refused.jsonl``, a request the host refused (opal/records.py);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
 - ``RunReport``: ``report.json``, with ``RunDigests``, the end of the chain of digests (below);
 - ``StartRecord``, ``AnchorRecord``, ``LastRecord``, ``SelectedRecord``: ``start.json``, ``anchor.json``,
@@ -288,6 +290,42 @@ class AgentFigures(_Record):
     # programs at decisions, state_dict() at checkpoints, load_state_dict() at resumes; the formal run charges the
     # outside seconds to the budget); None: a record written before they were measured
     agent_code_seconds: dict[str, dict[str, float]] | None = None
+
+
+@dataclass
+class HostDecisionRecord(_Record):
+    """``agent/decisions/NNN/answer.json``: one decision as the agent host saw it, written by the host process
+    beside the request as received and the files it answered (opal/records.py ``HostRecords``). ``programs`` and
+    ``running`` give the sha256 of each program file's text answered and received, so that a file edited after the
+    host wrote it is seen."""
+
+    WHAT = "a decision record of the agent host"
+
+    decision: int
+    backend: str  # the backend's name, as its recipe says
+    seconds: float  # from the request read to the answer written, in the host
+    usage: dict[str, Any]
+    cost_usd: float
+    failed: str | None  # why the decision failed (the programs answered are then the running ones)
+    unreadable: str | None  # why the programs the agent left cannot be loaded (a link, a folder, not UTF-8, ...)
+    programs: dict[str, str]  # updater.py / analysis.py -> the sha256 of the text answered
+    running: dict[str, str]  # updater.py / analysis.py -> the sha256 of the running program the request carried
+    swept: list[str]  # what the sweep of the workspace did after the decision
+    format: int = FORMAT_VERSION
+
+
+@dataclass
+class HostRefusal(_Record):
+    """One line of ``agent/refused.jsonl``: a request the agent host refused, as it saw it (the names of the
+    request's keys, never their values: a refused request is not followed, and its paths are not written)."""
+
+    WHAT = "a refusal of the agent host"
+
+    op: Any
+    id: Any
+    keys: list[str]
+    refused: str  # the sentence the host answered
+    format: int = FORMAT_VERSION
 
 
 @dataclass

@@ -14,7 +14,8 @@ show, compare, the report page and export never spell a name themselves::
             stage-NN.json  last.json            the evaluator
             selected.json  report.json          the evaluator
             grid.log                            the grid (what the run printed)
-            agent/                              the agent host: the workspace, and each decision as the host saw it
+            agent/                              the agent host: workspace/, decisions/NNN/ (each decision as the
+                                                host saw it: the request, the answer, the programs), refused.jsonl
             training/                           the training process's own, and the only place it may write once
                                                 confined: stage-NN.pt, resume.pt, steps.jsonl.gz, opal/ (the agent
                                                 optimizer's records, its account of what ran)
@@ -54,7 +55,7 @@ START, INITIAL, LAST, SELECTED, REPORT = "start.json", "initial.pt", "last.json"
 GRID_LOG = "grid.log"
 TRAINING, AGENT = "training", "agent"
 RESUME, STEPS, OPAL = "resume.pt", "steps.jsonl.gz", "opal"
-WORKSPACE = "workspace"
+WORKSPACE, DECISIONS = "workspace", "decisions"
 ANCHOR = "anchor.json"
 REPORT_PAGE = "report.html"
 
@@ -175,6 +176,28 @@ class RunLayout:
     @property
     def workspace(self) -> Path:
         return self.agent / WORKSPACE
+
+    @property
+    def host_decisions(self) -> Path:
+        """The agent host's record of each decision, ``agent/decisions/NNN``."""
+        return self.agent / DECISIONS
+
+    @property
+    def decisions(self) -> Path:
+        """Where a reader finds each decision's record: the agent host's (``agent/decisions``) in a run folder with
+        an ``agent/`` folder; else (a folder made before the host kept records, or whose backend answers in the
+        training process: ``keep``) the training process's (``opal/decisions``)."""
+        return self.host_decisions if self.agent.is_dir() else self.opal / DECISIONS
+
+    def decision_folder(self, number: int) -> Path:
+        """Decision ``number``'s record, where ``decisions`` says."""
+        return self.decisions / f"{int(number):03d}"
+
+    def decision_numbers(self) -> list[int]:
+        """The numbers of the decisions recorded there, in order."""
+        folder = self.decisions
+        found = folder.glob("[0-9][0-9][0-9]") if folder.is_dir() else []
+        return sorted(int(path.name) for path in found if path.is_dir())
 
     # -- training's own ------------------------------------------------------------------------------------------
     @property

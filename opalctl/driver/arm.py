@@ -49,13 +49,13 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
 
     agent = arm.agent
     backend = registry.from_protocol(agent)
-    # the key never reaches a file: the records' one redaction catches it, and any piece of it, together with
-    # every secret-looking variable of the environment (opalctl.opal.records.Redaction)
-    secrets = backend.secrets()
     decisions, _ = agent_decisions(arm, budget)
+    # the agent host's workspace and records (layout.agent) lie outside training/, which alone the confined training
+    # process may write; the key stays with the host, whose redaction catches it (opalctl.opal.records)
     options = dict(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend, decisions=decisions,
                    schedule=agent.schedule, blocking=agent.blocking, every=agent.every, trial_steps=agent.trial_steps,
-                   run_dir=layout.opal, prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, secrets=secrets)
+                   run_dir=layout.opal, agent_dir=layout.agent, prompt=agent.prompt, clip=clip,
+                   max_lag=agent.max_lag)
     if world > 1:
         from opalctl.opal.distributed import wrap_distributed
 

@@ -561,8 +561,13 @@ class FormalRun:
     def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
         from opalctl.driver.budget import clock_spec
 
+        from opalctl.opal.agents.host import release_secrets
+
         protocol, layout, ranks = self.protocol, self.layout, self.ranks
         parts, agent, meter, clock = self._build()
+        # the secrets `opalctl run` started again without (opal/handover.py): the agent host has read them, if the
+        # arm has one; this process never does, and closes its end before anything it runs could
+        release_secrets()
         ledger = Ledger(cpu_charges=clock_spec(protocol.budget.clock).cpu_charges)
         resuming = resume and layout.resume.exists()  # else the claim found it at update 0
         if ranks.lead:
@@ -612,7 +617,6 @@ class FormalRun:
         steps = StepsWriter.started(layout.steps, cpu_charges=ledger.cpu_charges,
                                     inherit_fds=(lock_handle.fileno(),), confine=confining)
         try:
-            release_secrets()  # the agent host has taken them, if there is one: nothing of them stays here
             confinement = confine_training(layout, protocol) if confining else None
             evaluator.answer()  # the anchor is evaluated, or its record checked
             evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
@@ -673,15 +677,6 @@ def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
                                   bounds=bounds)
     return confinement.to_json()
 
-
-def release_secrets() -> None:
-    """Close this process's end of the secrets an ``opalctl run`` process was started again without (the agent
-    host read them, if there is one; opal/agents/host.py)."""
-    try:
-        from opalctl.opal.agents.host import release_secrets as release
-    except ImportError:  # the agent host of this opalctl holds no secrets for the training process to release
-        return
-    release()
 
 
 class StopSignals:

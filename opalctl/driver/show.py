@@ -17,6 +17,8 @@ from opalctl.errors import BadInput
 from opalctl.formats import Event, RecordDamaged, StageRecord, StartRecord, read_jsonl
 from opalctl.layout import RunLayout
 
+NOT_IN_EVENTS = "not in the events"  # a decision the agent host answered that the training process's events omit
+
 
 def show(run_dir: str | Path) -> dict[str, Any]:
     from opalctl.protocol.verify import checked_run_folder, is_run_folder
@@ -37,7 +39,7 @@ def show(run_dir: str | Path) -> dict[str, Any]:
         "stages": [_stage_row(stage) for stage in stages],
         "selected": read.selected.value,
         "report": read.report.value,
-        "decisions": agent_decisions(RunLayout.of(folder).opal / "events.jsonl"),
+        "decisions": agent_decisions(RunLayout.of(folder).opal / "events.jsonl", RunLayout.of(folder).decisions),
     }
 
 
@@ -57,16 +59,49 @@ def _refused_by(decision: dict[str, Any]) -> list[str]:
     return rules
 
 
-def agent_decisions(events_path: Path) -> list[dict[str, Any]] | None:
+def agent_decisions(events_path: Path, decisions: Path | None = None) -> list[dict[str, Any]] | None:
     """Each decision of an agent arm: when asked, what became of it, the rationale's first line, seconds, cost,
-    and for an applied one the files it changed with lines added and removed (``diff``)."""
-    if not events_path.exists():
-        return None
-    try:
-        return _decisions(read_jsonl(events_path))
-    except (KeyError, TypeError, AttributeError):
-        raise RecordDamaged(f"{events_path} holds an event without the fields of its kind; the record is damaged, "
-                            f"so its decisions cannot be shown") from None
+    and for an applied one the files it changed with lines added and removed (``diff``).
+
+    When and what became of it are the training process's account (``events_path``); what the agent answered
+    (rationale, seconds, cost, the files changed) is the agent host's record where there is one (``decisions``, a
+    run folder's ``RunLayout.decisions``), which the training process cannot rewrite. A decision the host recorded
+    and the events do not mention is shown too (``outcome`` "not in the events")."""
+    entries = None
+    if events_path.exists():
+        try:
+            entries = _decisions(read_jsonl(events_path))
+        except (KeyError, TypeError, AttributeError):
+            raise RecordDamaged(f"{events_path} holds an event without the fields of its kind; the record is "
+                                f"damaged, so its decisions cannot be shown") from None
+    if decisions is not None and decisions.is_dir():
+        entries = _as_the_host_saw_them(entries or [], decisions)
+    return entries
+
+
+def _as_the_host_saw_them(entries: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
+    """``entries`` with what the agent host recorded of each decision in ``folder`` in place of the events' word."""
+    from opalctl.opal.records import DecisionRecord, line_changes
+
+    by_number = {entry["decision"]: entry for entry in entries}
+    for path in sorted(folder.glob("[0-9][0-9][0-9]")):
+        record = DecisionRecord(path)
+        answer = record.answer()
+        if answer is None:
+            continue
+        entry = by_number.setdefault(int(path.name), {"decision": int(path.name), "asked_at": None, "reason": None,
+                                                      "outcome": NOT_IN_EVENTS})
+        lines = [line.strip() for line in (record.rationale or "").strip().splitlines() if line.strip()]
+        entry.update(rationale=lines[0] if lines else "", seconds=answer.seconds, cost_usd=answer.cost_usd,
+                     summary=next((line for line in lines if line.lower().startswith(("changed", "kept"))), ""),
+                     answered_by="agent host")
+        if answer.failed:
+            entry["message"] = answer.failed.splitlines()[0] if answer.failed.strip() else answer.failed
+        elif entry["outcome"] in (Event.APPLIED, NOT_IN_EVENTS):
+            running, answered = record.running(), record.answered()
+            changed = [name for name in answered if answered[name] != running[name]]
+            entry.update(files=changed, diff={name: line_changes(running[name], answered[name]) for name in changed})
+    return [by_number[number] for number in sorted(by_number)]
 
 
 def _decisions(events) -> list[dict[str, Any]]:

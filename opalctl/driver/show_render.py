@@ -55,8 +55,8 @@ def _decisions(decisions: list[dict[str, Any]]) -> None:
 
 def rule_of(run_dir: str | Path, decision: int) -> Check | None:
     """The rule that decided decision ``decision`` of a formal run's agent (the heuristic records one; other
-    backends do not)."""
-    return decided_by(RunLayout.of(run_dir).opal / "decisions" / f"{decision:03d}")
+    backends do not), from the decision's record (the agent host's, where there is one: ``RunLayout.decisions``)."""
+    return decided_by(RunLayout.of(run_dir).decision_folder(decision))
 
 
 def _rules(result: dict[str, Any]) -> None:

@@ -1,18 +1,21 @@
 """The decisions: when the agent is asked (the schedule, wake-ups, one decision in flight, reasons queued behind
 it, the cost cap), how it is asked (in the foreground, or in the background while training goes on), and what
 becomes of its answer (``apply`` returns an ``Outcome``; every outcome is an event and a ``decisions/NNN``
-folder).
+folder of the training process's account).
 
-Where the work happens is the ``AgentLine``'s: a backend that runs agent code or talks to the network answers in
-the agent host (``opalctl.opal.agents.host``), blocking or not, the same answers either way; the training process
-only writes the question into the workspace and reads the programs back, never following a link and refusing a
-program that is no regular UTF-8 file (a load failure with the sentence).
+Where the work happens is the ``AgentLine``'s. A backend that runs agent code or talks to the network answers in
+the agent host (``HostedLine``, ``opalctl.opal.agents.host``), blocking or not, the same answers either way: the
+training process sends the running programs' text, the message and the facts, never a path, and never touches
+the host's workspace; it loads exactly the programs the answer carries (the static check, the guard and the trial
+as for any program), and the host records each decision as it saw it. A backend that does neither (``keep``, a
+callable given to ``wrap()``: the user's code, not an agent's) answers here (``LocalLine``) in a workspace of its
+own, whose programs are read back never following a link and refusing a program that is no regular UTF-8 file (a
+load failure with the sentence); the training process then records the decision's texts itself.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
@@ -25,8 +28,9 @@ from typing import Any
 from opalctl.formats import Event
 from opalctl.opal.agents import Answer
 from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
-from opalctl.opal.agents.workspace import META_FOLDER, read_program, real_folder, write_file_here
+from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder, write_file_here
 from opalctl.opal.messages import rebin, render
+from opalctl.opal.records import line_changes, program_sha256, redact_json
 from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Version
 
 DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
@@ -54,6 +58,7 @@ class InFlight:
     number: int
     message: str
     facts: dict[str, Any]
+    files: dict[str, str]  # the running programs the question was asked with
     started: float
     requested_at: int
     reason: str
@@ -68,15 +73,6 @@ class Outcome:
     kind: str
     decision: int
     version: int | None = None
-
-
-def _diff_lines(old: str, new: str) -> dict[str, int]:
-    """Lines added and removed from ``old`` to ``new`` (a short summary of a program change)."""
-    import difflib
-
-    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
-    return {"added": sum(1 for x in lines if x.startswith("+") and not x.startswith("+++")),
-            "removed": sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))}
 
 
 class HostedBackend:
@@ -95,87 +91,84 @@ class HostedBackend:
 
 
 class AgentLine:
-    """The line to the agent: its backend, the workspace where it edits the programs, and how a question is sent
-    (to the agent host, or, for a backend that runs no agent code and talks to no one, called here or in a
-    thread) and its answer collected. Everything it writes goes through the records' redaction."""
+    """The line to the agent as the training process holds it: the backend (or what is kept of a hosted one), the
+    message it reads, and how a question is sent and its answer collected (``LocalLine``, ``HostedLine``; build one
+    with ``make_line``). Everything it writes goes through the training process's redaction."""
 
-    def __init__(self, backend, workspace: Path, scratch: bool, prompt_text: str,
-                 redaction: Callable[[str], str] | None = None):
-        from opalctl.opal.records import Redaction
+    keeps_texts = False  # whether the training process records the message, the response and the transcript
 
-        self.workspace = real_folder(workspace)
-        self.scratch = scratch  # a temporary folder (no run folder was given), removed by close()
-        self.prompt_text = prompt_text
-        self.redaction = redaction or Redaction(environ=os.environ)
-        self.host: AgentHost | None = None
+    def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str]):
         self.backend = backend
-        if backend.runs_in == "host":
-            self.host = AgentHost(backend.recipe())
-            self.backend = HostedBackend(backend)
-            scrub_environment()  # the host holds the keys now; neither programs nor later children see them
-        self.limit = limit_of(self.backend)
-
-    def close(self) -> None:
-        if self.host is not None:
-            for name, value in self.host.environment().items():  # the agent is done: the keys come back
-                os.environ.setdefault(name, value)
-            self.host.stop()
-        if self.scratch:
-            import shutil
-
-            shutil.rmtree(self.workspace, ignore_errors=True)
+        self.prompt_text = prompt_text
+        self.redaction = redaction
+        self.limit = limit_of(backend)
 
     def prepare(self, facts: dict[str, Any], files: dict[str, str]) -> tuple[str, dict[str, Any]]:
-        """Put the running programs and the facts in the workspace (a link left in the place of one is
-        replaced, never followed); returns the message the agent reads and the facts, both redacted."""
+        """The message the agent reads and the facts, both redacted."""
+        message = self.redaction(self.prompt_text + "\n\n" + render(facts, files))
+        return message, redact_json(json.loads(json.dumps(facts, sort_keys=True, default=float)), self.redaction)
+
+    def call(self, number: int, message: str, facts: dict[str, Any], files: dict[str, str]) -> Answer:
+        """Decision ``number``, waited for: the answer, with the programs as the agent left them."""
+        raise NotImplementedError
+
+    def start(self, inflight: InFlight) -> None:
+        raise NotImplementedError
+
+    def collect(self, inflight: InFlight, wait: bool) -> tuple[Answer | None, float]:
+        """The answer of a decision in flight (None while it works) and the seconds spent waiting for it."""
+        raise NotImplementedError
+
+    def abandon(self, inflight: InFlight) -> None:
+        """Stop working on a decision in flight."""
+
+    def close(self) -> None:
+        """The agent is done."""
+
+
+class LocalLine(AgentLine):
+    """A backend that answers in this process (``keep``, a user's callable): a workspace of its own (``run_dir/
+    workspace``, or a temporary folder removed by ``close``), the running programs and the facts written into it
+    before each decision and the programs read back after it; a non-blocking decision runs in a thread."""
+
+    keeps_texts = True
+
+    def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str], workspace: Path, scratch: bool):
+        super().__init__(backend, prompt_text, redaction)
+        self.workspace = real_folder(workspace)
+        self.scratch = scratch
+
+    def prepare(self, facts: dict[str, Any], files: dict[str, str]) -> tuple[str, dict[str, Any]]:
+        """Also put the running programs and the facts in the workspace (a link left in the place of one is
+        replaced, never followed)."""
+        message, facts = super().prepare(facts, files)
         root = real_folder(self.workspace)
         for name in PROGRAM_FILES:
             write_file_here(root / name, files[name].encode("utf-8"))
         meta = real_folder(root / META_FOLDER)
-        message = self.redaction(self.prompt_text + "\n\n" + render(facts, files))
-        facts_text = self.redaction(json.dumps(facts, sort_keys=True, default=float))
-        write_file_here(meta / "facts.json", facts_text.encode("utf-8"))
+        write_file_here(meta / "facts.json", json.dumps(facts, sort_keys=True, default=float).encode("utf-8"))
         write_file_here(meta / "message.md", message.encode("utf-8"))
-        return message, json.loads(facts_text)
+        return message, facts
 
-    def edited(self) -> tuple[dict[str, str], str | None]:
-        """The programs as the agent left them in the workspace, and why they cannot be loaded (None: they can
-        be tried; see ``workspace.read_program``)."""
-        files, problems = {}, []
-        for name in PROGRAM_FILES:
-            files[name], problem = read_program(self.workspace, name)
-            if problem is not None:
-                problems.append(problem)
-        return files, "; ".join(problems) or None
-
-    def call(self, number: int, message: str, facts: dict[str, Any]) -> Answer:
-        """Decision ``number``, waited for."""
-        if self.host is not None:
-            self.host.ask(number, self.workspace, message, facts, self.limit)
-            return self.host.answer(number, wait=True, seconds=self.limit)
+    def call(self, number: int, message: str, facts: dict[str, Any], files: dict[str, str]) -> Answer:
         try:
             answer = self.backend.decide(self.workspace, message, facts)
-            return answer if isinstance(answer, Answer) else Answer(rationale=str(answer))
+            answer = answer if isinstance(answer, Answer) else Answer(rationale=str(answer))
         except Exception as error:  # the agent's failure is an event, never the end of training
             return Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
+        if not answer.failed:
+            answer.programs, answer.unreadable = programs_in(real_folder(self.workspace))
+        return answer
 
     def start(self, inflight: InFlight) -> None:
-        if self.host is not None:
-            self.host.ask(inflight.number, self.workspace, inflight.message, inflight.facts, self.limit)
-            return
-
         def work() -> None:
-            inflight.result = self.call(inflight.number, inflight.message, inflight.facts)
+            inflight.result = self.call(inflight.number, inflight.message, inflight.facts, inflight.files)
 
         inflight.thread = threading.Thread(target=work, name="opal-decision", daemon=True)
         inflight.thread.start()
 
     def collect(self, inflight: InFlight, wait: bool) -> tuple[Answer | None, float]:
-        """The answer of a decision in flight (None while it works) and the seconds spent waiting for it."""
         started = time.perf_counter()
-        if self.host is not None:
-            answer = self.host.answer(inflight.number, wait=wait, seconds=self.limit)
-            return answer, (time.perf_counter() - started if wait else 0.0)
         if wait:
             inflight.thread.join()
         waited = time.perf_counter() - started if wait else 0.0
@@ -183,10 +176,79 @@ class AgentLine:
             return None, waited
         return inflight.result, waited
 
+    def close(self) -> None:
+        if self.scratch:
+            import shutil
+
+            shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+class HostedLine(AgentLine):
+    """A backend that runs agent code or talks to the network: its decisions run in the agent host, whose workspace
+    and records are ``agent_dir`` (``workspace/``, ``decisions/``), fixed when it starts (a temporary folder removed
+    by ``close`` when ``scratch``). Once the host is up, this process's environment loses its secret-looking
+    variables for good (the host holds them; ``close`` does not put them back)."""
+
+    def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str], agent_dir: Path, scratch: bool,
+                 secrets: list[str] | None = None):
+        from opalctl.layout import WORKSPACE
+
+        super().__init__(backend, prompt_text, redaction)
+        self.agent_dir, self.scratch = Path(agent_dir), scratch
+        self.host = AgentHost(backend.recipe(), workspace=self.agent_dir / WORKSPACE, records=self.agent_dir,
+                              limit=self.limit, secrets=list(secrets or []))
+        self.backend = HostedBackend(backend)
+        scrub_environment()  # the host holds the keys now; neither programs nor later children see them
+
+    def call(self, number: int, message: str, facts: dict[str, Any], files: dict[str, str]) -> Answer:
+        self.host.ask(number, message, facts, files)
+        return self.host.answer(number, wait=True, seconds=self.limit)
+
+    def start(self, inflight: InFlight) -> None:
+        self.host.ask(inflight.number, inflight.message, inflight.facts, inflight.files)
+
+    def collect(self, inflight: InFlight, wait: bool) -> tuple[Answer | None, float]:
+        started = time.perf_counter()
+        answer = self.host.answer(inflight.number, wait=wait, seconds=self.limit)
+        return answer, (time.perf_counter() - started if wait else 0.0)
+
     def abandon(self, inflight: InFlight) -> None:
-        """Stop working on a decision in flight (a thread is left to finish; its answer is never read)."""
-        if self.host is not None:
-            self.host.cancel(inflight.number)
+        self.host.cancel(inflight.number)
+
+    def close(self) -> None:
+        self.host.stop()
+        if self.scratch:
+            import shutil
+
+            shutil.rmtree(self.agent_dir, ignore_errors=True)
+
+
+def make_line(backend, prompt_text: str, redaction: Callable[[str], str], *, run_dir: Path | None,
+              agent_dir: Path | None, secrets: list[str] | None = None) -> AgentLine:
+    """The line for ``backend``: a ``HostedLine`` when its decisions run in the agent host (its folder ``agent_dir``,
+    else ``run_dir/agent``, else a temporary one), a ``LocalLine`` otherwise (its workspace ``run_dir/workspace``,
+    else a temporary one)."""
+    import tempfile
+
+    if backend.runs_in == "host":
+        folder = agent_dir if agent_dir is not None else (run_dir / "agent" if run_dir is not None else None)
+        scratch = folder is None
+        folder = Path(tempfile.mkdtemp(prefix="opal-agent-")) if scratch else Path(folder)
+        return HostedLine(backend, prompt_text, redaction, folder, scratch, secrets)
+    scratch = run_dir is None
+    workspace = Path(tempfile.mkdtemp(prefix="opal-workspace-")) if scratch else run_dir / "workspace"
+    return LocalLine(backend, prompt_text, redaction, workspace, scratch)
+
+
+def answered_programs(answer: Answer) -> tuple[dict[str, str], str | None]:
+    """The programs an answer carries, as the training process loads them, and why they cannot be loaded (None: they
+    can be tried)."""
+    programs = answer.programs or {}
+    files = {name: programs.get(name, "") for name in PROGRAM_FILES}
+    if answer.programs is None or any(name not in programs for name in PROGRAM_FILES):
+        return files, (answer.unreadable or "the answer carried no programs (updater.py and analysis.py); the "
+                                            "decision is not applied")
+    return files, answer.unreadable
 
 
 @dataclass
@@ -339,7 +401,8 @@ class Decisions:
         self.counts.asked += 1
         number = self.counts.asked
         facts = self._facts(reason, number, t)
-        message, facts = self.agent.prepare(facts, self.slots.current.files)
+        files = dict(self.slots.current.files)
+        message, facts = self.agent.prepare(facts, files)
         self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
                            version=self.slots.current.number)
         self.observer.errors = []
@@ -352,14 +415,14 @@ class Decisions:
             blocking = True  # training waits for an answer when the loss is not finite
         started = time.perf_counter()
         if blocking:
-            answer = self.agent.call(number, message, facts)
+            answer = self.agent.call(number, message, facts, files)
             waited = time.perf_counter() - started
             self.counts.waiting_seconds += waited
             self.counts.agent_seconds += waited
             self.apply(_Asked(number, answer, message, requested_at=t, seconds=waited, waited=waited), t)
         else:
-            self.state.inflight = InFlight(number=number, message=message, facts=facts, started=started,
-                                           requested_at=t, reason=reason)
+            self.state.inflight = InFlight(number=number, message=message, facts=facts, files=files,
+                                           started=started, requested_at=t, reason=reason)
             self.agent.start(self.state.inflight)
 
     def poll(self, t: int, wait: bool = False) -> None:
@@ -385,7 +448,9 @@ class Decisions:
         """Apply one answer at update ``t``: late (after the last update), failed, kept, not loaded, or applied."""
         answer, number = asked.answer, asked.number
         self.counts.cost_usd += answer.cost_usd or 0.0
-        files = {"message.md": asked.message, "response.md": answer.rationale or ""}
+        # the texts of a decision the agent host answered are its records, not this process's
+        keeps_texts = self.agent.keeps_texts
+        files = {"message.md": asked.message, "response.md": answer.rationale or ""} if keeps_texts else {}
         meta = {"decision": number, "requested_at": asked.requested_at, "answered_at": t, "seconds": asked.seconds,
                 "waited_seconds": asked.waited, "usage": answer.usage, "cost_usd": answer.cost_usd}
         if self.closing and not answer.failed:
@@ -395,7 +460,7 @@ class Decisions:
             self.records.save_decision(number, files, {**meta, "outcome": Event.LATE})
             return Outcome(Event.LATE, number)
         meta["backend"] = self.agent.backend.describe()
-        if answer.transcript:
+        if answer.transcript and keeps_texts:
             files["transcript.json"] = json.dumps(answer.transcript, indent=1, default=str)
         lines = [line.strip() for line in (answer.rationale or "").strip().splitlines() if line.strip()]
         summary = next((line for line in lines if line.lower().startswith(("changed", "kept"))), "")
@@ -408,7 +473,8 @@ class Decisions:
             return Outcome(Event.DECISION_FAILED, number)
         self.state.answer_seconds.append(asked.seconds)
         del self.state.answer_seconds[:-ANSWER_SECONDS_KEPT]
-        edited, unreadable = self.agent.edited()
+        edited, unreadable = answered_programs(answer)
+        meta["programs_sha256"] = {name: program_sha256(text) for name, text in edited.items()}
         if unreadable is not None:
             return self._refuse(edited, unreadable, files, meta, common, t)
         if edited == self.slots.current.files:
@@ -448,7 +514,7 @@ class Decisions:
         self.counts.applied += 1
         self.records.save_program(version.number, edited)
         changed = [name for name in PROGRAM_FILES if edited[name] != previous.files[name]]
-        diff = {name: _diff_lines(previous.files[name], edited[name]) for name in changed}
+        diff = {name: line_changes(previous.files[name], edited[name]) for name in changed}
         self.records.event(Event.APPLIED, version=version.number, previous=previous.number, files=changed,
                            diff=diff, **common)
         self.records.save_decision(number, files, {**meta, "outcome": Event.APPLIED, "version": version.number,

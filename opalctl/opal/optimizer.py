@@ -56,7 +56,7 @@ import torch
 
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
-from opalctl.opal.decisions import AgentLine, Decisions
+from opalctl.opal.decisions import Decisions, make_line
 from opalctl.opal.guard import (
     Interrupts,
     StepFailure,
@@ -72,7 +72,7 @@ from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
 from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
-from opalctl.opal.records import OpalRecords
+from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
 from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Snapshot, Version
@@ -87,18 +87,6 @@ __all__ = ["AgentOptimizer", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", 
 def default_sources() -> dict[str, str]:
     folder = resources.files("opalctl.opal").joinpath("defaults")
     return {name: folder.joinpath(name).read_text("utf-8") for name in PROGRAM_FILES}
-
-
-def _workspace(run_dir: Path | None) -> tuple[Path, bool]:
-    """Where the agent edits the programs, and whether it is a scratch folder (removed at the end)."""
-    if run_dir is not None:
-        workspace, scratch = run_dir / "workspace", False
-    else:
-        import tempfile
-
-        workspace, scratch = Path(tempfile.mkdtemp(prefix="opal-workspace-")), True
-    workspace.mkdir(parents=True, exist_ok=True)
-    return workspace, scratch
 
 
 def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:
@@ -126,7 +114,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                  schedule, blocking, every: int, trial_steps: int, run_dir, prompt: str, scheduler, clip,
                  max_lag: int, step_time_limit: float, max_wakes: int | None, manual_boundaries: bool,
                  secrets: list[str] | None = None, sources: dict[str, str] | None = None,
-                 eval_integrity: bool = True):
+                 eval_integrity: bool = True, agent_dir=None):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -152,7 +140,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._plain_until = 0  # see _plan: the only writer
         run_dir = Path(run_dir) if run_dir is not None else None
-        self.records = OpalRecords(run_dir, [*(secrets or []), *backend.secrets()])
+        # this process's records are redacted by pattern: it holds no secret to compare with (records.py), unless a
+        # caller whose backend answers here gives its own (its code, its strings)
+        local_secrets = secrets if secrets and backend.runs_in != "host" else None
+        self.records = OpalRecords(run_dir, SecretRedaction(local_secrets) if local_secrets else Redaction())
         Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
         self.guard = StepGuard(step_time_limit, self.named)
         self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
@@ -165,8 +156,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.decisions = Decisions(
             DecisionSchedule(decision_fractions(decisions, schedule),
                              max_wakes if max_wakes is not None else max(1, decisions // 2)),
-            AgentLine(backend, *_workspace(run_dir), prompt_text(prompt), self.records.redaction), self.records,
-            self.slots,
+            make_line(backend, prompt_text(prompt), self.records.redaction, run_dir=run_dir,
+                      agent_dir=Path(agent_dir) if agent_dir is not None else None, secrets=secrets),
+            self.records, self.slots,
             self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress)
         _start(self.slots, self.records, sources, backend=self.decisions.agent.backend.describe(), decisions=decisions,
                schedule=self.decisions.schedule.fractions, blocking=blocking, trial_steps=trial_steps, prompt=prompt)
@@ -555,16 +547,28 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
          blocking: bool | str = True, every: int = 25, trial_steps: int = 20, run_dir: str | Path | None = None,
          prompt: str = "neutral", scheduler=None, clip: float | None = None, max_lag: int = 50,
          step_time_limit: float = 10.0, max_wakes: int | None = None, manual_boundaries: bool = False,
-         secrets: list[str] | None = None, eval_integrity: bool = True) -> AgentOptimizer:
+         secrets: list[str] | None = None, eval_integrity: bool = True,
+         agent_dir: str | Path | None = None) -> AgentOptimizer:
     """Wrap a torch optimizer so that an agent may rewrite its update rule while the model trains.
 
     ``optimizer`` (and ``scheduler``, and ``clip`` when given) are what the starting program runs, unchanged.
     ``progress`` returns the fraction of the budget used (decisions are scheduled on it); without it, progress is
     updates done over ``total_steps``. ``backend`` is ``"heuristic"``, ``"keep"``, or a callable
-    ``fn(workspace, message) -> rationale``. ``run_dir`` keeps the records (events, programs, decisions).
+    ``fn(workspace, message) -> rationale``. ``run_dir`` keeps this process's records (events, programs as loaded,
+    each decision's outcome). ``agent_dir`` is where the agent host keeps its workspace and its records of each
+    decision (``workspace/``, ``decisions/NNN/``), fixed when the host starts; by default ``run_dir / "agent"``, or
+    a temporary folder without ``run_dir``. A backend that answers in this process (``keep``, a callable) edits in
+    ``run_dir / "workspace"`` (or a temporary folder) instead. ``secrets``: strings to keep out of every record
+    besides the secret-looking variables of the environment and the backend's key.
+
+    A backend whose decisions run in the agent host (``heuristic``, ``anthropic``, ``claude-code``, ``replay``)
+    starts the host here; the host takes the secret-looking variables of the environment (``ANTHROPIC_API_KEY``,
+    any ``*_TOKEN``, ...) and this process removes them from ``os.environ`` for good: they do not come back at
+    ``close()``. In a notebook, set one again yourself, e.g. ``os.environ["ANTHROPIC_API_KEY"] = key``.
     """
     return AgentOptimizer(optimizer, model, goal=goal, total_steps=total_steps, progress=progress, backend=backend,
                           decisions=decisions, schedule=schedule, blocking=blocking, every=every,
                           trial_steps=trial_steps, run_dir=run_dir, prompt=prompt, scheduler=scheduler, clip=clip,
                           max_lag=max_lag, step_time_limit=step_time_limit, max_wakes=max_wakes,
-                          manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity)
+                          manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity,
+                          agent_dir=agent_dir)

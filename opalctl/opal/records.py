@@ -1,19 +1,45 @@
-"""The agent optimizer's own records, under ``RUN_DIR`` (the formal run puts it at ``<run>/opal/``).
+"""The agent's records: the training process's own account under ``RUN_DIR`` (``OpalRecords``; a formal run puts it
+at ``<run>/training/opal/``), the agent host's under its own folder (``HostRecords``; ``<run>/agent/``), and the
+redactions every writer goes through.
+
+The training process's (``OpalRecords``), its claim of what ran:
 
     events.jsonl     one JSON object per line, its type in ``kind`` (one of ``opalctl.formats.Event``: start,
                      requested, applied, kept, load_failed, trial_passed, reverted, failed_step, wake, end, ...)
     losses.jsonl     the loss binned per analysis interval (update, mean, min, max, count, non-finite count)
     reports.jsonl    every analysis report
     programs/vNNN/   each version of updater.py and analysis.py, as loaded
-    decisions/NNN/   message.md (what the agent read), response.md (its rationale), meta.json (timing, outcome)
-    workspace/       where the agent edits the programs
+    decisions/NNN/   meta.json (timing, outcome, the sha256 of the programs it was answered); for a backend that
+                     answers in this process (``keep``, a callable given to ``wrap()``), also message.md (what the
+                     agent read), response.md (its rationale) and transcript.json, which no host records
+    workspace/       where such a backend edits the programs
 
-The three .jsonl files are appended line by line and flushed. Inside a timed update (``with records.hold:``)
-lines wait in memory and are written at the next ``flush``: writing files is not part of an update. Their
-lengths are part of the optimizer's ``state_dict`` so that a resumed run first cuts them back to what the
-checkpoint had seen. Every line and file goes through one ``Redaction`` before it reaches a file: anything shaped
-like an API key or token, and any piece of eight characters or more of a secret of the environment or the
-backend.
+The agent host's (``HostRecords``), written by the host process, which no agent program runs in, into a folder the
+confined training process cannot write; each decision as the host saw it:
+
+    decisions/NNN/   the request as received (message.md, facts.json, running/updater.py, running/analysis.py),
+                     the answer (response.md, the rationale; transcript.json; answer.json, a
+                     ``formats.HostDecisionRecord``) and the programs answered (updater.py, analysis.py); written
+                     whole under a temporary name and renamed; a record of the same number an earlier session
+                     made is moved aside (``NNN.earlier-K``), never overwritten
+    refused.jsonl    every request the host refused (``formats.HostRefusal``)
+    workspace/       the host's workspace (``opalctl.opal.agents.workspace.FixedWorkspace``)
+
+The three .jsonl files of the training process are appended line by line and flushed. Inside a timed update
+(``with records.hold:``) lines wait in memory and are written at the next ``flush``: writing files is not part of an
+update. Their lengths are part of the optimizer's ``state_dict`` so that a resumed run first cuts them back to what
+the checkpoint had seen.
+
+**Redaction.** Every line and file goes through one redaction before it reaches a file. The training process's
+(``Redaction``) catches the text patterns of ``SECRET_PATTERNS`` and holds no secret and no hash of one: it runs
+agent programs, which can read whatever the process holds (salted hashes of a key's 8-character pieces gave the key
+back one character at a time from its known prefix). The agent host and its workers hold the keys anyway; their
+``SecretRedaction`` also catches every secret they hold, whole, reversed, and in any piece of ``PIECE`` (7)
+characters or more, in everything they write and everything they send back. Seven, not six: a secret-looking
+variable's value is not always random (a password of words, a path in ``HF_TOKEN_PATH``), and its 6-character
+pieces ("passwo", "/home/") are common in ordinary text and code, while a run of seven characters of a random key
+occurs in a prompt or a transcript only by quoting it (tests/opal/test_redaction.py holds the shipped prompts and a
+heuristic transcript unchanged).
 """
 
 from __future__ import annotations
@@ -21,11 +47,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets as random_names
+import shutil
 from pathlib import Path
 from typing import Any
 
 from opalctl.files import atomic_write_json, atomic_write_text
-from opalctl.formats import Event
+from opalctl.formats import Event, HostDecisionRecord, HostRefusal
+from opalctl.opal.handover import SECRET_NAME, secret_names
+
+__all__ = ["SECRET_PATTERNS", "SECRET_NAME", "secret_names", "PIECE", "REDACTED", "Redaction", "SecretRedaction",
+           "redact_json", "OpalRecords", "HostRecords", "DecisionRecord", "line_changes", "program_sha256"]
 
 # what a secret looks like inside text, whoever's it is
 SECRET_PATTERNS = [
@@ -33,65 +65,57 @@ SECRET_PATTERNS = [
     re.compile(r"(?i)(api[_-]?key|token|secret|authorization|x-api-key)([\"']?\s*[:=]\s*[\"']?)([^\s\"',}]{8,})"),
     re.compile(r"(?i)bearer\s+[A-Za-z0-9._\-]{12,}"),
 ]
-# the names of environment variables that hold secrets (API keys, tokens, passwords)
-SECRET_NAME = re.compile(r"(?i)(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)($|_)|SECRET")
-# the shortest piece of a secret that is caught: any longer piece holds one; a shorter one is too common to
-# tell apart from ordinary text
-FRAGMENT = 8
+# the shortest piece of a secret the agent host's redaction catches (module docstring: why seven)
+PIECE = 7
 REDACTED = "[redacted]"
 
 
-def secret_names(environ) -> list[str]:
-    """The variables of ``environ`` whose names say they hold a secret (ANTHROPIC_API_KEY, GH_TOKEN, ...)."""
-    return sorted(name for name in environ if SECRET_NAME.search(name))
-
-
 class Redaction:
-    """The one redaction every writer of the agent's records and of the workspace goes through.
+    """The training process's redaction: the text patterns of ``SECRET_PATTERNS`` (anything shaped like an API key,
+    a ``token=...`` assignment, a bearer header). It holds no secret and no hash of one (module docstring)."""
 
-    It catches the text patterns of ``SECRET_PATTERNS`` and, for every secret it was given (the values of the
-    secret-looking variables of the environment, and the key the backend uses), the whole value and any piece of
-    it of ``FRAGMENT`` characters or more. It keeps no secret: only salted hashes of each secret's pieces of
-    ``FRAGMENT`` characters, so that the training process, which holds one, holds no key an agent's program could
-    read back.
-    """
+    holds_secrets = False
 
-    def __init__(self, secrets=(), environ=None):
-        import secrets as random_source
+    def __call__(self, text: str) -> str:
+        text = SECRET_PATTERNS[0].sub(REDACTED, text)
+        text = SECRET_PATTERNS[1].sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+        return SECRET_PATTERNS[2].sub(f"Bearer {REDACTED}", text)
 
-        self._salt = random_source.randbits(64)
+
+class SecretRedaction(Redaction):
+    """The agent host's and its workers' redaction: the patterns, and every secret it is given (the values of the
+    secret-looking variables of ``environ``, and ``secrets``) whole, reversed, and in any piece of ``PIECE``
+    characters or more. Only for a process that holds the keys anyway: it holds every piece."""
+
+    def __init__(self, secrets=(), environ=None, piece: int = PIECE):
         values = [value for value in secrets if isinstance(value, str)]
         if environ is not None:
             values += [environ[name] for name in secret_names(environ)]
-        self._pieces = {self._hash(value[i:i + FRAGMENT]) for value in values if len(value) >= FRAGMENT
-                        for i in range(len(value) - FRAGMENT + 1)}
-
-    def _hash(self, piece: str) -> int:
-        return hash((self._salt, piece))
+        self.piece = piece
+        self._pieces = frozenset(text[i:i + piece] for value in values if len(value) >= piece
+                                 for text in (value, value[::-1]) for i in range(len(text) - piece + 1))
 
     @property
     def holds_secrets(self) -> bool:
         return bool(self._pieces)
 
     def __call__(self, text: str) -> str:
-        if self._pieces and len(text) >= FRAGMENT:
+        if self._pieces and len(text) >= self.piece:
             text = self._cut_pieces(text)
-        text = SECRET_PATTERNS[0].sub(REDACTED, text)
-        text = SECRET_PATTERNS[1].sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
-        return SECRET_PATTERNS[2].sub(f"Bearer {REDACTED}", text)
+        return super().__call__(text)
 
     def _cut_pieces(self, text: str) -> str:
         """``text`` with every run of characters covered by a secret's piece replaced by one ``[redacted]``."""
-        pieces, salt = self._pieces, self._salt
+        pieces, size = self._pieces, self.piece
         covered_to = -1  # the end of the covered run being built (exclusive)
         runs: list[list[int]] = []
-        for start in range(len(text) - FRAGMENT + 1):
-            if hash((salt, text[start:start + FRAGMENT])) in pieces:
+        for start in range(len(text) - size + 1):
+            if text[start:start + size] in pieces:
                 if runs and start <= covered_to:
-                    runs[-1][1] = covered_to = start + FRAGMENT
+                    runs[-1][1] = covered_to = start + size
                 else:
-                    runs.append([start, start + FRAGMENT])
-                    covered_to = start + FRAGMENT
+                    runs.append([start, start + size])
+                    covered_to = start + size
         if not runs:
             return text
         parts, at = [], 0
@@ -100,6 +124,18 @@ class Redaction:
             at = end
         parts.append(text[at:])
         return "".join(parts)
+
+
+def redact_json(value: Any, redaction) -> Any:
+    """``value`` (plain JSON data) with every string in it, keys included, through ``redaction``: a redaction of the
+    serialised text could cut an escape sequence in two."""
+    if isinstance(value, str):
+        return redaction(value)
+    if isinstance(value, dict):
+        return {redaction(str(key)): redact_json(item, redaction) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_json(item, redaction) for item in value]
+    return value
 
 
 def _json_line(value: dict[str, Any]) -> str:
@@ -135,12 +171,13 @@ class _Hold:
 
 
 class OpalRecords:
+    """The training process's own records (module docstring), in ``folder`` (None: none are kept)."""
+
     STREAMS = ("events", "losses", "reports")
 
-    def __init__(self, folder: Path | None, secrets: list[str] | None = None):
+    def __init__(self, folder: Path | None, redaction: Redaction | None = None):
         self.folder = Path(folder) if folder is not None else None
-        # built before the agent host starts and this process's environment loses its secrets (see Redaction)
-        self.redaction = Redaction(list(secrets or []), environ=os.environ)
+        self.redaction = redaction or Redaction()
         self.handles: dict[str, Any] = {}
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -222,13 +259,14 @@ class OpalRecords:
                               durable=False)
 
     def save_decision(self, number: int, files: dict[str, str], meta: dict[str, Any]) -> None:
+        """``decisions/NNN/``: ``meta.json`` and the texts in ``files`` (none for a decision the agent host records)."""
         if not self.enabled:
             return
         folder = self.folder / "decisions" / f"{number:03d}"
         for name, text in files.items():
             atomic_write_text(folder / name, self.redaction(text), durable=False)
-        atomic_write_json(folder / "meta.json", json.loads(self.redaction(json.dumps(meta, default=_plain))),
-                          durable=False)
+        atomic_write_json(folder / "meta.json", redact_json(json.loads(json.dumps(meta, default=_plain)),
+                                                            self.redaction), durable=False)
 
     def close(self) -> None:
         self.hold.depth = 0
@@ -236,3 +274,131 @@ class OpalRecords:
         for handle in self.handles.values():
             handle.close()
         self.handles = {}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the agent host's records
+
+ANSWER, RESPONSE, MESSAGE, FACTS, TRANSCRIPT, RUNNING = ("answer.json", "response.md", "message.md", "facts.json",
+                                                         "transcript.json", "running")
+PROGRAM_FILES = ("updater.py", "analysis.py")
+
+
+class HostRecords:
+    """The agent host's records (module docstring) in ``folder``, written by the host process alone; every file
+    goes through ``redaction`` (the host's ``SecretRedaction``)."""
+
+    def __init__(self, folder: Path, redaction: Redaction):
+        self.folder = Path(folder)
+        self.decisions = self.folder / "decisions"
+        self.redaction = redaction
+        self.decisions.mkdir(parents=True, exist_ok=True)
+
+    def save_decision(self, record: HostDecisionRecord, *, message: str, facts: dict[str, Any],
+                      running: dict[str, str], rationale: str, transcript: list, programs: dict[str, str]) -> Path:
+        """Decision ``record.decision`` as the host saw it, made whole under a temporary name and then renamed into
+        place (a record of the same number left by an earlier session is moved aside, never overwritten);
+        returns its folder."""
+        final = self.decisions / f"{record.decision:03d}"
+        temporary = self.decisions / f".{final.name}.{random_names.token_hex(4)}.tmp"
+        (temporary / RUNNING).mkdir(parents=True)
+        try:
+            texts = {MESSAGE: message, RESPONSE: rationale, **programs,
+                     **{f"{RUNNING}/{name}": text for name, text in running.items()}}
+            for name, text in texts.items():
+                (temporary / name).write_text(self.redaction(text), encoding="utf-8")
+            for name, value in ((FACTS, facts), (TRANSCRIPT, transcript), (ANSWER, record.to_json())):
+                (temporary / name).write_text(json.dumps(redact_json(value, self.redaction), indent=1,
+                                                         default=str), encoding="utf-8")
+            if os.path.lexists(final):
+                final.rename(self._aside(final))
+            temporary.rename(final)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return final
+
+    def _aside(self, final: Path) -> Path:
+        taken = [int(path.name.rpartition("-")[2]) for path in self.decisions.glob(f"{final.name}.earlier-*")
+                 if path.name.rpartition("-")[2].isdigit()]
+        return final.with_name(f"{final.name}.earlier-{1 + max(taken, default=0)}")
+
+    def refused(self, refusal: HostRefusal) -> None:
+        """One line of ``refused.jsonl``."""
+        line = json.dumps(redact_json(refusal.to_json(), self.redaction), sort_keys=True, default=str) + "\n"
+        with open(self.folder / "refused.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(line)
+
+
+def program_sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def line_changes(old: str, new: str) -> dict[str, int]:
+    """Lines added and removed from ``old`` to ``new`` (a short summary of a program change)."""
+    import difflib
+
+    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
+    return {"added": sum(1 for x in lines if x.startswith("+") and not x.startswith("+++")),
+            "removed": sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))}
+
+
+class DecisionRecord:
+    """One decision's record as a reader (show, the report page, export, replay) finds it: the agent host's
+    (``agent/decisions/NNN``, with ``answer.json``) or, in a folder without one (made before the host kept records,
+    or whose backend answers in the training process), the training process's (``opal/decisions/NNN``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    @property
+    def by_host(self) -> bool:
+        return (self.folder / ANSWER).is_file()
+
+    def text(self, name: str) -> str | None:
+        try:
+            return (self.folder / name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    @property
+    def rationale(self) -> str | None:
+        return self.text(RESPONSE)
+
+    def answer(self) -> HostDecisionRecord | None:
+        """``answer.json`` (None for a record the training process wrote)."""
+        if not self.by_host:
+            return None
+        from opalctl.formats import read_record
+
+        return read_record(self.folder / ANSWER, HostDecisionRecord)
+
+    def answered(self) -> dict[str, str] | None:
+        """The programs the host answered, each checked against its sha256 in ``answer.json`` (a file edited
+        after the host wrote it is refused, naming it); None for a record the training process wrote."""
+        answer = self.answer()
+        if answer is None:
+            return None
+        return {name: self._checked(self.folder / name, answer.programs.get(name)) for name in PROGRAM_FILES}
+
+    def running(self) -> dict[str, str] | None:
+        """The running programs the request carried, checked as ``answered``; None for a training record."""
+        answer = self.answer()
+        if answer is None:
+            return None
+        return {name: self._checked(self.folder / RUNNING / name, answer.running.get(name)) for name in PROGRAM_FILES}
+
+    @staticmethod
+    def _checked(path: Path, sha256: str | None) -> str:
+        from opalctl.formats import RecordChanged, RecordDamaged
+
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise RecordDamaged(f"{path} cannot be read ({error}); the agent host's record is damaged") from None
+        if program_sha256(text) != sha256:
+            raise RecordChanged(f"{path} is not the program the agent host answered (its sha256 differs from "
+                                f"{path.parent / ANSWER}); the record was edited after the host wrote it")
+        return text

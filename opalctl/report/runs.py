@@ -69,12 +69,26 @@ def _curve(path: Path, every_update: bool) -> Curve:
     return curve
 
 
-def program_diff(run_dir: Path, version: int | None, files: list[str] | None) -> str:
-    """The unified diff an applied decision made to the agent's programs (version - 1 -> version); '' if the
-    program files are not there."""
+def program_diff(run_dir: Path, decision: int, version: int | None, files: list[str] | None) -> str:
+    """The unified diff an applied decision made to the agent's programs: from the running programs the agent host
+    was given to the ones it answered (its record of decision ``decision``); in a folder without the host's records,
+    from the training process's versions (``version - 1 -> version``); '' if the program files are not there."""
+    from opalctl.opal.records import DecisionRecord
+
+    layout = RunLayout.of(run_dir)
+    record = DecisionRecord(layout.decision_folder(decision))
+    if record.by_host:
+        running, answered = record.running(), record.answered()
+        parts = []
+        for name in running:
+            if running[name] != answered[name]:
+                parts.extend(difflib.unified_diff(running[name].splitlines(keepends=True),
+                                                  answered[name].splitlines(keepends=True),
+                                                  fromfile=f"running/{name}", tofile=f"decision {decision:03d}/{name}"))
+        return "".join(parts)
     if not version or not files:
         return ""
-    programs = RunLayout.of(run_dir).opal / "programs"
+    programs = layout.opal / "programs"
     parts = []
     for name in files:
         before, after = programs / f"v{version - 1:03d}" / name, programs / f"v{version:03d}" / name

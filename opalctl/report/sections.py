@@ -79,7 +79,8 @@ def decisions_section(runs: list[RunView]) -> str:
         for d in run.shown["decisions"] or []:
             outcome = d["outcome"] + (f" (reverted at update {d['reverted_at']}: {d.get('revert_reason') or ''})"
                                       if d.get("reverted_at") is not None else "")
-            diff = program_diff(run.run_dir, d.get("version"), d.get("files")) if d["outcome"] == "applied" else ""
+            diff = (program_diff(run.run_dir, d["decision"], d.get("version"), d.get("files"))
+                    if d["outcome"] == "applied" else "")
             rationale = "\n\n".join(p for p in (d.get("summary"), d.get("rationale"), d.get("message")) if p)
             rule = rule_of(run.run_dir, d["decision"])
             rows.append([f"<td>{html.text(run.arm)} s{run.seed}</td>", html.number_cell(d["decision"]),

@@ -23,7 +23,7 @@ def test_show_and_the_report_page_list_the_rule_of_each_heuristic_decision(agent
     table = out[out.index("heuristic rules"):].splitlines()
     assert table[1].split() == ["decision", "at", "rule", "signal", "value", "threshold"]
     rows = [line for line in table[2:] if line.strip() and line.split()[0].isdigit()]
-    decisions = sorted((agent_run / "training" / "opal" / "decisions").iterdir())
+    decisions = sorted((agent_run / "agent" / "decisions").iterdir())
     assert len(rows) == len(decisions) >= 4, out
     checks = [rule_of(agent_run, int(folder.name)) for folder in decisions]
     assert all(check is not None and check.fired for check in checks)

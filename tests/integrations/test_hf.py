@@ -111,7 +111,7 @@ def decisions_seen(run_dir: Path) -> list[str]:
     """Each decision's message and answer, without the line of measured durations."""
     return ["\n".join(line for line in (folder / "message.md").read_text().splitlines()
                       if not line.startswith("updater step")) + (folder / "response.md").read_text()
-            for folder in sorted((run_dir / "decisions").iterdir())]
+            for folder in sorted((run_dir / "agent" / "decisions").glob("[0-9][0-9][0-9]"))]
 
 
 def test_a_resumed_trainer_run_equals_an_uninterrupted_one_with_no_spurious_event_and_the_same_no_loss_facts(hf):
@@ -149,7 +149,7 @@ def test_heuristic_decisions_apply_inside_the_trainer(hf):
     assert applied, "the heuristic changed nothing over 100 updates"
     assert trainer.agent.current.number >= 1
     assert not same_weights(plain, model)  # the applied program trained the model
-    last = sorted((run_dir / "decisions").iterdir())[-1]
+    last = sorted((run_dir / "agent" / "decisions").glob("[0-9][0-9][0-9]"))[-1]
     message = (last / "message.md").read_text()
     assert "| 51-75 | 3." in message and "No loss was observed" not in message  # it reasoned on the fed losses
 

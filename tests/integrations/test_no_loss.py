@@ -114,7 +114,7 @@ def _run_without_losses_between(agent, model, first: int, last: int, *, with_los
 def _decisions_seen(run_dir) -> list[list[str]]:
     """Each decision's message and answer, without the one line that states measured durations."""
     return [[line for line in (folder / "message.md").read_text().splitlines() if not line.startswith("updater step")]
-            + [(folder / "response.md").read_text()] for folder in sorted((run_dir / "decisions").iterdir())]
+            + [(folder / "response.md").read_text()] for folder in sorted((run_dir / "agent" / "decisions").glob("[0-9][0-9][0-9]"))]
 
 
 def test_a_run_without_a_loss_saved_and_restored_counts_warns_and_decides_as_an_uninterrupted_one(tmp_path):

@@ -1,12 +1,23 @@
 """The agent host: every decision whose work runs agent-authored code or talks to the network runs in a worker
-process of a host started with the agent optimizer, with a time limit, and never in the training process.
+process of a host started with the agent optimizer, with a time limit, never in the training process; and the host
+trusts nothing on its pipe.
 
 - the dry-run attack: a program that patches ``torch.Tensor.sum`` when it is merely checked, after which the agent
   writes the original file back and answers "Kept", leaves the training process's torch untouched;
-- the training process holds no key while the agent works (the host does), and gets it back at the end;
-- a decision that hangs is killed at its limit and fails, and the host goes on answering;
+- the training process holds no key while the agent works (the host does), and gets none back at ``close()``;
+- a decide request that names another folder (the seed's anchors, the protocol's folder holding a sealed split, an
+  unrelated folder of 80 files) is refused and recorded, and nothing there is read, written or deleted; the dry run
+  of a program reads nothing outside the host's own workspace;
+- no request returns a key: an ``environment`` request, and any other the host does not know, is refused, and the
+  host goes on answering;
+- a workspace replaced by a link after the host started is never worked in;
+- each decision is recorded by the host as it saw it (the request, the answer, the programs and their sha256);
+- a decision that hangs is killed at its limit and fails, and the host answers the next;
 - a program that hangs in its dry run is stopped and the agent reads why;
 - the host dying is one failed decision with a sentence, and training goes on.
+
+The attacks speak to a host process directly, one JSON line at a time, as code with arbitrary execution in the
+training process would (``RawHost``).
 """
 
 from __future__ import annotations
@@ -14,7 +25,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +40,7 @@ import torch
 from opalctl.opal import wrap
 from opalctl.opal.agents.anthropic import AnthropicBackend
 from opalctl.opal.agents.host import AgentHost
+from opalctl.sandbox import _landlock_abi
 
 _spec = importlib.util.spec_from_file_location("messages_server", Path(__file__).with_name("messages_server.py"))
 ms = importlib.util.module_from_spec(_spec)
@@ -33,6 +49,7 @@ _spec.loader.exec_module(ms)
 KEPT = "Observed: nothing of note.\nKept: the programs.\nPrediction: no change.\nRules: none."
 PATCH = ("\n\ndef _everything_is_zero(self, *args, **kwargs):\n    return torch.zeros((), dtype=self.dtype)\n\n\n"
          "torch.Tensor.sum = _everything_is_zero\n")
+FACTS = {"progress": 0.6, "reason": "scheduled", "decision": 1}
 
 
 @pytest.fixture
@@ -46,6 +63,54 @@ def key(monkeypatch):
 def anthropic(server, **options) -> AnthropicBackend:
     return AnthropicBackend(model="claude-opus-5-5", base_url=server.url, **options)
 
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``folder``: its bytes and modification time."""
+    return {path.relative_to(folder).as_posix(): (path.read_bytes(), path.stat().st_mtime_ns)
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+class RawHost:
+    """An agent host process spoken to line by line, as code with arbitrary execution in the training process can."""
+
+    def __init__(self, tmp_path: Path, recipe: dict, env: dict | None = None):
+        self.workspace, self.records = tmp_path / "agent" / "workspace", tmp_path / "agent"
+        self.process = subprocess.Popen([sys.executable, "-m", "opalctl.opal.agents.host"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        self.send({"op": "start", "recipe": recipe, "workspace": str(self.workspace), "records": str(self.records),
+                   "limit": 60.0, "secrets": []})
+
+    def send(self, request) -> None:
+        line = request if isinstance(request, str) else json.dumps(request)
+        self.process.stdin.write((line + "\n").encode())
+        self.process.stdin.flush()
+
+    def reply(self, seconds: float = 90.0) -> dict | None:
+        try:
+            return json.loads(self.lines.get(timeout=seconds))
+        except queue.Empty:
+            return None
+
+    def decide(self, number: int, sources: dict[str, str], **more) -> None:
+        self.send({"op": "decide", "id": number, "message": "# Decision", "facts": {**FACTS, "decision": number},
+                   "programs": sources, **more})
+
+    def refusals(self) -> list[dict]:
+        path = self.records / "refused.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+# -- what the host does for the training process -------------------------------------------------------------------
 
 def test_the_dry_run_attack_leaves_the_training_process_torch_untouched(opal, run_dir, key):
     original = torch.Tensor.sum
@@ -68,11 +133,209 @@ def test_the_dry_run_attack_leaves_the_training_process_torch_untouched(opal, ru
     assert torch.Tensor.sum is original and float(torch.ones(3).sum()) == 3.0
     assert [e["kind"] for e in opal.of_kind(run_dir, "kept", "applied", "load_failed")] == ["kept"]
     assert sorted(p.name for p in (run_dir / "programs").iterdir()) == ["v000"]
-    # the key was the host's alone while the agent worked; it is back once the agent is done
-    assert seen_during_run["key"] is None and os.environ["ANTHROPIC_API_KEY"] == key
+    # the key was the host's alone while the agent worked, and it does not come back when the agent is done
+    assert seen_during_run["key"] is None and "ANTHROPIC_API_KEY" not in os.environ
     assert all(key in r["headers"].get("x-api-key", "") + r["headers"].get("authorization", "")
                for r in server.requests)
 
+
+def test_after_close_the_training_process_environment_holds_no_key(opal, run_dir, monkeypatch):
+    secret = "sk-ant-api03-" + uuid.uuid4().hex + uuid.uuid4().hex[:8]
+    monkeypatch.setenv("ANTHROPIC_API_KEY", secret)
+    monkeypatch.setenv("GH_TOKEN", uuid.uuid4().hex)
+    model = opal.make_model()
+    optimizer = wrap(opal.adamw(model), model, backend="heuristic", decisions=1, schedule=[0.5], total_steps=20,
+                     run_dir=run_dir)
+    opal.train(model, optimizer, 20)
+    optimizer.close()
+    assert "ANTHROPIC_API_KEY" not in os.environ and "GH_TOKEN" not in os.environ
+    assert secret not in repr(dict(os.environ))
+
+
+def test_the_host_records_each_decision_as_it_saw_it(opal, run_dir):
+    from opalctl.opal.records import DecisionRecord, program_sha256
+
+    model = opal.make_model()
+    optimizer = wrap(opal.adamw(model), model, backend="heuristic", decisions=1, schedule=[0.6], total_steps=100,
+                     run_dir=run_dir)
+    opal.train(model, optimizer, 100)
+    optimizer.close()
+    (applied,) = opal.of_kind(run_dir, "applied")
+    folder = run_dir / "agent" / "decisions" / "001"
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "analysis.py", "answer.json", "facts.json", "message.md", "response.md", "running/analysis.py",
+        "running/updater.py", "transcript.json", "updater.py"]
+    record = DecisionRecord(folder)
+    answer = record.answer()
+    assert answer.decision == 1 and answer.backend == "heuristic" and answer.failed is None and answer.seconds > 0
+    assert record.running() == opal.default_sources()
+    answered = record.answered()
+    assert answered["updater.py"] == (run_dir / "programs" / "v001" / "updater.py").read_text()
+    assert answer.programs == {name: program_sha256(text) for name, text in answered.items()}
+    assert json.loads((folder / "facts.json").read_text())["decision"] == 1
+    assert record.rationale.splitlines()[0] == applied["rationale"]
+    # the training process keeps its account of the outcome, not the texts the host records
+    assert sorted(p.name for p in (run_dir / "decisions" / "001").iterdir()) == ["meta.json"]
+    meta = json.loads((run_dir / "decisions" / "001" / "meta.json").read_text())
+    assert meta["outcome"] == "applied" and meta["programs_sha256"] == answer.programs
+
+
+# -- requests the host refuses ---------------------------------------------------------------------------------------
+
+def _anchors(tmp_path: Path) -> tuple[Path, str]:
+    folder = tmp_path / "runs" / "digits-0123456789ab" / "anchors" / "seed-1"
+    folder.mkdir(parents=True)
+    (folder / "anchor.json").write_text(json.dumps({"metrics": {"correct": 281}, "sha256": "0" * 64}))
+    return folder, "anchor.json"
+
+
+def _protocol(tmp_path: Path) -> tuple[Path, str]:
+    folder = tmp_path / "protocol"
+    folder.mkdir()
+    (folder / "digits.yaml").write_text("name: digits\n")
+    (folder / "final-test.sealed.npz").write_text(f"SEALED-{uuid.uuid4().hex}")
+    return folder, "final-test.sealed.npz"
+
+
+def _unrelated(tmp_path: Path) -> tuple[Path, str]:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for index in range(80):
+        (folder / f"img{index:03d}.txt").write_text(f"picture {index}\n")
+    return folder, "img000.txt"
+
+
+@pytest.mark.parametrize("target", [_anchors, _protocol, _unrelated], ids=["anchors", "protocol", "unrelated"])
+def test_a_request_naming_another_folder_is_refused_and_nothing_there_is_touched(opal, tmp_path, key, target):
+    folder, name = target(tmp_path)
+    before = snapshot(folder)
+    # what an agent would do there: read a file, rewrite it, check the programs (the sweep follows each decision)
+    script = [ms.reply(ms.tool_use("read_file", {"path": name}),
+                       ms.tool_use("write_file", {"path": name, "content": "forged"}),
+                       ms.tool_use("check_programs", {})),
+              ms.reply(ms.text(KEPT))]
+    with ms.MessagesServer(script) as server:
+        host = RawHost(tmp_path, anthropic(server).recipe())
+        try:
+            host.decide(1, opal.default_sources(), workspace=str(folder), seconds=60.0)
+            reply = host.reply()
+        finally:
+            host.close()
+    assert reply is not None and reply["id"] == 1 and "answer" not in reply
+    assert "'workspace'" in reply["refused"] and "takes no path" in reply["refused"]
+    assert server.requests == [], "the agent was never asked"
+    assert snapshot(folder) == before, "nothing there was written or deleted"
+    (refusal,) = host.refusals()
+    assert refusal["id"] == 1 and "workspace" in refusal["keys"] and str(folder) not in json.dumps(refusal)
+    assert not list((host.records / "decisions").iterdir()), "no decision was worked"
+
+
+SITECUSTOMIZE = '''
+import os
+import sys
+
+# arbitrary execution inside the dry run's child, after it is confined: the check of a program reads a file
+if sys.orig_argv[1:3] == ["-m", "opalctl.opal.agents.dry_run"]:
+    import opalctl.opal.programs as programs
+
+    def _reads_the_sealed_split(name, source, *, label=""):
+        try:
+            with open(os.environ["PROBE_SEALED"], encoding="utf-8") as handle:
+                raise programs.ProgramRejected("PROBE READ " + handle.read())
+        except OSError as error:
+            raise programs.ProgramRejected("PROBE " + type(error).__name__) from None
+
+    programs.check_program = _reads_the_sealed_split
+'''
+
+
+def test_the_dry_run_reads_nothing_outside_the_hosts_own_workspace(opal, tmp_path, key):
+    protocol, sealed = _protocol(tmp_path)
+    secret_split = (protocol / sealed).read_text()
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(probe), os.environ.get("PYTHONPATH", "")]),
+           "PROBE_SEALED": str(protocol / sealed)}
+    script = [ms.reply(ms.tool_use("check_programs", {}), ms.tool_use("read_file", {"path": f"../{sealed}"}),
+                       ms.tool_use("read_file", {"path": str(protocol / sealed)})),
+              ms.reply(ms.text(KEPT))]
+    with ms.MessagesServer(script) as server:
+        host = RawHost(tmp_path, anthropic(server).recipe(), env=env)
+        try:
+            host.decide(1, opal.default_sources(), workspace=str(protocol), seconds=60.0)  # refused
+            first = host.reply()
+            host.decide(2, opal.default_sources())  # worked in the host's own workspace
+            second = host.reply()
+        finally:
+            host.close()
+    assert "refused" in first and second["answer"]["failed"] is None
+    assert len(server.requests) == 2 and secret_split not in json.dumps(server.bodies)
+    checked, *reads = ms.last_tool_results(server.bodies[1])
+    assert all(result["is_error"] for result in reads)
+    if _landlock_abi()[0] is not None:  # the dry run's child is confined to what training reads and the workspace
+        assert checked["content"].startswith("PROBE PermissionError"), checked["content"]
+
+
+def test_no_request_returns_a_key_and_unknown_requests_do_not_stop_the_host(opal, tmp_path, key):
+    host = RawHost(tmp_path, {"backend": "heuristic", "options": {}})
+    try:
+        host.send({"op": "environment", "id": 7})
+        environment = host.reply(30)
+        for line in ("not json", "[1, 2]", json.dumps({"op": 5, "id": 8}), json.dumps({"op": "start", "id": 9})):
+            host.send(line)
+        others = [host.reply(30), host.reply(30)]
+        host.decide(1, opal.default_sources())
+        answered = host.reply()
+    finally:
+        host.close()
+    assert environment == {"id": 7, "refused": environment["refused"]} and "no key" in environment["refused"]
+    assert key not in json.dumps([environment, others, answered])
+    assert [reply["id"] for reply in others] == [8, 9]
+    assert answered["id"] == 1 and answered["answer"]["failed"] is None, "the host goes on answering"
+    assert [refusal["id"] for refusal in host.refusals()] == [7, None, None, 8, 9]
+
+
+def test_decisions_are_worked_one_at_a_time_in_order(opal, tmp_path):
+    host = RawHost(tmp_path, {"backend": "heuristic", "options": {}})
+    sources = opal.default_sources()
+    try:
+        host.decide(2, sources)
+        host.decide(3, sources)  # while 2 is worked
+        replies = {reply["id"]: reply for reply in (host.reply(), host.reply())}
+        host.decide(1, sources)  # below one already asked
+        late = host.reply()
+        host.decide(4, {"updater.py": sources["updater.py"]})  # a program missing
+        partial = host.reply()
+    finally:
+        host.close()
+    assert replies[2]["answer"]["failed"] is None
+    assert "one decision at a time" in replies[3]["refused"]
+    assert "asked once, in order" in late["refused"] and "programs" in partial["refused"]
+    assert [path.name for path in (host.records / "decisions").iterdir()] == ["002"]
+
+
+def test_a_workspace_replaced_by_a_link_after_the_start_is_never_worked_in(opal, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine\n")
+    host = RawHost(tmp_path, {"backend": "heuristic", "options": {}})
+    try:
+        host.decide(1, opal.default_sources())
+        assert host.reply()["answer"]["failed"] is None
+        moved = host.workspace.with_name("moved")
+        host.workspace.rename(moved)
+        host.workspace.symlink_to(victim)
+        host.decide(2, opal.default_sources())
+        answer = host.reply()["answer"]
+    finally:
+        host.close()
+    assert "no longer the folder it was when the host started" in answer["failed"]
+    assert answer["programs"] is None
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"], "nothing was written through the link"
+
+
+# -- time limits and a dying host --------------------------------------------------------------------------------------
 
 def test_a_program_that_hangs_in_its_dry_run_is_stopped_and_the_agent_reads_why(opal, run_dir, key):
     source = opal.default_sources()["updater.py"]
@@ -93,35 +356,35 @@ def test_a_program_that_hangs_in_its_dry_run_is_stopped_and_the_agent_reads_why(
     outcomes = opal.of_kind(run_dir, "kept", "applied", "load_failed", "decision_failed")
     assert len(outcomes) == 1 and outcomes[0]["kind"] == "decision_failed"
     assert "limit of 4 s" in outcomes[0]["message"]
-    transcript = json.loads((run_dir / "decisions" / "001" / "transcript.json").read_text())
+    transcript = json.loads((run_dir / "agent" / "decisions" / "001" / "transcript.json").read_text())
     (check,) = [t for t in transcript if t["event"] == "tool" and t["name"] == "check_programs"]
     assert check["is_error"] and "ran past its limit" in check["result"]
     assert opal.of_kind(run_dir, "end"), "training went on to the end"
 
 
-def test_a_decision_that_hangs_is_killed_at_its_limit_and_the_host_answers_the_next(tmp_path, opal):
-    workspace = tmp_path / "workspace"
-    (workspace / ".opal").mkdir(parents=True)
+def test_a_decision_that_hangs_is_killed_at_its_limit_and_the_host_answers_the_next(tmp_path, opal, key):
+    def never_in_time(body):
+        time.sleep(60)
+        return ms.reply(ms.text(KEPT))
+
     sources = opal.default_sources()
-    (workspace / "analysis.py").write_text(sources["analysis.py"])
-    os.mkfifo(workspace / "updater.py")  # the heuristic reads it: opening a fifo nobody writes blocks for ever
-    host = AgentHost({"backend": "heuristic", "options": {}})
-    try:
-        started = time.monotonic()
-        host.ask(1, workspace, "message", {"progress": 0.6, "reason": "scheduled"}, seconds=1.0)
-        answer = host.answer(1, wait=True, seconds=1.0)
-        elapsed = time.monotonic() - started
-        assert answer.failed and "ran past its limit of 1 s" in answer.failed
-        assert 1.0 <= elapsed < 8.0
-        (workspace / "updater.py").unlink()
-        (workspace / "updater.py").write_text(sources["updater.py"])
-        host.ask(2, workspace, "message", {"progress": 0.6, "reason": "scheduled"}, seconds=30.0)
-        second = host.answer(2, wait=True, seconds=30.0)
-        assert second.failed is None and "ANNEAL_START" in second.rationale
-        assert "ANNEAL_START = 0.8" in (workspace / "updater.py").read_text()
-    finally:
-        host.stop()
+    with ms.MessagesServer([never_in_time, ms.reply(ms.text(KEPT))]) as server:
+        host = AgentHost(anthropic(server).recipe(), workspace=tmp_path / "agent" / "workspace",
+                         records=tmp_path / "agent", limit=5.0)
+        try:
+            started = time.monotonic()
+            host.ask(1, "message", FACTS, sources)
+            answer = host.answer(1, wait=True, seconds=5.0)
+            elapsed = time.monotonic() - started
+            assert answer.failed and "ran past its limit of 5 s" in answer.failed
+            assert 5.0 <= elapsed < 15.0
+            host.ask(2, "message", {**FACTS, "decision": 2}, sources)
+            second = host.answer(2, wait=True, seconds=5.0)
+            assert second.failed is None and second.rationale == KEPT and second.programs == sources
+        finally:
+            host.stop()
     assert host.process.poll() is not None
+    assert [p.name for p in sorted((tmp_path / "agent" / "decisions").iterdir())] == ["001", "002"]
 
 
 def test_the_host_dying_fails_one_decision_with_a_sentence_and_training_goes_on(opal, run_dir):

@@ -90,13 +90,13 @@ def project(digits_project, tmp_path, monkeypatch):
 
 
 def events(run_dir, *kinds):
-    lines = (Path(run_dir) / "opal" / "events.jsonl").read_text().splitlines()
+    lines = (Path(run_dir) / "training" / "opal" / "events.jsonl").read_text().splitlines()
     found = [json.loads(line) for line in lines]
     return [e for e in found if e["kind"] in kinds] if kinds else found
 
 
 def decision_meta(run_dir, number=1):
-    return json.loads((Path(run_dir) / "opal" / "decisions" / f"{number:03d}" / "meta.json").read_text())
+    return json.loads((Path(run_dir) / "training" / "opal" / "decisions" / f"{number:03d}" / "meta.json").read_text())
 
 
 def assert_key_in_no_file(key, *folders):
@@ -155,9 +155,9 @@ def test_a_decision_reads_writes_checks_and_is_applied_at_its_update(project, ke
     (applied,) = events(run_dir, "applied")
     assert asked["update"] == applied["update"] == AMOUNT // 2 and applied["version"] == 1
     assert applied["files"] == ["updater.py"] and applied["diff"] == {"updater.py": {"added": 1, "removed": 1}}
-    assert "LR_SCALE = 0.5" in (run_dir / "opal" / "programs" / "v001" / "updater.py").read_text()
-    losses = {s["update"]: s["loss"] for s in read_steps(run_dir / "steps.jsonl.gz")}
-    plain_losses = {s["update"]: s["loss"] for s in read_steps(Path(plain["run_dir"]) / "steps.jsonl.gz")}
+    assert "LR_SCALE = 0.5" in (run_dir / "training" / "opal" / "programs" / "v001" / "updater.py").read_text()
+    losses = {s["update"]: s["loss"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")}
+    plain_losses = {s["update"]: s["loss"] for s in read_steps(Path(plain["run_dir"]) / "training" / "steps.jsonl.gz")}
     first_new = AMOUNT // 2 + 1  # the first update the new program steps; its loss comes before that step
     assert all(losses[u] == plain_losses[u] for u in range(1, first_new + 1))
     assert losses[first_new + 1] != plain_losses[first_new + 1]
@@ -169,9 +169,9 @@ def test_a_decision_reads_writes_checks_and_is_applied_at_its_update(project, ke
     assert usage["output_tokens"] == 4 * ms.USAGE["output_tokens"]
     assert meta["cost_usd"] == pytest.approx(cost_of(usage, default_prices("claude-opus-5-5"))) and meta["cost_usd"] > 0
     assert applied["cost_usd"] == meta["cost_usd"] and report["agent"]["cost_usd"] == meta["cost_usd"]
-    transcript = json.loads((run_dir / "opal" / "decisions" / "001" / "transcript.json").read_text())
+    transcript = json.loads((run_dir / "agent" / "decisions" / "001" / "transcript.json").read_text())
     assert [t["name"] for t in transcript if t["event"] == "tool"] == ["read_file", "write_file", "check_programs"]
-    response = (run_dir / "opal" / "decisions" / "001" / "response.md").read_text()
+    response = (run_dir / "agent" / "decisions" / "001" / "response.md").read_text()
     assert response.startswith("Observed: the loss falls steadily.") and "[redacted]" in response
 
     # opalctl show: seconds, cost, the changed files with their diff, the rationale
@@ -209,7 +209,7 @@ def test_a_rate_limit_is_waited_out_and_the_decision_is_kept(project, key):
     assert len(server.requests) == 4 and server.bodies[0] == server.bodies[1] == server.bodies[2]
     (applied,) = events(run_dir, "applied")
     assert applied["update"] == AMOUNT // 2 and not events(run_dir, "decision_failed")
-    transcript = json.loads((run_dir / "opal" / "decisions" / "001" / "transcript.json").read_text())
+    transcript = json.loads((run_dir / "agent" / "decisions" / "001" / "transcript.json").read_text())
     assert [t["status"] for t in transcript if t["event"] == "error"] == [429, 529]
     assert [t["wait_seconds"] for t in transcript if t["event"] == "retry"] == [0.0, 0.0]
     assert_key_in_no_file(key, project.runs)
@@ -306,7 +306,7 @@ def test_a_program_that_fails_its_check_is_fixed_in_the_next_turn(project, key):
     (checked,) = tool_results(server.bodies[4])
     assert not checked["is_error"] and checked["content"].startswith("ok")
     (applied,) = events(run_dir, "applied")
-    program = (run_dir / "opal" / "programs" / "v001" / "updater.py").read_text()
+    program = (run_dir / "training" / "opal" / "programs" / "v001" / "updater.py").read_text()
     assert "undefined_scale" not in program and "LR_SCALE = 0.5" in program
     assert not events(run_dir, "reverted")
 

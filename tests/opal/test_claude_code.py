@@ -94,7 +94,7 @@ def freeze_project(folder: Path, agent: dict) -> Path:
 
 
 def events(run_dir: Path, *kinds: str) -> list[dict]:
-    found = [json.loads(line) for line in (run_dir / "opal" / "events.jsonl").read_text().splitlines()]
+    found = [json.loads(line) for line in (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()]
     return [e for e in found if e["kind"] in kinds]
 
 
@@ -105,7 +105,7 @@ def test_a_formal_run_asks_the_cli_in_the_workspace_and_resumes_its_session(digi
     first, second = calls(standin.log)
     for call in (first, second):
         argv = call["argv"]
-        assert Path(call["cwd"]) == (run_dir / "opal" / "workspace").resolve()
+        assert Path(call["cwd"]) == (run_dir / "agent" / "workspace").resolve()
         assert argv[:3] == ["-p", "--output-format", "json"]
         assert argv[argv.index("--allowedTools") + 1] == ALLOWED_TOOLS
         assert "Bash" in argv[argv.index("--disallowedTools") + 1]
@@ -120,10 +120,10 @@ def test_a_formal_run_asks_the_cli_in_the_workspace_and_resumes_its_session(digi
     assert applied["decision"] == 1 and applied["update"] == AMOUNT // 4 and kept["decision"] == 2
     assert applied["cost_usd"] == 0.25 and kept["cost_usd"] == 0.125
     assert report["agent"]["cost_usd"] == pytest.approx(0.375)
-    assert "LR_SCALE = 0.5" in (run_dir / "opal" / "programs" / "v001" / "updater.py").read_text()
-    meta = json.loads((run_dir / "opal" / "decisions" / "001" / "meta.json").read_text())
+    assert "LR_SCALE = 0.5" in (run_dir / "training" / "opal" / "programs" / "v001" / "updater.py").read_text()
+    meta = json.loads((run_dir / "training" / "opal" / "decisions" / "001" / "meta.json").read_text())
     assert meta["usage"] == {"input_tokens": 100, "output_tokens": 50, "turns": 3}
-    transcript = json.loads((run_dir / "opal" / "decisions" / "001" / "transcript.json").read_text())
+    transcript = json.loads((run_dir / "agent" / "decisions" / "001" / "transcript.json").read_text())
     assert transcript[0]["event"] == "command" and transcript[1]["returncode"] == 0
 
 
@@ -174,5 +174,5 @@ def test_a_missing_binary_is_refused_when_the_run_starts(digits_project, tmp_pat
     message = str(refused.value)
     assert "no-such-claude" in message and "npm install" in message and "OPALCTL_CLAUDE_BIN" in message
     run_dir = next((tmp_path / "runs").glob("*/cli/seed-1"))
-    assert not (run_dir / "opal").exists() and not (run_dir / "start.json").exists()
+    assert not (run_dir / "training" / "opal").exists() and not (run_dir / "start.json").exists()
     assert os.environ["OPALCTL_CLAUDE_BIN"].endswith("no-such-claude")

@@ -214,7 +214,7 @@ def test_non_blocking_heuristic_answers_from_a_child_process(opal, run_dir):
     assert [e["kind"] for e in outcomes] == ["applied"], outcomes  # at 60 % the anneal rule fires
     assert outcomes[0]["update"] >= 60
     assert read_settings((run_dir / "programs" / "v001" / "updater.py").read_text())["ANNEAL_START"] == 0.8
-    assert (run_dir / "decisions" / "001" / "response.md").read_text().startswith("Observed:")
+    assert (run_dir / "agent" / "decisions" / "001" / "response.md").read_text().startswith("Observed:")
 
 
 # -- the rule each decision records (which rule fired on which signal) --------------------------------------------
@@ -309,7 +309,7 @@ def test_a_real_loss_spike_in_a_run_fires_the_spike_rule_and_its_program_is_appl
     optimizer.close()
     woken = [e for e in opal.events(run_dir) if e["kind"] == "requested" and "spike" in str(e.get("reason"))]
     assert woken, "the spike should wake the agent"
-    check = decided_by(run_dir / "decisions" / f"{woken[0]['decision']:03d}")
+    check = decided_by(run_dir / "agent" / "decisions" / f"{woken[0]['decision']:03d}")
     assert check.rule == "spike" and check.fired
     applied = read_settings((run_dir / "programs" / "v001" / "updater.py").read_text())
     assert applied == {"LR_SCALE": 0.5, "CLIP": 1.0, "ANNEAL_START": None}

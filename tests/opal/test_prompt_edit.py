@@ -47,6 +47,6 @@ def test_an_edited_prompt_fails_verify_and_is_recorded_by_a_run(digits_project, 
                      "--runs-dir", tmp_path / "runs", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert "differ from the released ones" in ran.stderr
-    events = next((tmp_path / "runs").glob("digits-*/agent/seed-1/opal/events.jsonl"))
+    events = next((tmp_path / "runs").glob("digits-*/agent/seed-1/training/opal/events.jsonl"))
     start = json.loads(events.read_text().splitlines()[0])
     assert start["kind"] == "start" and start["defaults_differ"] == {"prompts/neutral.md": "changed"}

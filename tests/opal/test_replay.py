@@ -38,13 +38,13 @@ def agent(backend: str) -> dict:
 
 
 def outcomes(run_dir: Path) -> list[tuple]:
-    lines = (run_dir / "opal" / "events.jsonl").read_text().splitlines()
+    lines = (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()
     return [(e["kind"], e.get("update"), e.get("decision"), e.get("version"), e.get("files"))
             for e in map(json.loads, lines) if e["kind"] not in ("start", "end")]
 
 
 def programs(run_dir: Path) -> dict[str, str]:
-    folder = run_dir / "opal" / "programs"
+    folder = run_dir / "training" / "opal" / "programs"
     return {p.relative_to(folder).as_posix(): p.read_text() for p in sorted(folder.rglob("*.py"))}
 
 
@@ -62,11 +62,11 @@ def test_a_replay_of_a_heuristic_run_ends_with_the_same_weights(digits_project, 
     assert replay["final_model_sha256"] == original["final_model_sha256"]
     assert outcomes(replayed) == outcomes(source)
     assert programs(replayed) == programs(source)
-    start = json.loads((replayed / "opal" / "events.jsonl").read_text().splitlines()[0])
+    start = json.loads((replayed / "training" / "opal" / "events.jsonl").read_text().splitlines()[0])
     assert start["backend"]["backend"] == "replay" and start["backend"]["source"] == str(source.resolve())
-    rationale = (replayed / "opal" / "decisions" / "001" / "response.md").read_text()
+    rationale = (replayed / "agent" / "decisions" / "001" / "response.md").read_text()
     assert rationale.startswith(f"Replay of {source.resolve()}: decision 1")
-    assert rationale.splitlines()[1:] == (source / "opal" / "decisions" / "001" / "response.md").read_text().splitlines()
+    assert rationale.splitlines()[1:] == (source / "agent" / "decisions" / "001" / "response.md").read_text().splitlines()
 
 
 def test_a_replay_of_a_folder_without_a_recorded_run_is_refused(digits_project, tmp_path):

@@ -170,9 +170,9 @@ def test_one_response_of_300_writes_is_cut_at_the_limit(opal, run_dir, monkeypat
     refused = [r for r in results if r["is_error"]]
     assert len(wrote) == MAX_FILES_PER_DECISION and len(refused) == 300 - MAX_FILES_PER_DECISION
     assert all("the most one decision may write" in r["content"] for r in refused)
-    notes = list((run_dir / "workspace" / "notes").iterdir())
+    notes = list((run_dir / "agent" / "workspace" / "notes").iterdir())
     assert len(notes) == MAX_FILES_PER_DECISION
     assert sum(p.stat().st_size for p in notes) <= MAX_BYTES_PER_DECISION
-    transcript = run_dir / "decisions" / "001" / "transcript.json"
+    transcript = run_dir / "agent" / "decisions" / "001" / "transcript.json"
     assert transcript.stat().st_size <= 2 * MAX_TRANSCRIPT_CHARS
     assert any(entry["event"] == "cut" for entry in json.loads(transcript.read_text()))

@@ -26,9 +26,11 @@ decision goes on. *Failed* (400, 401, 403, 404 and every other 4xx) ends the dec
 message: the optimizer records a ``decision_failed`` event and training goes on with the programs it has.
 
 Cost of a decision = its summed token usage times the model's prices (USD per million tokens). The API key comes
-from ``ANTHROPIC_API_KEY`` (or ``api_key=``) and is only ever handed to the SDK; ``secrets()`` gives it to the
-redaction so that anything that would carry it is redacted. The whole decision runs in a worker of the agent
-host (``opalctl.opal.agents.host``), and each ``check_programs`` in a child of its own without the key. ``base_url=`` or ``ANTHROPIC_BASE_URL`` points the
+from ``ANTHROPIC_API_KEY`` (or ``api_key=``) and is only ever handed to the SDK, in the agent host's worker, where
+the client is made; ``secrets()`` gives it to the redaction so that anything that would carry it is redacted. In
+an ``opalctl run`` process the key was handed to the host (``opalctl.opal.handover``): the backend built in the
+training process holds none. The whole decision runs in a worker of the agent host (``opalctl.opal.agents.host``),
+and each ``check_programs`` in a child of its own without the key. ``base_url=`` or ``ANTHROPIC_BASE_URL`` points the
 client at another server (the tests use a loopback one).
 """
 
@@ -189,9 +191,13 @@ class AnthropicBackend(Backend):
                            f"arms.NAME.agent.prices (input, output, cache_read, cache_write in USD per million tokens)")
         self.prompt_text = prompt_text
         self.effort = effort if self.model in EFFORT_MODELS else None
+        from opalctl.opal.handover import handed_over_names
+
         self._key_given = bool(api_key)  # a key from the environment is not passed on: the host holds it
         self._api_key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
-        if not self._api_key:
+        # an `opalctl run` process handed the key to its agent host without holding it (opalctl.opal.handover):
+        # the backend it builds has none, and the one the host's worker builds from the recipe takes it there
+        if not self._api_key and "ANTHROPIC_API_KEY" not in handed_over_names():
             raise BadInput("agent backend 'anthropic' needs an API key: set ANTHROPIC_API_KEY in the environment of "
                            "opalctl (it is never written to any file)")
         try:
@@ -200,14 +206,21 @@ class AnthropicBackend(Backend):
             raise BadInput("agent backend 'anthropic' needs the anthropic package: pip install anthropic") from None
         self._sdk = anthropic
         self.base_url = base_url or os.environ.get("ANTHROPIC_BASE_URL") or None
-        # the SDK's own retries are off: this backend retries itself, records each attempt and keeps to the
-        # decision's time limit
-        self.client = anthropic.Anthropic(api_key=self._api_key, base_url=self.base_url, max_retries=0,
-                                          open_telemetry=False)
+        self._client = None
+
+    @property
+    def client(self):
+        """The SDK's client, made where a decision is worked (the host's worker, which holds the key). The SDK's
+        own retries are off: this backend retries itself, records each attempt and keeps to the decision's time
+        limit."""
+        if self._client is None:
+            self._client = self._sdk.Anthropic(api_key=self._api_key, base_url=self.base_url, max_retries=0,
+                                               open_telemetry=False)
+        return self._client
 
     def secrets(self) -> list[str]:
-        """The API key, for the redaction (never for a file)."""
-        return [self._api_key]
+        """The API key, for the redaction (never for a file); none where this process does not hold it."""
+        return [self._api_key] if self._api_key else []
 
     def recipe(self) -> dict[str, Any]:
         options = {"model": self.model, "max_tokens": self.max_tokens, "turns": self.turns,
@@ -225,10 +238,10 @@ class AnthropicBackend(Backend):
 
     # -- one decision ------------------------------------------------------------------------------------------
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-        from opalctl.opal.records import Redaction
+        from opalctl.opal.records import SecretRedaction
 
         deadline = time.monotonic() + self.seconds_per_decision
-        space = Workspace(workspace, redaction=Redaction(self.secrets(), environ=os.environ))
+        space = Workspace(workspace, redaction=SecretRedaction(self.secrets(), environ=os.environ))
         running = {name: read_program(Path(workspace), name)[0] for name in PROGRAM_FILES}
         prompt = self._prompt_for(message)
         system = (prompt.rstrip() + "\n\n" + TOOL_INSTRUCTIONS) if prompt else TOOL_INSTRUCTIONS

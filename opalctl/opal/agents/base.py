@@ -1,8 +1,8 @@
 """The backend interface: ``decide(workspace, message, facts) -> Answer``, and ``BackendKind``, how a backend
 module declares itself to the registry (``opalctl.opal.agents.registry``).
 
-A backend may only change files in the workspace (``updater.py``, ``analysis.py``); the optimizer reads them
-back, checks and loads them. ``runs_in`` says where a decision's work runs: ``"host"`` for every backend that
+A backend may only change files in the workspace (``updater.py``, ``analysis.py``); whoever owns the workspace
+reads them back (the agent host, for a backend that runs there), and the optimizer checks and loads them. ``runs_in`` says where a decision's work runs: ``"host"`` for every backend that
 runs agent-authored code or talks to the network (a worker process of the agent host,
 ``opalctl.opal.agents.host``, with a time limit of ``seconds_per_decision`` and then some), ``"here"`` for the
 ones that do neither (``keep``, and a user's own callable given to ``wrap()``: the user's code, not an agent's),
@@ -29,23 +29,36 @@ DEFAULT_DECISION_SECONDS = 120.0  # the time limit of a hosted decision whose ba
 
 @dataclass
 class Answer:
-    """A decision's answer; it crosses from the agent host's worker to the training process as ``to_json()``."""
+    """A decision's answer; it crosses from the agent host's worker to the host, and from the host to the training
+    process, as ``to_json()``. A backend fills the first five fields; whoever owns the workspace (the agent host, or
+    the training process for a backend that answers there) fills ``programs`` and ``unreadable`` from what the
+    agent left in it, and the training process loads exactly those."""
 
     rationale: str
     usage: dict[str, Any] = field(default_factory=dict)
     cost_usd: float = 0.0
     transcript: list[dict[str, Any]] = field(default_factory=list)
     failed: str | None = None  # set when the backend could not answer (the decision fails, training goes on)
+    programs: dict[str, str] | None = None  # updater.py / analysis.py as the agent left them (redacted)
+    unreadable: str | None = None  # why those cannot be loaded (a link, a folder, not UTF-8, too large)
 
     def to_json(self) -> dict[str, Any]:
         return {"rationale": self.rationale, "usage": self.usage, "cost_usd": self.cost_usd,
-                "transcript": self.transcript, "failed": self.failed}
+                "transcript": self.transcript, "failed": self.failed, "programs": self.programs,
+                "unreadable": self.unreadable}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Answer:
+        programs = data.get("programs")
+        if isinstance(programs, dict):
+            programs = {str(name): text for name, text in programs.items() if isinstance(text, str)}
+        else:
+            programs = None
+        unreadable = data.get("unreadable")
         return cls(rationale=str(data.get("rationale") or ""), usage=dict(data.get("usage") or {}),
                    cost_usd=float(data.get("cost_usd") or 0.0), transcript=list(data.get("transcript") or []),
-                   failed=data.get("failed"))
+                   failed=data.get("failed"), programs=programs,
+                   unreadable=str(unreadable) if unreadable is not None else None)
 
 
 class Backend:

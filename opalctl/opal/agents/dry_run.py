@@ -6,8 +6,10 @@ error text, or None when the programs pass. torch is imported when a dry run sta
 
 A dry run executes the agent's code, so the backends run it in a child process of its own (``check_in_child``:
 ``python -m opalctl.opal.agents.dry_run``), with the secret-looking variables taken out of its environment, a
-time limit, and, where ``opalctl.sandbox`` is there, no network and no writes; whatever the programs do to
-torch or to the process ends with it. ``dry_run`` is the check itself, as the child runs it.
+time limit, and, where ``opalctl.sandbox`` is there, no network, no writes, and nothing to read but what training
+reads (``training_paths``) and the workspace, which is always the agent host's own, fixed when the host started
+(no request to the host can name another); whatever the programs do to torch or to the process ends with it.
+``dry_run`` is the check itself, as the child runs it.
 """
 
 from __future__ import annotations

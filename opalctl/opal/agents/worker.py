@@ -2,12 +2,12 @@
 
 The host starts a worker before its decision (``BACKEND`` names the backend whose module it imports while it
 waits), then writes the question on its standard input as one JSON object: the backend's ``recipe``, what the
-previous decision's backend ``carry``-ed, the ``workspace``, the ``message`` and the ``facts``. The worker builds
-the backend, lets it decide, sweeps the workspace (links and special files removed, the limits on what a
-decision leaves, every file through the redaction: ``workspace.sweep``) and writes ``{"answer", "carry"}`` on
-its standard output. Anything the backend prints goes to standard error, which the host keeps for a failure's
-message. The worker holds the host's environment (the key), and runs no agent program itself: the dry run of
-a program is a child of its own (``opalctl.opal.agents.dry_run``) without the secrets.
+previous decision's backend ``carry``-ed, the ``workspace`` (always the host's own, fixed when it started, with the
+running programs and the facts already written into it by the host), the ``message`` and the ``facts``. The worker
+builds the backend, lets it decide and writes ``{"answer", "carry"}`` on its standard output; the host then sweeps
+the workspace and reads the programs back itself. Anything the backend prints goes to standard error, which the
+host keeps for a failure's message. The worker holds the host's environment (the key), and runs no agent program
+itself: the dry run of a program is a child of its own (``opalctl.opal.agents.dry_run``) without the secrets.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ def _capped(transcript: list) -> list:
 def answer(question: dict) -> dict:
     """The worker's answer to one question (``{"answer": ..., "carry": ...}``); a failure is a failed answer."""
     from opalctl.opal.agents import Answer, registry
-    from opalctl.opal.agents.workspace import PROGRAM_FILES, sweep
-    from opalctl.opal.records import Redaction
 
     recipe = question["recipe"]
     workspace = Path(question["workspace"])
@@ -53,13 +51,8 @@ def answer(question: dict) -> dict:
         result = backend.decide(workspace, question["message"], question["facts"])
         result = result if isinstance(result, Answer) else Answer(rationale=str(result))
         carry = backend.carry()
-        secrets = backend.secrets()
     except Exception as error:  # the agent's failure is a failed decision, never the end of training
         result = Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
-        secrets = []
-    swept = sweep(workspace, Redaction(secrets, environ=os.environ), keep=PROGRAM_FILES)
-    if swept:
-        result.transcript.append({"event": "sweep", "done": swept})
     result.transcript = _capped(result.transcript)
     return {"answer": result.to_json(), "carry": carry}
 

@@ -1,16 +1,25 @@
-"""The run's workspace: a folder the backend cannot link out of, and what it may write in one decision.
+"""The workspace: a folder the backend cannot link out of, what it may write in one decision, and the agent host's
+hold on it.
 
-Two sides use it. The agent's file tools (``Workspace``): every path is confined to the folder, an absolute path
+Three sides use it. The agent's file tools (``Workspace``): every path is confined to the folder, an absolute path
 or a ``..`` part is refused, a symbolic link anywhere on the way (the file itself, or a folder above it) is
 refused for reading and replaced, never followed, for writing, and ``.opal`` belongs to the optimizer (it can
 be read, never written). A decision may write at most ``MAX_FILES_PER_DECISION`` files and
 ``MAX_BYTES_PER_DECISION`` bytes; past that each write is refused with a sentence the agent can act on. Every
 refusal is a ``Refused`` whose message goes back to the agent as the tool's result.
 
-The optimizer (``write_file_here``, ``read_program``, ``sweep``): it writes the running programs and the facts by
-renaming a fresh file over the name (a link left there is replaced, not followed), reads a program back only
-from a regular file opened without following links, and after a decision a worker sweeps the workspace: links and
-special files are removed, files past the limits are removed, and every file goes through the redaction.
+The agent host (``FixedWorkspace``): its workspace is the folder it was given when it started, before any agent
+code existed (a formal run's ``agent/workspace``, outside what the confined training process may write), never one
+a request names. Every use checks it by real path and identity (``checked``): still the real folder it was at
+start, not replaced by a link or another folder; only then does the host write the running programs and the facts
+into it (``put``), hand it to a worker, sweep it and read the programs back (``programs``).
+
+The writers and readers both use (``write_file_here``, ``read_program``, ``sweep``): a file is written by renaming
+a fresh file over the name (a link left there is replaced, not followed), a program is read back only from a
+regular UTF-8 file opened without following links and within ``MAX_PROGRAM_BYTES``, and after a decision the sweep
+removes links and special files and files past the limits, and puts every file through the redaction. A backend
+that answers in the training process (``keep``, a callable given to ``wrap()``) keeps a workspace of its own there,
+used the same way.
 """
 
 from __future__ import annotations
@@ -275,3 +284,64 @@ def sweep(root: Path, redaction: Callable[[str], str], keep: tuple[str, ...],
             write_file_here(path, clean.encode("utf-8", errors="surrogateescape"))
             done.append(f"redacted a secret in {relative}")
     return done
+
+
+class WorkspaceMoved(Exception):
+    """The agent host's workspace is no longer the folder it was at start; the message says so in one sentence."""
+
+
+class FixedWorkspace:
+    """The agent host's workspace: the folder given at start, the only one the host writes, sweeps, reads programs
+    from or hands to a worker (module docstring)."""
+
+    def __init__(self, given: str | os.PathLike):
+        path = Path(given)
+        if not path.is_absolute():
+            raise WorkspaceMoved(f"the agent host's workspace must be an absolute path, not {str(given)!r}")
+        real_folder(path)
+        self.given = path
+        self.root = Path(os.path.realpath(path))
+        status = os.lstat(self.root)
+        self.identity = (status.st_dev, status.st_ino)
+
+    def checked(self) -> Path:
+        """The workspace's real path, after checking that it is still the real folder it was at start; else
+        ``WorkspaceMoved`` with the sentence."""
+        try:
+            status = os.lstat(self.root)
+            same = (stat.S_ISDIR(status.st_mode) and (status.st_dev, status.st_ino) == self.identity
+                    and os.path.realpath(self.root) == str(self.root))
+        except OSError:
+            same = False
+        if not same:
+            raise WorkspaceMoved(f"the agent host's workspace {self.root} is no longer the folder it was when the "
+                                 f"host started (it was removed, replaced, or is reached through a link now); no "
+                                 f"decision is worked anywhere else: start the run again")
+        return self.root
+
+    def put(self, programs: dict[str, str], facts_text: str, message: str) -> Path:
+        """Write the running programs, the facts and the message into the checked workspace (a link or a folder in
+        the place of one is replaced, never followed); returns its path."""
+        root = self.checked()
+        for name in PROGRAM_FILES:
+            write_file_here(root / name, programs[name].encode("utf-8"))
+        meta = real_folder(root / META_FOLDER)
+        write_file_here(meta / "facts.json", facts_text.encode("utf-8"))
+        write_file_here(meta / "message.md", message.encode("utf-8"))
+        return root
+
+    def programs(self) -> tuple[dict[str, str], str | None]:
+        """The programs as the agent left them in the checked workspace, and why they cannot be loaded (None: they
+        can be tried); ``read_program``'s rules."""
+        return programs_in(self.checked())
+
+
+def programs_in(root: Path) -> tuple[dict[str, str], str | None]:
+    """The programs in the workspace ``root`` as the agent left them, and why they cannot be loaded (None: they can
+    be tried); each read with ``read_program``'s rules."""
+    files, problems = {}, []
+    for name in PROGRAM_FILES:
+        files[name], problem = read_program(Path(root), name)
+        if problem is not None:
+            problems.append(problem)
+    return files, "; ".join(problems) or None
