@@ -560,7 +560,6 @@ class FormalRun:
 
     def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
         from opalctl.driver.budget import clock_spec
-
         from opalctl.opal.agents.host import release_secrets
 
         protocol, layout, ranks = self.protocol, self.layout, self.ranks
