@@ -85,6 +85,20 @@ class StepsFile:
 
 
 @dataclass
+class AgentRecords:
+    """An agent arm's two accounts of its decisions, as read: the agent host's (what it answered, written where the
+    training process cannot write) and the training process's (what became of each answer, and the programs it
+    loaded), each program as the sha256 of its text (``opal/records.program_sha256``)."""
+
+    answered: dict[int, dict[str, str] | None]  # decision -> file -> sha256 the host answered (None: it failed)
+    outcomes: dict[int, tuple[str, int | None]]  # decision -> (outcome event, version) in training's events
+    loaded: dict[int, dict[str, str | None]]  # version -> file -> sha256 of programs/vNNN/file (None: missing)
+    events: str  # the training events' name, relative to the run folder
+    programs: str  # the training programs' folder, relative to the run folder
+    unreadable: list[Finding] = field(default_factory=list)  # host records that cannot be read
+
+
+@dataclass
 class RunFolder:
     """Everything of one run folder the chain names, as read."""
 
@@ -100,6 +114,7 @@ class RunFolder:
     # each stage record's name -> the name of the checkpoint the layout puts beside it (opalctl/layout.py)
     stage_checkpoints: dict[str, str] = field(default_factory=dict)
     resumable: bool = False  # a resume checkpoint is there
+    agent: AgentRecords | None = None  # an agent arm's records, where the agent host kept its own
 
 
 def _shape(cls, record: RecordFile, findings: list[Finding]):
@@ -329,6 +344,32 @@ def _without_seconds(stage: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in stage.items() if key != "eval_seconds"}
 
 
+def check_agent_records(records: AgentRecords) -> list[Finding]:
+    """The training process's account of the agent's decisions against the agent host's: every version it says it
+    applied must be, file for file, the programs the host answered at that decision (a training process that put
+    its records back to the released programs, or to anything else, is caught); a decision the host answered that
+    the training process says nothing of is noted (a run resumed from before it asked that decision again)."""
+    out = list(records.unreadable)
+    for decision, (kind, version) in sorted(records.outcomes.items()):
+        if kind != "applied":
+            continue
+        answered = records.answered.get(decision)
+        if answered is None:
+            out.append(Finding(records.events, f"says decision {decision} applied version {version}, and the agent "
+                                               f"host recorded no programs answered at it"))
+            continue
+        for name, digest in sorted(answered.items()):
+            loaded = records.loaded.get(version, {}).get(name)
+            if loaded != digest:
+                out.append(Finding(f"{records.programs}/v{version:03d}/{name}",
+                                   "is missing" if loaded is None else
+                                   f"is not the program the agent host answered at decision {decision}"))
+    for decision in sorted(set(records.answered) - set(records.outcomes)):
+        out.append(Finding(records.events, f"says nothing of decision {decision}, which the agent host answered",
+                           NOTE))
+    return out
+
+
 def check_completion(folder: RunFolder) -> list[Finding]:
     """A folder that is neither finished nor resumable lost its report or its resume checkpoint."""
     if folder.report.sha256 is not None or folder.resumable:
@@ -362,6 +403,7 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     stages = [stage for _, stage in named]
     out += check_sequence(named, list(start.budget.get("fractions") or []) if start is not None else None)
     out += check_completion(folder)
+    out += check_agent_records(folder.agent) if folder.agent is not None else []
     out += check_steps(folder.steps, stages) if folder.report.sha256 is not None or folder.steps.sha256 else []
     if folder.report.sha256 is None:
         return out + _anchor_missing(folder, anchor_required)

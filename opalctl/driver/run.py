@@ -46,6 +46,7 @@ process, with nothing wrapped.
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import platform
 import shlex
@@ -320,7 +321,15 @@ class BudgetLoop:
 
         if first_checkpoint:
             self.write_resume()
-        self._loop()
+        # Every object alive now (the interpreter, torch, the task, the parts) is set aside from the garbage
+        # collector while the loop runs: a full collection walks them all, and on a large process that is a pause
+        # of a tenth of a second or more that would land inside whichever timed update it happens to, charging it
+        # to the budget at random. They are handed back when the loop ends.
+        gc.freeze()
+        try:
+            self._loop()
+        finally:
+            gc.unfreeze()
         self.steps.close()
         self.ledger.take(self.steps.take_sums())
         figures = self.agent.close() if self.agent is not None else None

@@ -24,7 +24,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from opalctl.driver.chain import CHANGED, CheckpointFile, Finding, RecordFile, RunFolder, StepsFile, failures
+from opalctl.driver.chain import (
+    CHANGED,
+    DAMAGED,
+    AgentRecords,
+    CheckpointFile,
+    Finding,
+    RecordFile,
+    RunFolder,
+    StepsFile,
+    failures,
+)
 from opalctl.errors import BadInput, InputChanged, OpalctlError
 from opalctl.files import sha256_bytes, sha256_file
 from opalctl.formats import RecordChanged, RecordDamaged, decode_record
@@ -154,6 +164,49 @@ def _steps(layout: RunLayout) -> StepsFile:
     return found
 
 
+def _agent_records(layout: RunLayout) -> AgentRecords | None:
+    """An agent arm's decisions as the agent host recorded them and as the training process did (chain.py's
+    ``AgentRecords``); None for a folder without the host's records (no agent, a backend that answers in the
+    training process, a folder made before the host kept them)."""
+    from opalctl.formats import Event, HostDecisionRecord, read_jsonl, read_record
+    from opalctl.opal.records import ANSWER, PROGRAM_FILES, program_sha256
+
+    events = layout.opal / "events.jsonl"
+    if not layout.host_decisions.is_dir() or not events.is_file():
+        return None
+    records = AgentRecords(answered={}, outcomes={}, loaded={}, events=layout.name_of(events),
+                           programs=layout.name_of(layout.opal / "programs"))
+    for number in layout.decision_numbers():
+        path = layout.decision_folder(number) / ANSWER
+        try:
+            answer = read_record(path, HostDecisionRecord)
+        except RecordDamaged as error:
+            records.unreadable.append(Finding(layout.name_of(path), error.message.split("; ")[0].removeprefix(
+                f"{path} "), DAMAGED))
+            continue
+        records.answered[number] = None if answer.failed else dict(answer.programs)
+    try:
+        for event in read_jsonl(events):
+            if event.get("kind") in Event.OUTCOMES and isinstance(event.get("decision"), int):
+                version = event.get("version")
+                records.outcomes[event["decision"]] = (event["kind"], version if isinstance(version, int) else None)
+    except RecordDamaged as error:
+        records.unreadable.append(Finding(records.events, error.message.split("; ")[0].removeprefix(f"{events} "),
+                                          DAMAGED))
+    for kind, version in records.outcomes.values():
+        if kind == Event.APPLIED and version is not None:
+            folder = layout.opal / "programs" / f"v{version:03d}"
+            records.loaded[version] = {name: _text_sha256(folder / name, program_sha256) for name in PROGRAM_FILES}
+    return records
+
+
+def _text_sha256(path: Path, digest) -> str | None:
+    try:
+        return digest(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes: int | None = None) -> RunFolder:
     """Every record of a run folder that the chain names, as it is on the disk (driver/chain.py checks it)."""
     from opalctl import checkpoints
@@ -167,7 +220,7 @@ def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes:
                       selected=_record(folder, layout.name_of(layout.selected)),
                       report=_record(folder, layout.name_of(layout.report)),
                       anchor=_record(folder, layout.name_of(layout.anchor.record)), steps=_steps(layout),
-                      resumable=layout.resume.exists())
+                      resumable=layout.resume.exists(), agent=_agent_records(layout))
     for path in layout.stage_records():
         number = int(path.stem.removeprefix("stage-"))
         found.stage_checkpoints[path.name] = layout.name_of(layout.stage_checkpoint(number))

@@ -209,15 +209,13 @@ def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_
     running, answered = ((host / "001" / where / "updater.py").read_text() for where in ("running", "."))
     (new_line,) = [line for line in answered.splitlines() if line not in running.splitlines()]
 
-    # the training process's account rewritten after the fact: its events, its programs, its decision meta
+    # the training process's account rewritten after the fact: its events and its decision meta
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     for event in lines:
         if event["kind"] == "applied":
             event.update(rationale="Observed: nothing. Forged.", summary="Changed: nothing (forged).",
                          files=["analysis.py"], diff={"analysis.py": {"added": 99, "removed": 0}})
     events.write_text("".join(json.dumps(event) + "\n" for event in lines))
-    version = run_dir / "training" / "opal" / "programs" / f"v{applied['version']:03d}" / "updater.py"
-    version.write_text("# forged program\n")
     (run_dir / "training" / "opal" / "decisions" / "001" / "meta.json").write_text('{"forged": true}')
 
     assert tools.snapshot(host) == hosts_before, "the host's records are untouched"
@@ -229,4 +227,13 @@ def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_
     assert shown["files"] == ["updater.py"] and shown["answered_by"] == "agent host"
     assert shown["diff"] == {"updater.py": {"added": 1, "removed": 1}}
     page = (tmp_path / "page.html").read_text()
-    assert new_line in page and "forged program" not in page and "orged" not in page
+    assert new_line in page and "orged" not in page
+
+    # and the program it says it applied put back to another: verify names the file, show refuses the folder
+    version = run_dir / "training" / "opal" / "programs" / f"v{applied['version']:03d}" / "updater.py"
+    version.write_text(running)
+    code, out, err = main_cli(["verify", run_dir])
+    assert code == 3 and "training/opal/programs/v001/updater.py: is not the program the agent host answered at " \
+                         "decision 1" in err, err
+    code, out, err = main_cli(["show", run_dir])
+    assert code == 3 and out == "" and str(version) in err and len(err.strip().splitlines()) == 1, err

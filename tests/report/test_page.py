@@ -128,7 +128,7 @@ def test_the_page_holds_what_a_reader_needs_and_nothing_that_fetches(page, grid)
     kept = [e for e in events if e.get("kind") == "kept"]
     assert kept and kept[0]["summary"].replace("'", "&#x27;") in text
     if applied:
-        assert "<summary>diff</summary>" in text and "+++ v001/" in text
+        assert "<summary>diff</summary>" in text and "+++ decision 0" in text
     report = json.loads((next(grid["runs"].glob("*/adamw/seed-1")) / "report.json").read_text())
     for limitation in report["limitations"]:
         assert limitation.replace("'", "&#x27;") in text
