@@ -54,10 +54,12 @@ def check_in_child(workspace: Path, facts: dict[str, Any], running: dict[str, st
 def _confine_if_possible(workspace: Path) -> None:
     """No network, no writes, and nothing to read beyond what training reads and the workspace, for the programs
     on trial (where the kernel has Landlock): what they could read, they could print into the check's answer,
-    which the agent reads."""
-    from opalctl.sandbox import confine_process, training_paths
+    which the agent reads. No process either, and no capability: a process the programs started would outlive
+    the check's time limit, which kills this one."""
+    from opalctl.sandbox import Bounds, confine_process, training_paths
 
-    confine_process(writable=[], readable=[*training_paths(), Path(workspace)], deny_network=True)
+    confine_process(writable=[], readable=[*training_paths(), Path(workspace)], deny_network=True,
+                    bounds=Bounds(no_processes=True, drop_capabilities=True))
 
 
 def main() -> int:
