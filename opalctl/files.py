@@ -162,11 +162,11 @@ def read_beneath(root: str | os.PathLike, relative: str, limit: int) -> bytes:
         for part in parts[:-1]:
             try:
                 inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
-            except NotADirectoryError:
-                raise NotAPlainFile(f"{part} on the way is not a folder") from None
             except OSError as error:
-                if error.errno == errno.ELOOP:
-                    raise NotAPlainFile(f"{part} on the way is a symbolic link") from None
+                if error.errno in (errno.ELOOP, errno.ENOTDIR):  # a link gives one or the other with O_DIRECTORY
+                    link = stat.S_ISLNK(os.lstat(part, dir_fd=folder).st_mode)
+                    raise NotAPlainFile(f"{part} on the way is {'a symbolic link' if link else 'not a folder'}") \
+                        from None
                 raise
             os.close(folder)
             folder = inner

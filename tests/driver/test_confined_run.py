@@ -1,6 +1,7 @@
 """An agent arm's ``opalctl run`` process is confined by the operating system (opalctl/sandbox.py) once its
 evaluator and agent host are up: code running in the training process can no longer read an evaluation split,
-reach the network or write outside the run folder, and the run still ends normally.
+reach the network, write outside its own folder of the run (``training/``; not beside the records of results) or
+learn a stage's result while it trains, and the run still ends normally.
 
 The code that probes runs where an agent's program would, in the training process, from a task's ``loss``; it
 prints what each probe gave on standard error, since it can write nowhere else.
@@ -103,3 +104,7 @@ def test_an_agent_arms_training_process_reads_no_split_reaches_no_network_and_wr
     assert not outside.exists()
     # and the run ended as a run does: the evaluator judged every stage
     assert len(report["stages"]) == len(report["budget"]["fractions"]) and report["updates"] == 8
+    # the training process of the agent arm was told no result while it trained; the plain arm was
+    assert "stage 1/4 at update 2: judged (in stage-01.json)" in confined.stderr
+    assert not any(word in confined.stderr for word in ("promoted", "kept anchor", "kept 1")), confined.stderr
+    assert "stage 1/4 at update 2: promoted" in plain.stderr or "stage 1/4 at update 2: kept" in plain.stderr

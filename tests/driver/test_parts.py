@@ -254,3 +254,39 @@ def test_a_cuda_run_on_a_machine_without_cuda_says_what_to_do(project, tools, ma
     assert code == 2 and "training.device is cuda but this machine has no CUDA device; run on a machine with a " \
                          "GPU or set training.device: cpu" in err
     assert not project.run_dir("adamw", 1).exists()
+
+
+@pytest.mark.parametrize("plant", ["symbolic link", "hard link", "folder link on the way", "fifo"])
+def test_the_judge_never_follows_a_stage_checkpoint_to_another_file(project, tools, tmp_path, plant):
+    """A stage checkpoint the training process replaced by a link to an evaluation split (or anything not a plain
+    file it wrote) is refused in one sentence naming it: the unconfined evaluator opens nothing through it."""
+    import os
+
+    from opalctl.driver.judge import Judge, SavedStage
+    from opalctl.formats import RecordDamaged
+
+    lock, protocol, parts = built_parts(project, tools)
+    judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
+    root = tmp_path / "run"
+    (root / "training").mkdir(parents=True)
+    record = checkpoints.save(root / "training" / "stage-01.pt", parts.model.state_dict(), kind="stage")
+    saved = SavedStage(index=0, root=root, name="training/stage-01.pt", sha256=record["sha256"],
+                       model_sha256=record["model_sha256"], bytes=record["bytes"])
+    split = lock.data_path("selection")
+    target = root / "training" / "stage-01.pt"
+    target.unlink()
+    if plant == "symbolic link":
+        target.symlink_to(split)
+    elif plant == "hard link":
+        os.link(split, target)
+    elif plant == "fifo":
+        os.mkfifo(target)
+    else:
+        (root / "training").rmdir()
+        (root / "training").symlink_to(split.parent)
+    with pytest.raises(RecordDamaged) as refused:
+        judge.evaluate(saved)
+    message = refused.value.message
+    assert str(root / "training" / "stage-01.pt") in message and "\n" not in message, message
+    assert {"symbolic link": "is a symbolic link", "hard link": "2 names", "fifo": "not a regular file",
+            "folder link on the way": "training on the way is a symbolic link"}[plant] in message, message
