@@ -7,33 +7,40 @@ The order of work is the promise the product makes (docs/architecture.md traces 
    the evaluation splits, and evaluates the anchor (the original parent for this seed) once per lock and seed, or
    re-checks its record;
 3. the arm's model, sampler and optimizer are built from the ``train`` split alone (an agent arm's optimizer is
-   wrapped), an agent arm's training process is confined by the operating system where it can be
-   (``opalctl.sandbox``), and the initial state is saved, or a resume's state restored;
+   wrapped), ``initial.pt`` is saved, an agent arm's training process is confined by the operating system where it
+   can be (``opalctl.sandbox``: it may write only its ``training/`` folder of the run, start no process, use
+   bounded memory), the evaluator is told how the run started and writes ``start.json``, and a resume's state is
+   restored;
 4. the budget loop charges each whole update (batch, forward, loss, backward, clipping, step) to the protocol's
-   clock and nothing else: evaluations, checkpoint writes and log writes happen between timed intervals and are
-   recorded on their own. No update is cut short; the run ends after the first update that reaches 100 %, and
-   the overshoot is recorded;
-5. at each budget fraction the state is checkpointed, and the evaluator evaluates the stage's checkpoint file,
-   decides about it by the promotion policy (which always measures floors against the anchor) and writes its
-   record; the training process prints the answer and carries it in its resume checkpoints;
-6. the evaluator writes ``selected.json``, ``last.json`` and ``report.json`` from its records and the training
-   facts this process sends.
+   clock, with what agent code ran outside the updates since the last one (a program built at a decision, its
+   state taken at a checkpoint), and nothing else: evaluations, checkpoint writes and log writes happen between
+   timed intervals and are recorded on their own. No update is cut short; the run ends after the first update that
+   reaches 100 %, and the overshoot is recorded;
+5. at each budget fraction the state is checkpointed, and the evaluator reads the stage's checkpoint file itself,
+   evaluates it, decides about it by the promotion policy (which always measures floors against the anchor) and
+   writes its record; it tells an agent arm's training process only that the stage was recorded;
+6. the evaluator writes ``selected.json``, ``last.json`` and ``report.json`` from its records, what the kernel
+   counted of this process, and the training facts this process sends.
 
-The parts own their state: ``build.ArmParts`` what trains, ``ledger.Ledger`` every total, the evaluator the
-evaluation, the promotion decisions and the records of results, ``Carried`` what a resume must carry beside the
-parts' own states, and ``BudgetLoop`` the loop over them. ``FormalRun.execute`` is the sequence above.
+Every name of the run folder is ``opalctl/layout.py``'s (``RunLayout``): the records of results lie beside
+``training/``, this process's own, and ``agent/``, the agent host's. The parts own their state: ``build.ArmParts``
+what trains, ``ledger.Ledger`` every total, the evaluator the evaluation, the promotion decisions and the records of
+results, ``Carried`` what a resume must carry beside the parts' own states, and ``BudgetLoop`` the loop over them.
+``FormalRun.execute`` is the sequence above.
 
 A resume checkpoint holds everything the loop needs (model, optimizer, sampler, schedule, budget meter, RNG
-states, running totals, the incumbent, the stage records, how many lines of ``steps.jsonl.gz`` precede it), so
+states, running totals, how many stages it has passed, how many lines of ``steps.jsonl.gz`` precede it), so
 ``--resume`` after a crash ends, for a deterministic arm, with exactly the weights of an uninterrupted run; the
-evaluator judges the carried stages again from their files before the loop continues, and the resume refuses a
-start.json or a steps file that is not the one its checkpoint records (their digests travel in it).
+evaluator judges the stages passed again from its own records and their checkpoint files before the loop
+continues, and the resume refuses a steps file that is not the one its checkpoint records (its digests travel in
+it).
 
 One run per folder: the folder's lock (a file beside it, ``FolderLock``) is taken first, and only then is it
-decided whether this start may use the folder (``claim_folder``): a started or finished run is never started
-over, ``--resume`` needs a resume checkpoint (or a run that never got past update 0), and ``--restart`` starts a started, unfinished run again from update
-0 after moving its folder aside whole (``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP) or a
-storage fault ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
+decided whether this start may use the folder (``claim_folder``, by ``RunLayout.state``): a started or finished
+run is never started over, ``--resume`` needs a resume checkpoint (or a run that never got past update 0), and
+``--restart`` starts a started, unfinished run again from update 0 after moving its folder aside whole
+(``seed-S.abandoned-N``). A stop signal (SIGINT, SIGTERM, SIGHUP), a storage fault or a bound of the confinement
+ends a run in one sentence that gives the command continuing it (``StopSignals``, ``told``).
 
 Under torchrun (``training.ranks`` above 1) every rank runs this sequence on its own batches: rank 0 alone
 claims the folder, talks to the evaluator and writes; the others train beside it, charged what rank 0 is charged,
