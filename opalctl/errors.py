@@ -6,7 +6,7 @@ opalctl and is shown as such (exit 1, with the traceback kept for the report).
 
 The exit codes: 0 done; 1 a failure while working (``OpalctlError``) or a bug; 2 bad input (``BadInput``); 3 a
 frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGRAM_HUNG``): a program call ran past
-its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``opal/hung.jsonl``
+its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``training/opal/hung.jsonl``
 naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
 resume checkpoint with that version marked failed (it never runs again); 129, 130 and 143 a run stopped by SIGHUP,
 SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops at once, keeps what it

@@ -28,8 +28,14 @@ from opalctl.formats import (
     anchor_sha256,
     report_sha256,
 )
+from opalctl.layout import LAST, REPORT, SELECTED, START, stage_name
 
 DAMAGED, CHANGED, NOTE = "damaged", "changed", "note"
+
+
+def record_name(stage: int) -> str:
+    """``stage-NN.json``, stage ``stage``'s record as the layout names it."""
+    return f"{stage_name(stage)}.json"
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,9 @@ def check_start(start: StartRecord, initial: CheckpointFile | None, lock_sha256:
     """``start.json`` against the lock (when known) and ``initial.pt``."""
     out = []
     if lock_sha256 is not None and start.lock_sha256 != lock_sha256:
-        out.append(Finding("start.json", f"names lock {_short(start.lock_sha256)}, not {_short(lock_sha256)}"))
+        out.append(Finding(START, f"names lock {_short(start.lock_sha256)}, not {_short(lock_sha256)}"))
     if initial is not None:
-        out += check_checkpoint(initial, start.initial, "start.json")
+        out += check_checkpoint(initial, start.initial, START)
     return out
 
 
@@ -185,7 +191,7 @@ def check_stage(stage: StageRecord, name: str, checkpoint: CheckpointFile | None
     """One stage record: its number, its checkpoint file (``own_checkpoint``: the name the layout gives it) and the
     anchor it was judged against."""
     out = []
-    if name != f"stage-{stage.stage:02d}.json":
+    if name != record_name(stage.stage):
         out.append(Finding(name, f"holds the record of stage {stage.stage}"))
     if stage.checkpoint.get("file") != own_checkpoint:
         out.append(Finding(name, f"names checkpoint {stage.checkpoint.get('file')!r}, not its own"))
@@ -207,8 +213,8 @@ def check_sequence(stages: list[tuple[str, StageRecord]], fractions: list[float]
     incumbent: int | str = "anchor"
     expected = 1
     for name, stage in stages:
-        if name == f"stage-{stage.stage:02d}.json" and stage.stage > expected:  # the ones before it are gone
-            out += [Finding(f"stage-{gone:02d}.json", f"is missing (stage {stage.stage}'s record is there)", DAMAGED)
+        if name == record_name(stage.stage) and stage.stage > expected:  # the ones before it are gone
+            out += [Finding(record_name(gone), f"is missing (stage {stage.stage}'s record is there)", DAMAGED)
                     for gone in range(expected, stage.stage)]
             expected = stage.stage
         elif stage.stage != expected:
@@ -228,12 +234,12 @@ def check_sequence(stages: list[tuple[str, StageRecord]], fractions: list[float]
 
 def check_last(last: LastRecord, stages: list[StageRecord]) -> list[Finding]:
     if not stages:
-        return [Finding("last.json", "names a stage, and the run has no stage records")]
+        return [Finding(LAST, "names a stage, and the run has no stage records")]
     final = stages[-1]
     expected = {"stage": final.stage, "update": final.update, **final.checkpoint}
     got = {key: value for key, value in last.to_json().items() if key != "format"}
     if {key: got.get(key) for key in expected} != expected:
-        return [Finding("last.json", f"does not name stage {final.stage}'s checkpoint as stage-{final.stage:02d}.json "
+        return [Finding(LAST, f"does not name stage {final.stage}'s checkpoint as {record_name(final.stage)} "
                                      f"records it")]
     return []
 
@@ -243,18 +249,18 @@ def check_selected(selected: SelectedRecord, stages: list[StageRecord], anchor: 
     chosen = stages[-1].incumbent_after if stages else "anchor"
     if chosen == "anchor":
         if selected.source != "anchor" or not selected.flagged:
-            return [Finding("selected.json", "selects a stage, and no stage was promoted")]
+            return [Finding(SELECTED, "selects a stage, and no stage was promoted")]
         if anchor is not None and (selected.metrics != anchor.metrics
                                    or selected.checkpoint.get("model_sha256") != anchor.model_sha256):
-            return [Finding("selected.json", "does not hold the anchor record's metrics and model")]
+            return [Finding(SELECTED, "does not hold the anchor record's metrics and model")]
         return []
     stage = next((s for s in stages if s.stage == chosen), None)
     if selected.source != "stage" or stage is None or selected.stage != chosen:
-        return [Finding("selected.json", f"does not select stage {chosen}, the incumbent the last stage left")]
+        return [Finding(SELECTED, f"does not select stage {chosen}, the incumbent the last stage left")]
     named = {key: stage.checkpoint.get(key) for key in ("file", "sha256", "model_sha256")}
     if {key: selected.checkpoint.get(key) for key in named} != named or selected.metrics != stage.metrics:
-        return [Finding("selected.json", f"does not hold stage {chosen}'s checkpoint and metrics as "
-                                         f"stage-{chosen:02d}.json records them")]
+        return [Finding(SELECTED, f"does not hold stage {chosen}'s checkpoint and metrics as "
+                                         f"{record_name(chosen)} records them")]
     return []
 
 
@@ -278,9 +284,9 @@ def check_digests(digests: RunDigests, folder: RunFolder, report: dict[str, Any]
     """Every digest ``report.json`` records against the file it names, and the report's own."""
     out = []
     if digests.report != report_sha256(report):
-        out.append(Finding("report.json", "no longer matches its own digest (a figure in it was edited)"))
-    files = {"start.json": (digests.start, folder.start.sha256), "last.json": (digests.last, folder.last.sha256),
-             "selected.json": (digests.selected, folder.selected.sha256),
+        out.append(Finding(REPORT, "no longer matches its own digest (a figure in it was edited)"))
+    files = {START: (digests.start, folder.start.sha256), LAST: (digests.last, folder.last.sha256),
+             SELECTED: (digests.selected, folder.selected.sha256),
              folder.steps.name: (digests.steps, folder.steps.sha256)}
     on_disk = {stage.name: stage.sha256 for stage in folder.stages}
     for name in sorted(set(digests.stages) | set(on_disk)):
@@ -304,37 +310,37 @@ def check_report(report: RunReport, raw: dict[str, Any], folder: RunFolder, stag
     """``report.json``: its digests, then each figure it repeats from another record."""
     out: list[Finding] = []
     if report.digests is None and any("anchor_sha256" in stage for stage in report.stages):
-        out.append(Finding("report.json", "lacks the digests of the chain its stage records belong to (they were "
+        out.append(Finding(REPORT, "lacks the digests of the chain its stage records belong to (they were "
                                           "removed)"))
     elif report.digests is None:
-        out.append(Finding("report.json", "predates the chain of digests (it has no digests): only its figures "
+        out.append(Finding(REPORT, "predates the chain of digests (it has no digests): only its figures "
                                           "are checked against the other records", NOTE))
     else:
         try:
             out += check_digests(RunDigests.from_json(report.digests, what="its digests"), folder, raw)
         except RecordDamaged:
-            return out + [Finding("report.json", "holds digests that are not of their shape", DAMAGED)]
+            return out + [Finding(REPORT, "holds digests that are not of their shape", DAMAGED)]
     mine = [stage.to_json() for stage in stages]
     if [_without_seconds(s) for s in report.stages] != [_without_seconds(s) for s in mine]:
-        out.append(Finding("report.json", "lists stages that are not the stage records"))
+        out.append(Finding(REPORT, "lists stages that are not the stage records"))
     if report.promoted_stages != [stage.stage for stage in stages if stage.promoted]:
-        out.append(Finding("report.json", "lists promoted stages that are not the stage records' promotions"))
+        out.append(Finding(REPORT, "lists promoted stages that are not the stage records' promotions"))
     selected = folder.selected.value if isinstance(folder.selected.value, dict) else {}
     if {key: selected.get(key) for key in ("source", "stage", "flagged")} != \
             {key: report.selected.get(key) for key in ("source", "stage", "flagged")}:
-        out.append(Finding("report.json", "selects another model than selected.json"))
+        out.append(Finding(REPORT, "selects another model than selected.json"))
     if stages and report.final_model_sha256 != stages[-1].checkpoint.get("model_sha256"):
-        out.append(Finding("report.json", "names another final model than the last stage's checkpoint"))
+        out.append(Finding(REPORT, "names another final model than the last stage's checkpoint"))
     anchor = folder.anchor.value if isinstance(folder.anchor.value, dict) else {}
     if "metrics" in anchor and report.anchor_metrics != anchor["metrics"]:
-        out.append(Finding("report.json", "holds anchor metrics that are not the anchor record's"))
+        out.append(Finding(REPORT, "holds anchor metrics that are not the anchor record's"))
     if start is not None and (report.lock_sha256, report.arm, report.seed) != (start.lock_sha256, start.arm,
                                                                                start.seed):
-        out.append(Finding("report.json", "names another lock, arm or seed than start.json"))
+        out.append(Finding(REPORT, "names another lock, arm or seed than start.json"))
     steps = folder.steps
     if steps.error is None and steps.sha256 is not None and (report.updates != steps.lines
                                                              or report.rows_digest != steps.last_seen):
-        out.append(Finding("report.json", f"counts {report.updates} updates, {steps.name} holds {steps.lines} "
+        out.append(Finding(REPORT, f"counts {report.updates} updates, {steps.name} holds {steps.lines} "
                                           f"(or another rows digest)"))
     return out
 
@@ -375,8 +381,8 @@ def check_completion(folder: RunFolder) -> list[Finding]:
     if folder.report.sha256 is not None or folder.resumable:
         return []
     if folder.last.sha256 is not None or folder.selected.sha256 is not None:
-        return [Finding("report.json", "is missing, and last.json or selected.json says the run closed", DAMAGED)]
-    return [Finding("report.json", "is missing, and there is no resume checkpoint: the run stopped before its first "
+        return [Finding(REPORT, "is missing, and last.json or selected.json says the run closed", DAMAGED)]
+    return [Finding(REPORT, "is missing, and there is no resume checkpoint: the run stopped before its first "
                                    "resume checkpoint, or its resume checkpoint is gone", NOTE)]
 
 

@@ -2,7 +2,7 @@
 did not stop when interrupted), torch's global state a program changed, and versions failed at a resume.
 
 The watchdog (``guard.py``) ends the process then; before it does, the agent optimizer appends one line to
-``hung.jsonl`` in its records folder (``<run>/opal/hung.jsonl`` in a formal run): the version, the call, the update,
+``hung.jsonl`` in its records folder (``<run>/training/opal/hung.jsonl`` in a formal run): the version, the call, the update,
 the time limit and the sha256 of the version's two files. Unlike ``events.jsonl`` this file is never cut back when
 a run resumes: a resumed run reads it, so that a version that hung is never loaded again (a resume checkpoint that
 holds it as the running version hands over to its fallback at once, and the same files proposed again are

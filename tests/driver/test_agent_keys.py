@@ -93,6 +93,7 @@ def _probe(out):
     (out / "environ-block.json").write_text(json.dumps({
         "strings": [text.decode("utf-8", "replace") for _, text in block], "in_stack": len(in_stack),
         "scanned": [start, high]}))
+    gc.unfreeze()  # what the run's loop set aside from the collector is not listed by get_objects() until then
     found = [{"type": type(o).__module__ + "." + type(o).__qualname__, "holds_secrets": bool(o.holds_secrets),
               "state": repr(vars(o))} for o in gc.get_objects() if isinstance(o, Redaction)]
     (out / "redactions.json").write_text(json.dumps(found))
