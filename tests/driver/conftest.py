@@ -203,6 +203,43 @@ class PausingDigits(Digits):
         return super().loss(model, batch)
 '''
 
+# a task that kills its own training process at its N-th loss call (KILL_LOSS_AT), as a SIGKILL from outside would
+KILLABLE_TASK = '''
+import os
+import signal
+
+from opalctl.tasks.digits import Digits
+
+CALLS = [0]
+
+
+class KillableDigits(Digits):
+    def loss(self, model, batch):
+        CALLS[0] += 1
+        if os.environ.get("KILL_LOSS_AT") == str(CALLS[0]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch)
+'''
+
+# the agent's answer the loopback Messages server gives in a real run: the shipped updater with its learning rate
+# halved, and a rationale of the usual four parts (tests/driver/test_agent_keys.py, test_verdict_holds.py)
+DEFAULT_UPDATER = (Path(__file__).resolve().parents[2] / "opalctl" / "opal" / "defaults" / "updater.py").read_text()
+HALVED = DEFAULT_UPDATER.replace("LR_SCALE = 1.0", "LR_SCALE = 0.5", 1)
+RATIONALE = ("Observed: the loss falls steadily.\nChanged: LR_SCALE 1.0 -> 0.5 in updater.py.\n"
+             "Prediction: smoother; wrong if it stalls.\nRules: LR_SCALE is a schedule.")
+
+
+def messages_server():
+    """tests/opal/messages_server.py, the loopback Messages API, as a module (tests are not a package here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "messages_server", Path(__file__).resolve().parents[1] / "opal" / "messages_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # the files a finished run folder holds with the fractions [0.25, 0.5, 0.75, 1.0]: its records and nothing else
 # (training's own files under training/, opalctl/layout.py)
 FINISHED_FILES = sorted(["initial.pt", "last.json", "report.json", "selected.json", "start.json",

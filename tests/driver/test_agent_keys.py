@@ -17,22 +17,11 @@ decision meta): the host's records are untouched, and ``show`` and the report pa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 import string
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location(
-    "messages_server", Path(__file__).resolve().parents[1] / "opal" / "messages_server.py")
-ms = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ms)
 
 UPDATES = 300
-DEFAULT_UPDATER = (Path(__file__).resolve().parents[2] / "opalctl" / "opal" / "defaults" / "updater.py").read_text()
-HALVED = DEFAULT_UPDATER.replace("LR_SCALE = 1.0", "LR_SCALE = 0.5", 1)
-RATIONALE = ("Observed: the loss falls steadily.\nChanged: LR_SCALE 1.0 -> 0.5 in updater.py.\n"
-             "Prediction: smoother; wrong if it stalls.\nRules: LR_SCALE is a schedule.")
 
 PROBING_TASK = '''
 import ctypes
@@ -149,8 +138,9 @@ def test_an_opalctl_run_keeps_the_key_out_of_its_training_process_and_its_host_h
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES}, arms={"agent": agent_arm()})
     run_dir = project.run_dir("agent", 1)
     out = run_dir / "training" / "probe"
-    script = [ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": HALVED})),
-              ms.reply(ms.text(RATIONALE + f"\n(my key: {key})"))]
+    ms = tools.messages_server()
+    script = [ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": tools.HALVED})),
+              ms.reply(ms.text(tools.RATIONALE + f"\n(my key: {key})"))]
     with ms.MessagesServer(script) as server:
         env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=server.url, PROBE_OUT=str(out),
                           PROBE_REWRITE_AT=str(UPDATES - 20))

@@ -21,22 +21,6 @@ from opalctl import checkpoints
 
 AMOUNT = 300  # updates; decision 1 at update 15, a resume checkpoint every 18 (the new version steps before one)
 CHECKPOINT_EVERY = 0.06
-KILLING_TASK = '''
-import os
-import signal
-
-from opalctl.tasks.digits import Digits
-
-CALLS = [0]
-
-
-class KillableDigits(Digits):
-    def loss(self, model, batch):
-        CALLS[0] += 1
-        if os.environ.get("KILL_LOSS_AT") == str(CALLS[0]):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().loss(model, batch)
-'''
 SGD = '''
 import torch
 
@@ -106,12 +90,12 @@ def events(run_dir):
     return [json.loads(line) for line in (opal_records(run_dir) / "events.jsonl").read_text().splitlines()]
 
 
-def frozen(project, tmp_path, case):
+def frozen(project, tools, tmp_path, case):
     updater, analysis, _ = PROGRAMS[case]
     original = recorded_original(tmp_path / "original", updater, analysis)
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
              "agent": {"backend": f"replay:{original}", "decisions": 8}}
-    project.freeze(entry=project.task_module(KILLING_TASK, "KillableDigits"),
+    project.freeze(entry=project.task_module(tools.KILLABLE_TASK, "KillableDigits"),
                    budget={"clock": "updates", "amount": AMOUNT}, training={"checkpoint_every": CHECKPOINT_EVERY},
                    arms={"agent": agent},
                    selection={"denominators": ["selection.total", "retention.total"],
@@ -142,7 +126,7 @@ def assert_finished(run_dir, tools):
 
 @pytest.mark.parametrize("case", sorted(PROGRAMS))
 def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(project, tools, tmp_path, case):
-    frozen(project, tmp_path, case)
+    frozen(project, tools, tmp_path, case)
     run_dir = project.run_dir("agent", 1)
     finished = project.process(project.run_args("agent", 1))
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -152,7 +136,7 @@ def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(
 
 def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(project, tools, tmp_path):
     case = "meta_tensor_in_state_dict"
-    frozen(project, tmp_path, case)
+    frozen(project, tools, tmp_path, case)
     first = project.run_dir("agent", 1)
     assert project.process(project.run_args("agent", 1)).returncode == 0
     reverted_at = the_revert(first, PROGRAMS[case][2])["update"]

@@ -42,23 +42,6 @@ class PatchingDigits(Digits):
         return F.cross_entropy(model(batch.inputs), batch.targets), {}
 '''
 
-KILLABLE_TASK = '''
-import os
-import signal
-
-from opalctl.tasks.digits import Digits
-
-CALLS = [0]
-
-
-class KillableDigits(Digits):
-    def loss(self, model, batch):
-        CALLS[0] += 1
-        if os.environ.get("KILL_LOSS_AT") == str(CALLS[0]):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().loss(model, batch)
-'''
-
 AUDITED_RUN = '''
 import atexit
 import json
@@ -151,7 +134,7 @@ def test_the_training_process_never_opens_the_evaluation_split_files(project, to
 
 def killed_after_stage_one(project, tools):
     """A run killed inside update 15: its resume checkpoint (update 14) carries stage 1."""
-    entry = project.task_module(KILLABLE_TASK, "KillableDigits")
+    entry = project.task_module(tools.KILLABLE_TASK, "KillableDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
                    arms={"adamw": tools.ADAMW}, selection={**tools.LENIENT, "floors": {"retention.correct": 1000}})
     run_dir = project.run_dir("adamw", 1)

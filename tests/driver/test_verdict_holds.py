@@ -30,7 +30,6 @@ state, the host's pipe, ``close()``) is tests/driver/test_agent_keys.py's and te
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 from pathlib import Path
@@ -40,19 +39,10 @@ import pytest
 from opalctl.files import canonical_json
 from opalctl.formats import anchor_sha256
 
-_spec = importlib.util.spec_from_file_location(
-    "messages_server", Path(__file__).resolve().parents[1] / "opal" / "messages_server.py")
-ms = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ms)
-
 UPDATES = 300
 ATTACK_AT = 150  # the loss call the attacks start at: after the one decision (at 20 % of the budget)
 EXTRA_UPDATES = 5000
 SEALED = "final-test-stand-in.txt"  # a file of the protocol's folder that training may never read
-DEFAULT_UPDATER = (Path(__file__).resolve().parents[2] / "opalctl" / "opal" / "defaults" / "updater.py").read_text()
-HALVED = DEFAULT_UPDATER.replace("LR_SCALE = 1.0", "LR_SCALE = 0.5", 1)
-RATIONALE = ("Observed: the loss falls steadily.\nChanged: LR_SCALE 1.0 -> 0.5 in updater.py.\n"
-             "Prediction: smoother; wrong if it stalls.\nRules: LR_SCALE is a schedule.")
 
 HOSTILE_TASK = '''
 import atexit
@@ -205,7 +195,7 @@ def agent_arm() -> dict:
                       "every": 25, "trial_steps": 5}}
 
 
-def the_agent(forged_anchor: str):
+def the_agent(ms, forged_anchor: str, halved: str, rationale: str):
     """The loopback Messages API: the scheduled decision halves the learning rate; what the forged requests ask
     for (write a forged anchor record, read the sealed stand-in) is asked of the backend as a real agent would."""
     def answer(body):
@@ -217,8 +207,8 @@ def the_agent(forged_anchor: str):
             return ms.reply(ms.tool_use("read_file", {"path": SEALED})) if opening else ms.reply(ms.text("Kept."))
         if "SWEEP-IT" in first:
             return ms.reply(ms.text("Kept."))
-        return ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": HALVED})) if opening \
-            else ms.reply(ms.text(RATIONALE))
+        return ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": halved})) if opening \
+            else ms.reply(ms.text(rationale))
     return [answer] * 12
 
 
@@ -231,11 +221,11 @@ def attacks(stderr: str) -> dict:
 def hostile(digits_template, tools, tmp_path_factory):
     """The baseline, the hostile run and an arm of the same seed run after it; what each attack printed."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        yield from hostile_runs(tools.Project(digits_template, tmp_path_factory.mktemp("hostile") / "project",
-                                              monkeypatch))
+        yield from hostile_runs(tools, tools.Project(digits_template,
+                                                     tmp_path_factory.mktemp("hostile") / "project", monkeypatch))
 
 
-def hostile_runs(project):
+def hostile_runs(tools, project):
     """Each attack in a runs folder of its own, so that each is compared or verified on its own: in the project's,
     the baseline and the arm that trains off the budget; in ``deputy/``, the arm that uses the host as a deputy
     (its evaluator made the seed's anchor) and an arm of the seed run after it; in ``forged/`` the arm that forges
@@ -264,7 +254,8 @@ def hostile_runs(project):
     key = "sk-ant-api03-" + secrets.token_urlsafe(30)
     results, bodies = {}, []
     for arm, chosen in (("greedy", "off_budget"), ("deputy", "deputy"), ("forger", "forge"), ("putter", "put_back")):
-        with ms.MessagesServer(the_agent(canonical_json(forged))) as server:
+        ms = tools.messages_server()
+        with ms.MessagesServer(the_agent(ms, canonical_json(forged), tools.HALVED, tools.RATIONALE)) as server:
             env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=server.url, ATTACK_AT=str(ATTACK_AT),
                               ATTACKS=chosen, EXTRA_UPDATES=str(EXTRA_UPDATES), PROTOCOL_FOLDER=str(project.folder),
                               UNRELATED_FOLDER=str(unrelated), ATTACK_KEY=key)
@@ -337,10 +328,10 @@ def test_training_off_the_budget_is_flagged_by_compare_in_every_verdict_of_the_a
     assert "flagged: greedy: work outside the charged updates" in shown.stdout
 
 
-def test_the_agents_records_put_back_are_caught_by_verify_naming_the_file(hostile, cli_inprocess):
+def test_the_agents_records_put_back_are_caught_by_verify_naming_the_file(hostile, tools, cli_inprocess):
     assert hostile["attacks"]["put_the_agents_records_back"]["tried"] == "written"  # training's own folder
     putter = run_dir(hostile, "putter")
-    assert (putter / "agent" / "decisions" / "001" / "updater.py").read_text() == HALVED, "the host's record"
+    assert (putter / "agent" / "decisions" / "001" / "updater.py").read_text() == tools.HALVED, "the host's record"
     result = cli_inprocess("verify", putter)
     assert result.code == 3, result.output
     assert "training/opal/programs/v001/updater.py: is not the program the agent host answered at decision 1" in \
