@@ -1,0 +1,89 @@
+"""opalctl/layout.py: every name of a lock's run folders, where a run stands by its files, and the names of locks
+and arms that cannot be folders refused before any folder is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from opalctl.errors import BadInput
+from opalctl.layout import AT_UPDATE_0, FINISHED, NEW, RESUMABLE, STARTED, LockRuns, RunLayout
+
+
+@dataclass
+class FakeLock:
+    name: object
+    sha12: str = "0123456789ab"
+    path: Path = Path("x.lock.json")
+
+
+def test_a_runs_every_name_lies_where_the_layout_says(tmp_path):
+    runs = LockRuns.of(tmp_path, FakeLock("digits"))
+    layout = runs.run("adamw", 2)
+    base = tmp_path / "digits-0123456789ab"
+    assert layout.root == base / "adamw" / "seed-2" and layout.anchor.record == base / "anchors" / "seed-2" / \
+        "anchor.json"
+    assert layout.stage_checkpoint(3) == layout.root / "training" / "stage-03.pt"
+    assert layout.stage_record(3) == layout.root / "stage-03.json" and layout.report == layout.root / "report.json"
+    assert layout.opal == layout.root / "training" / "opal" and layout.workspace == layout.root / "agent" / "workspace"
+    assert layout.folder_lock == base / "adamw" / ".seed-2.lock"
+    assert layout.name_of(layout.stage_checkpoint(1)) == "training/stage-01.pt"
+    assert layout.name_of(layout.anchor.record) == "../../anchors/seed-2/anchor.json"
+    assert layout.path_of("training/stage-01.pt") == layout.stage_checkpoint(1)
+    with pytest.raises(ValueError):
+        layout.path_of("../../elsewhere")
+
+
+@pytest.mark.parametrize("name", ["../../elsewhere/x", "/abs", "..", ".hidden", "-flag", "a b", 5, None, ""])
+def test_a_lock_or_arm_name_that_cannot_be_a_folder_is_refused_before_any_folder_is_made(tmp_path, name):
+    with pytest.raises(BadInput, match="cannot name a folder"):
+        LockRuns.of(tmp_path, FakeLock(name))
+    with pytest.raises(BadInput, match="cannot name a folder"):
+        LockRuns.of(tmp_path, FakeLock("digits")).run(name, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_where_a_run_stands_is_decided_by_its_files(tmp_path):
+    layout = RunLayout(tmp_path / "run")
+    assert layout.state == NEW and not layout.is_run_folder()
+    layout.training.mkdir(parents=True)
+    layout.start.write_text("{}")
+    assert layout.state == AT_UPDATE_0
+    layout.steps.write_bytes(b"")
+    assert layout.state == AT_UPDATE_0, "an empty steps file counts no update"
+    layout.steps.write_bytes(b"\x1f\x8b-some lines")
+    assert layout.state == STARTED
+    layout.resume.write_bytes(b"checkpoint")
+    assert layout.state == RESUMABLE
+    layout.report.write_text("{}")
+    assert layout.state == FINISHED and layout.is_run_folder()
+
+
+def test_a_folder_made_before_training_existed_still_reads(tmp_path):
+    layout = RunLayout(tmp_path / "run")
+    layout.root.mkdir()
+    (layout.root / "steps.jsonl.gz").write_bytes(b"")
+    assert layout.legacy and layout.training == layout.root
+    assert layout.stage_checkpoint(1) == layout.root / "stage-01.pt" and layout.opal == layout.root / "opal"
+    (layout.root / "training").mkdir()
+    assert not layout.legacy
+
+
+def test_abandoned_attempts_are_numbered_after_the_highest(tmp_path):
+    layout = RunLayout(tmp_path / "arm" / "seed-1")
+    layout.root.mkdir(parents=True)
+    assert layout.next_abandoned() == layout.root.parent / "seed-1.abandoned-1"
+    (layout.root.parent / "seed-1.abandoned-1").mkdir()
+    (layout.root.parent / "seed-1.abandoned-7").mkdir()
+    (layout.root.parent / "seed-1.abandoned-x").mkdir()
+    assert layout.abandoned() == [layout.root.parent / "seed-1.abandoned-1", layout.root.parent / "seed-1.abandoned-7"]
+    assert layout.next_abandoned().name == "seed-1.abandoned-8"
+
+
+def test_the_seeds_of_an_arm_are_its_numbered_run_folders_in_seed_order(tmp_path):
+    runs = LockRuns.of(tmp_path, FakeLock("digits"))
+    for name in ("seed-10", "seed-2", "seed-x", "notes"):
+        (runs.base / "adamw" / name).mkdir(parents=True)
+    assert [layout.root.name for layout in runs.seeds_of("adamw")] == ["seed-2", "seed-10"]
