@@ -138,4 +138,13 @@ def read_lock(path: str | Path) -> Lock:
     for key in ("name", "protocol", "records", "protocol_sha256", "environment"):
         if key not in data:
             raise BadInput(f"lock {path} lacks the key {key!r}; freeze the protocol again")
+    # the name becomes a folder (runs/NAME-SHA12): one a hand-edited lock points elsewhere is refused here, for
+    # every command that reads the lock, before any folder is made
+    from opalctl.layout import plain_name
+
+    plain_name(data["name"], "name", f"lock {path}")
+    resolved = data["protocol"].get("name") if isinstance(data["protocol"], dict) else None
+    if resolved != data["name"]:
+        raise BadInput(f"lock {path}: its name {data['name']!r} is not its protocol's ({resolved!r}); it was edited "
+                       f"by hand: freeze the protocol again")
     return Lock(path=path, data=data, sha256=sha256_bytes(raw))

@@ -554,3 +554,20 @@ def test_an_edited_invalid_lock_whose_digest_was_not_recomputed_is_a_change_with
     result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
+
+
+@pytest.mark.parametrize("name", ["../../elsewhere/x", "/tmp/elsewhere", 5, "digits-other"])
+def test_a_lock_whose_name_was_edited_by_hand_is_refused_by_every_command_before_any_folder_is_made(
+        digits_project, cli_inprocess, tmp_path, name):
+    """The name becomes the runs folder's (runs/NAME-SHA12): one that is no folder name, or is not its protocol's,
+    is refused in one sentence naming the lock, by verify and by run, and nothing is written anywhere."""
+    freeze(cli_inprocess, digits_project)
+    lock = read_lock(digits_project)
+    lock["name"] = name
+    path = write_lock(digits_project / LOCK_NAME, lock)
+    runs, before = tmp_path / "runs", sorted(p.name for p in tmp_path.parent.iterdir())
+    for result in (verify(cli_inprocess, path),
+                   cli_inprocess("run", path, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)):
+        assert result.code == 2 and f"lock {path}" in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not runs.exists() and sorted(p.name for p in tmp_path.parent.iterdir()) == before
