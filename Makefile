@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= ci/constraints-cpu.txt
 JOBS ?= 2
 
-.PHONY: install demo test test-gpu bench lint clean
+.PHONY: install demo test test-fast test-gpu bench lint clean
 
 $(BIN)/opalctl: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -n $(JOBS) tests
+
+# the quick lane while working: every test but those that start real runs, grids and browsers (tests/conftest.py)
+test-fast: install
+	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tests
 
 # the CUDA tests (tests/gpu): refused, saying so, where no CUDA device is visible, so a pass means they ran
 test-gpu: install

@@ -35,6 +35,23 @@ SEEDS = [1, 2]
 SYSTEM_SKIP = "needs a system component:"
 
 
+# The modules whose tests start real runs, grids or browsers and take most of the suite's time: marked ``slow``, so
+# that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs everything.
+SLOW_MODULES = frozenset({
+    "driver/test_verdict_holds.py", "driver/test_agent_unsaveable.py", "driver/test_torchrun_run.py",
+    "driver/test_crash_resume.py", "driver/test_signals.py", "driver/test_agent_hang.py", "driver/test_agent_keys.py",
+    "driver/test_agent_arm.py", "driver/test_run_folder.py", "driver/test_evaluator.py", "grid/test_slurm_grid.py",
+    "grid/test_local_grid.py", "distributed/test_ddp.py", "opal/test_anthropic.py", "opal/test_prompt_edit.py",
+    "report/test_page.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        if Path(item.fspath).resolve().relative_to(tests).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
