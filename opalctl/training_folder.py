@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from opalctl.layout import OPAL, RESUME, STEPS, RunLayout
+from opalctl.opal.programs import PROGRAM_FILES
 
 AUTO = "auto"
 RECORDS_BYTES = 1 << 30  # auto: room for the steps file and the agent optimizer's records beside the checkpoints
@@ -35,7 +36,6 @@ RECORDS_BYTES = 1 << 30  # auto: room for the steps file and the agent optimizer
 FILE, WHOLE = "file", "whole"  # a regular file of the run; a folder kept with everything in it
 STAGE_CHECKPOINT = re.compile(r"^stage-\d{2,}\.pt$")  # layout.stage_name: two digits or more
 RECORD_STREAMS = ("events.jsonl", "losses.jsonl", "reports.jsonl", "hung.jsonl")  # opal/records.py, opal/hangs.py
-PROGRAM_FILES = ("updater.py", "analysis.py")  # opal/slots.py's PROGRAM_FILES, as records.save_program writes them
 DECISION_FILES = ("message.md", "response.md", "meta.json", "transcript.json")  # opal/decisions.py's apply
 OWN = {  # the run's own tree beneath training/: a name (or a pattern) to FILE, WHOLE or the tree beneath it
     STAGE_CHECKPOINT: FILE, RESUME: FILE, STEPS: FILE,

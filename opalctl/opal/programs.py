@@ -21,8 +21,12 @@ from typing import Any
 
 from opalctl.opal.allowlist import check_source
 
-__all__ = ["Program", "ProgramRejected", "UnreadableProgram", "check_program", "check_source", "load_program",
-           "read_program_file"]
+__all__ = ["PROGRAM_FILES", "Program", "ProgramRejected", "UnreadableProgram", "check_program", "check_source",
+           "load_program", "read_program_file"]
+
+# the two files an agent writes and the optimizer loads, in every place that names them: the workspace, the host's
+# answer, a version's folder in the records, the training folder's shape, replay
+PROGRAM_FILES = ("updater.py", "analysis.py")
 
 
 class ProgramRejected(Exception):

@@ -55,6 +55,7 @@ from typing import Any
 from opalctl.files import atomic_write_json, atomic_write_text
 from opalctl.formats import Event, HostDecisionRecord, HostRefusal
 from opalctl.opal.handover import SECRET_NAME, secret_names
+from opalctl.opal.programs import PROGRAM_FILES
 
 __all__ = ["SECRET_PATTERNS", "SECRET_NAME", "secret_names", "PIECE", "REDACTED", "Redaction", "SecretRedaction",
            "redact_json", "OpalRecords", "HostRecords", "DecisionRecord", "line_changes", "program_sha256"]
@@ -281,7 +282,6 @@ class OpalRecords:
 
 ANSWER, RESPONSE, MESSAGE, FACTS, TRANSCRIPT, RUNNING = ("answer.json", "response.md", "message.md", "facts.json",
                                                          "transcript.json", "running")
-PROGRAM_FILES = ("updater.py", "analysis.py")
 
 
 class HostRecords:

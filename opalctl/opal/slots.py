@@ -25,9 +25,8 @@ import torch
 
 from opalctl.opal.guard import failure_text, method_call, trace_of
 from opalctl.opal.plain import plain_copy, plain_entries, plain_optimizer_state, plain_problem, type_name
-from opalctl.opal.programs import ProgramRejected, check_program, load_program
+from opalctl.opal.programs import PROGRAM_FILES, ProgramRejected, check_program, load_program
 
-PROGRAM_FILES = ("updater.py", "analysis.py")
 STEP_SECONDS_KEPT = 256  # the recent step durations a version keeps (the agent is shown their mean)
 
 

@@ -57,11 +57,11 @@ from typing import Any
 
 from opalctl.opal.agents.base import Answer
 from opalctl.opal.handover import HANDOVER, Handover
+from opalctl.opal.programs import PROGRAM_FILES
 
 LIMIT_GRACE_SECONDS = 10.0  # a backend keeps its own limit first; the host's is that and this much more
 STOP_SECONDS = 5.0
 STDERR_CHARS = 2000
-PROGRAM_FILES = ("updater.py", "analysis.py")
 DECIDE_KEYS = frozenset({"op", "id", "message", "facts", "programs"})
 
 

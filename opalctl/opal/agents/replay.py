@@ -29,9 +29,9 @@ from opalctl.formats import Event, read_jsonl
 from opalctl.layout import RunLayout
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.workspace import write_file_here
+from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import DecisionRecord
 
-PROGRAM_FILES = ("updater.py", "analysis.py")
 # the outcomes a replay reproduces (a decision the original answered ``late`` is not in the plan: the replay keeps)
 REPLAYED = (Event.APPLIED, Event.LOAD_FAILED, Event.KEPT, Event.DECISION_FAILED)
 # the outcomes whose event names the version the original wrote

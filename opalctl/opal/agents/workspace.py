@@ -33,12 +33,13 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from opalctl.opal.programs import PROGRAM_FILES
+
 MAX_READ_CHARS = 100_000
 MAX_WRITE_CHARS = 200_000
 MAX_FILES_PER_DECISION = 64
 MAX_BYTES_PER_DECISION = 4_000_000
 META_FOLDER = ".opal"
-PROGRAM_FILES = ("updater.py", "analysis.py")  # the files the optimizer loads (as opalctl.opal.slots names them)
 # a program is read whole into the message and the records; anything larger is not a program
 MAX_PROGRAM_BYTES = 1_000_000
 
