@@ -56,7 +56,8 @@ class GatedDigits(Digits):
 class GridProject:
     """A frozen digits protocol on the gated task, its gate, and uninterrupted reference runs."""
 
-    def __init__(self, template: Path, folder: Path):
+    def __init__(self, template: Path, folder: Path, *, updates: int = UPDATES, ranks: int = 1,
+                 arms: dict | None = None):
         shutil.copytree(template, folder)
         self.folder = folder
         tasks = folder / "tasks"
@@ -66,9 +67,9 @@ class GridProject:
         protocol = folder / "digits.yaml"
         data = yaml.safe_load(protocol.read_text())
         data["task"]["entry"] = "grid_gated_task:GatedDigits"
-        data["budget"] = {"clock": "updates", "amount": UPDATES, "threads": 1, "fractions": [0.5, 1.0]}
-        data["training"] = {**data["training"], "checkpoint_every": 0.05}
-        data["arms"] = ARMS
+        data["budget"] = {"clock": "updates", "amount": updates, "threads": 1, "fractions": [0.5, 1.0]}
+        data["training"] = {**data["training"], "checkpoint_every": 0.05, "ranks": ranks}
+        data["arms"] = arms or ARMS
         data["selection"] = {"denominators": ["selection.total", "retention.total"],
                              "floors": {"retention.correct": 128}, "improve_any": ["selection.correct"]}
         protocol.write_text(yaml.safe_dump(data, sort_keys=False))
