@@ -32,6 +32,9 @@ def test_verify_runs_during_a_grid_calls_a_folder_just_made_running_not_an_error
     (just_made / "grid.log").write_text("--- opalctl grid: opalctl run ...\n")  # what the grid makes first
     with grid_tools.HeldFolder(just_made):  # its `opalctl run`, before its first record
         held = cli_inprocess("verify", str(grid_project.lock), "--runs", "--runs-dir", str(runs))
+        shown = cli_inprocess("show", str(just_made))
+    assert shown.code == 1 and shown.stderr.count("\n") == 1, shown.stderr
+    assert f"{just_made} is a run that has not started yet (a process holds its folder" in shown.stderr
     assert held.code == 0, held.stderr
     assert "ok: 1 run folder(s)" in held.stdout
     assert f"note: {just_made}: running, not yet started" in held.stderr and "not a run folder" not in held.stderr
