@@ -34,6 +34,7 @@ from opalctl.layout import FINISHED
 POLL_SECONDS = 0.1  # how often the pool looks at its children
 PROGRESS_SECONDS = 1.0  # how often it reads a running run's progress from its folder
 GRACE_SECONDS = 60.0  # how long a child stopped with SIGTERM may take before it is killed (still resumable)
+HELPERS_SECONDS = 60.0  # how long the grid waits for an ended child's evaluator and steps helper to let go
 
 
 def child_environment(threads: int, wave_size: int, executor: str, base: dict[str, str] | None = None) -> dict:
@@ -74,6 +75,7 @@ class Child:
     resumed: bool
     progress: RunProgress
     state_at_start: str = ""  # its folder's state when it was started (RunLayout.state)
+    exited_at: float | None = None  # when its process ended (its helpers may hold the folder a little longer)
     last_read: float = 0.0
     shown: tuple | None = None
 
@@ -145,7 +147,10 @@ class LocalPool:
     def _reap(self, queue: deque) -> None:
         for child in list(self.active):
             code = child.process.poll()
-            if code is None or own_helpers_hold(child):
+            if code is None:
+                continue
+            child.exited_at = child.exited_at or time.monotonic()
+            if own_helpers_hold(child) and time.monotonic() - child.exited_at < HELPERS_SECONDS:
                 continue
             self.active.remove(child)
             run = child.run

@@ -55,8 +55,9 @@ class SlurmRunTask(submitit.helpers.Checkpointable):
             while run.layout.held():
                 time.sleep(POLL_SECONDS)
             need = run.need()
-            if need == DONE:
-                return {"exit_code": None, "resumed": False, "skipped": True, **where}
+            if need == DONE:  # finished without this task; after a requeue, by this task's earlier start
+                ran_before = where["restarts"] > 0
+                return {"exit_code": None, "resumed": ran_before, "skipped": not ran_before, **where}
             resumed, state = need == RESUME, run.layout.state
             code = self._run(run, Path(lock), Path(runs_dir), resumed, env)
             if run.refused(code) and refusals < REFUSALS_RETRIED and (run.layout.held() or run.layout.state != state):
