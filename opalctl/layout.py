@@ -32,7 +32,10 @@ still reads: ``RunLayout.training`` is then the run folder itself (``legacy``).
 **States.** ``RunLayout.state`` is the one place that decides where a run stands, from its files: ``new`` (no
 start record), ``at update 0`` (started, but neither a resume checkpoint nor a steps line: continuing it is
 starting it again, nothing is lost), ``resumable`` (a resume checkpoint), ``started`` (started, trained, and
-without a resume checkpoint: only ``--restart`` continues it) and ``finished`` (a report).
+without a resume checkpoint: only ``--restart`` continues it) and ``finished`` (a report). Those are what the
+files say; ``RunLayout.live_state`` is where the run stands as any other process sees it now: ``running`` while a
+process holds the folder's lock (the run, or its evaluator or steps helper, which inherit it), else ``state``. The
+grid, ``grid --status`` and the readers ask ``live_state``; a run deciding under its own lock asks ``state``.
 
 The names of a lock, an arm and a seed become folders, so each must be a plain name (``NAME_PATTERN``): a lock edited
 by hand to name ``../../elsewhere`` is refused here, before any folder is made.
@@ -40,6 +43,7 @@ by hand to name ``../../elsewhere`` is refused here, before any folder is made.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 from dataclasses import dataclass
@@ -50,6 +54,7 @@ from opalctl.errors import BadInput
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # a protocol's or an arm's name; never "." or ".."
 
 NEW, AT_UPDATE_0, RESUMABLE, STARTED, FINISHED = "new", "at update 0", "resumable", "started", "finished"
+RUNNING = "running"  # live_state only: a process holds the folder's lock
 
 START, INITIAL, LAST, SELECTED, REPORT = "start.json", "initial.pt", "last.json", "selected.json", "report.json"
 GRID_LOG = "grid.log"
@@ -269,6 +274,41 @@ class RunLayout:
             steps = self.steps
             return AT_UPDATE_0 if not steps.exists() or steps.stat().st_size == 0 else STARTED
         return NEW
+
+    def held(self) -> bool:
+        """Whether a process holds the folder's lock now (tried without waiting and released at once; the lock is
+        never created here). A lock dies with the last process holding it, so a held lock is a live holder's."""
+        try:
+            fd = os.open(self.folder_lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:  # not a lock a run takes (a FIFO or a folder in its place): no run holds it
+            return False
+        finally:
+            os.close(fd)
+        return False
+
+    def lock_holders(self) -> set[int] | None:
+        """The ids of the processes that took the folder's lock and hold it now, by ``/proc/locks`` (a run's
+        evaluator and steps helper hold it under the run's id, even after the run has died); None where the
+        system does not say."""
+        try:
+            status = os.stat(self.folder_lock)
+            listed = Path("/proc/locks").read_text().splitlines()
+        except OSError:
+            return None
+        inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+        return {int(fields[4]) for fields in (line.split() for line in listed)
+                if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode] and fields[4].isdigit()}
+
+    @property
+    def live_state(self) -> str:
+        """``running`` while a process holds the folder's lock, else ``state`` (module docstring)."""
+        return RUNNING if self.held() else self.state
 
     def is_run_folder(self) -> bool:
         """A folder opalctl ran in: it holds a start record, or any record only a run writes."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import BadInput
+from opalctl.errors import BadInput, OpalctlError
 from opalctl.formats import Event, RecordDamaged, StageRecord, StartRecord, read_jsonl
 from opalctl.layout import RunLayout
 
@@ -24,6 +24,12 @@ def show(run_dir: str | Path) -> dict[str, Any]:
     from opalctl.protocol.verify import checked_run_folder, is_run_folder
 
     folder = Path(run_dir)
+    layout = RunLayout.of(folder)
+    if folder.is_dir() and not is_run_folder(folder) and (layout.held() or layout.grid_log.exists()):
+        # a grid made it, or a run holds it, and its first record is not written yet: a run starting, not an error
+        why = "a process holds its folder" if layout.held() else f"it holds only {layout.grid_log.name}"
+        raise OpalctlError(f"{folder} is a run that has not started yet ({why}, and no start.json); show it again "
+                           f"once it has started")
     if not folder.is_dir() or not is_run_folder(folder):
         raise BadInput(f"{folder} is not a run folder (it has no start.json); give runs/<name>-<sha>/<arm>/seed-<S>")
     read = checked_run_folder(folder)

@@ -4,17 +4,26 @@ The order is the fairness rule of docs/grid.md: seed-major, so the arms of one s
 queue and start side by side in the same wave, and rotated by the seed's position, so that no arm always starts
 first (on a machine whose load changes during the grid, the arm that starts first would otherwise always train
 under the same conditions). A run's folder decides what it needs: a ``report.json`` is a finished run (skipped),
-a ``resume.pt`` or ``start.json`` an interrupted one (resumed), nothing a new one.
+a ``resume.pt`` or ``start.json`` an interrupted one (resumed), nothing a new one. The grid asks again when it
+starts the run (another grid or a plain ``opalctl run`` may have run it meanwhile), and reads the outcome of its
+own ``opalctl run`` from the folder too (``GridRun.outcome``), never from the exit code alone.
+
+A lock of ``training.ranks`` above 1 runs each run under torchrun on one node (``GridRun.argv``), every rank with
+the lock's ``budget.threads``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
+from opalctl.errors import EXIT_BAD_INPUT
+from opalctl.grid.records import FAILED, RESUMED, SKIPPED, final_state
+from opalctl.grid.records import FINISHED as RAN_TO_REPORT
 from opalctl.layout import FINISHED, LockRuns, RunLayout, runs_dir_default
 from opalctl.layout import NEW as LAYOUT_NEW
 
@@ -28,10 +37,15 @@ class GridRun:
     arm: str
     seed: int
     run_dir: Path
+    ranks: int = 1  # the lock's training.ranks: more than one runs under torchrun
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout.of(self.run_dir)
 
     @property
     def log(self) -> Path:
-        return RunLayout.of(self.run_dir).grid_log
+        return self.layout.grid_log
 
     @property
     def label(self) -> str:
@@ -40,8 +54,35 @@ class GridRun:
     def need(self) -> str:
         """What this run needs now, by the state of its folder (opalctl/layout.py): ``done``, ``resume`` or
         ``new``."""
-        state = RunLayout.of(self.run_dir).state
+        state = self.layout.state
         return DONE if state == FINISHED else NEW if state == LAYOUT_NEW else RESUME
+
+    def refused(self, exit_code: int | None) -> bool:
+        """Whether its ``opalctl run`` ended refusing the folder (bad input, exit 2: busy, finished, or not
+        startable as asked) rather than after training in it."""
+        return exit_code == EXIT_BAD_INPUT
+
+    def outcome(self, exit_code: int | None, resumed: bool) -> str:
+        """The final state of this run after the grid's ``opalctl run`` of it ended with ``exit_code`` (None: no
+        code, the task ended without one), by its folder: a finished folder is a finished run whatever the code (a
+        stop signal that landed after its report), but one its run was refused in finished elsewhere (skipped);
+        an unfinished folder is what the code says, and never finished."""
+        if self.layout.state == FINISHED:
+            return SKIPPED if self.refused(exit_code) else RESUMED if resumed else RAN_TO_REPORT
+        if exit_code is None or exit_code == 0:
+            return FAILED  # it ended without its report
+        return final_state(exit_code, resumed)
+
+    def argv(self, lock_path: Path, runs_dir: Path, resume: bool) -> list[str]:
+        """The whole command line of this run: ``python -m opalctl run ...``, or torchrun's (standalone: each run
+        its own rendezvous, so runs side by side never meet on one port) for a lock of several ranks."""
+        words = ["opalctl", *self.command(lock_path, runs_dir, resume)]
+        if self.ranks == 1:
+            return [sys.executable, "-m", *words]
+        from opalctl.driver.ranks import torchrun_line
+
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                *torchrun_line(self.ranks, words)[1:]]
 
     def command(self, lock_path: Path, runs_dir: Path, resume: bool) -> list[str]:
         """The ``opalctl run`` arguments of this run (after ``python -m opalctl``)."""
@@ -58,6 +99,12 @@ class GridPlan:
     runs: tuple[GridRun, ...]
     threads: int
     budget: dict[str, Any]
+    ranks: int = 1
+
+    @property
+    def cpus_per_run(self) -> int:
+        """The cores one run uses: its threads on every rank."""
+        return self.threads * self.ranks
 
     @property
     def arms(self) -> list[str]:
@@ -79,10 +126,11 @@ def plan_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, se
     chosen_seeds = _chosen(list(resolved["seeds"]), seeds, "seed", lock.path)
     folder = runs_dir_default(runs_dir)
     runs_of = LockRuns.of(folder, lock)
-    runs = tuple(GridRun(arm, seed, runs_of.run(arm, seed).root)
+    ranks = int(resolved["training"].get("ranks", 1))
+    runs = tuple(GridRun(arm, seed, runs_of.run(arm, seed).root, ranks)
                  for arm, seed in ordered(chosen_arms, chosen_seeds))
     return GridPlan(lock_path=lock.path, runs_dir=folder, runs=runs, threads=int(resolved["budget"]["threads"]),
-                    budget=dict(resolved["budget"]))
+                    budget=dict(resolved["budget"]), ranks=ranks)
 
 
 def _chosen(known: list, asked: list | None, what: str, lock_path: Path) -> list:

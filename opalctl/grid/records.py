@@ -1,11 +1,14 @@
 """The grid's records: a run's outcome, the grid's result, and the event a display receives at each change.
 
 These are the only shapes the grid hands to its callers (the CLI, ``opalctl demo``, the displays), so they are
-defined here once. States: ``queued`` and ``running`` while the grid works, then one final state per run:
+defined here once. States: ``queued``, ``running`` and ``waiting`` (another process, another grid's run or a
+plain ``opalctl run``, holds the run's folder; the grid takes what it leaves) while the grid works, then one final
+state per run, read from the run's folder (grid/plan.py ``GridRun.outcome``):
 
-- ``finished``: ran from the start to its report in this grid;
+- ``finished``: ran to its report in this grid (whatever its exit code: a stop that landed after the report);
 - ``resumed``: was interrupted before, continued with ``--resume`` and finished;
-- ``skipped``: had finished before this grid started (never run twice);
+- ``skipped``: finished without this grid running it: before the grid started, or by another process meanwhile
+  (never run twice);
 - ``failed``: ended with an error (its log says which); the other runs went on;
 - ``interrupted``: stopped by a signal (its ``resume.pt`` stays; the same grid command resumes it), or never
   started because the grid was stopped.
@@ -18,7 +21,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-QUEUED, RUNNING = "queued", "running"
+QUEUED, RUNNING, WAITING = "queued", "running", "waiting"
 FINISHED, RESUMED, SKIPPED, FAILED, INTERRUPTED = "finished", "resumed", "skipped", "failed", "interrupted"
 FINAL = (FINISHED, RESUMED, SKIPPED, FAILED, INTERRUPTED)
 DONE = (FINISHED, RESUMED, SKIPPED)

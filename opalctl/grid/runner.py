@@ -34,7 +34,7 @@ def run_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, see
     if jobs is not None and jobs < 1:
         raise BadInput(f"--jobs {jobs} must be at least 1")
     plan = plan_grid(lock_path, arms=arms, seeds=seeds, runs_dir=runs_dir)
-    jobs = jobs or default_jobs(plan.threads)
+    jobs = jobs or default_jobs(plan.cpus_per_run)
     notify = display or (lambda change: None)
     started = time.monotonic()
     result = GridResult(lock=str(plan.lock_path), runs_dir=str(plan.runs_dir), executor=executor, jobs=jobs,

@@ -24,7 +24,7 @@ from opalctl.errors import OpalctlError
 from opalctl.files import atomic_write_json
 from opalctl.grid.plan import DONE, RESUME, GridPlan, GridRun
 from opalctl.grid.progress import RunProgress
-from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING, RunOutcome, event, final_state
+from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING, SKIPPED, RunOutcome, event
 from opalctl.grid.settings import SlurmSettings
 from opalctl.grid.signals import StopRequest
 
@@ -120,15 +120,16 @@ class SlurmArray:
         executor = submitit.SlurmExecutor(folder=slurm_folder(self.plan) / "%j",
                                           max_num_timeout=settings.max_requeues)
         parameters = {"job_name": f"opalctl-grid-{self.plan.lock_path.stem}", "array_parallelism": self.jobs,
-                      "cpus_per_task": self.plan.threads, "ntasks_per_node": 1, "nodes": 1, "time": minutes,
+                      "cpus_per_task": self.plan.cpus_per_run, "ntasks_per_node": 1, "nodes": 1, "time": minutes,
                       "additional_parameters": dict(settings.sbatch)}
         if settings.partition:
             parameters["partition"] = settings.partition
         if settings.account:
             parameters["account"] = settings.account
         executor.update_parameters(**parameters)
-        self.say(f"submitting {count} run(s) as one Slurm array: {self.jobs} at a time, {self.plan.threads} "
-                 f"CPU(s) and {minutes} min each")
+        ranks = f" ({self.plan.ranks} ranks of {self.plan.threads})" if self.plan.ranks > 1 else ""
+        self.say(f"submitting {count} run(s) as one Slurm array: {self.jobs} at a time, {self.plan.cpus_per_run} "
+                 f"CPU(s){ranks} and {minutes} min each")
         return executor, minutes
 
     def submit(self, pending: list[GridRun]):
@@ -141,7 +142,7 @@ class SlurmArray:
         wave = min(self.jobs, len(pending))
         with executor.batch():
             jobs = [executor.submit(SlurmRunTask(), str(self.plan.lock_path), str(self.plan.runs_dir), run.arm,
-                                    run.seed, self.plan.threads, wave) for run in pending]
+                                    run.seed, self.plan.threads, wave, self.plan.ranks) for run in pending]
         array = jobs[0].job_id.split("_")[0]
         atomic_write_json(slurm_folder(self.plan) / "jobs.json", {
             "array_job_id": array, "time_limit_minutes": minutes, "lock": str(self.plan.lock_path),
@@ -210,8 +211,9 @@ class ArrayWatch:
             if outcome.state == FAILED:
                 outcome.log = str(job.paths.stderr)  # submitit's own log of the task says why
             return outcome
-        code = int(answer["exit_code"])
-        state = final_state(code, bool(answer["resumed"]) or run in self.resume)
+        code = None if answer.get("exit_code") is None else int(answer["exit_code"])
+        # the task's own word that it ran nothing (the run had finished without it), else the folder's state
+        state = SKIPPED if answer.get("skipped") else run.outcome(code, bool(answer["resumed"]))
         return RunOutcome(run.arm, run.seed, state, str(run.run_dir), code, str(run.log),
                           {"job_id": job.job_id, "node": answer.get("node"), "restarts": answer.get("restarts")})
 

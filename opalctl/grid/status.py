@@ -1,23 +1,21 @@
 """``opalctl grid LOCK --status``: where every run of the grid stands, read back from the run folders (and, for
 runs the Slurm executor submitted, from Slurm itself).
 
-A run is ``finished`` (its report), ``running`` (a process holds its folder's lock), ``interrupted`` (a resume
+A run is ``finished`` (its report), ``running`` (a process holds its folder's lock: the run, or its evaluator
+and steps helper while they end), ``interrupted`` (a resume
 checkpoint, nobody running it: the grid resumes it), ``failed`` (its last start ended without leaving anything to
 resume; its log says why) or ``not started``. Nothing is written.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-from pathlib import Path
 from typing import Any
 
 from opalctl import console
-from opalctl.grid.plan import DONE, NEW, GridRun, plan_grid
+from opalctl.grid.plan import GridRun, plan_grid
 from opalctl.grid.progress import RunProgress
-
-LOCK_MARKER = ".running"  # the file a run holds locked while it trains (driver/run.py)
+from opalctl.layout import FINISHED, NEW, RUNNING
 
 
 def grid_status(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
@@ -36,34 +34,20 @@ def grid_status(lock_path: str | os.PathLike, *, arms: list[str] | None = None, 
 
 
 def run_status(run: GridRun) -> dict[str, Any]:
-    need = run.need()
+    """Where ``run`` stands, from its folder's state as another process sees it now (``RunLayout.live_state``)."""
+    state = run.layout.live_state
     entry: dict[str, Any] = {"arm": run.arm, "seed": run.seed, "run_dir": str(run.run_dir),
                              "log": str(run.log) if run.log.exists() else None}
-    if need == DONE:
+    if state == FINISHED:
         return {**entry, "state": "finished", "fraction": 1.0}
-    if held(run.run_dir / LOCK_MARKER):
-        state = "running"
-    elif need == NEW:
-        state = "failed" if run.log.exists() else "not started"
+    if state == RUNNING:
+        shown = "running"
+    elif state == NEW:
+        shown = "failed" if run.log.exists() else "not started"
     else:
-        state = "interrupted"
-    figures = RunProgress(run.run_dir).read() if need != NEW or state == "running" else {}
-    return {**entry, "state": state, "fraction": figures.get("fraction"), "updates": figures.get("updates")}
-
-
-def held(marker: Path) -> bool:
-    """Whether a process holds ``marker`` locked now (tried without waiting, released at once)."""
-    try:
-        handle = open(marker, "rb")
-    except OSError:
-        return False
-    with handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-        return False
+        shown = "interrupted"
+    figures = RunProgress(run.run_dir).read() if state != NEW else {}
+    return {**entry, "state": shown, "fraction": figures.get("fraction"), "updates": figures.get("updates")}
 
 
 def render_status(result: dict[str, Any]) -> None:

@@ -54,10 +54,14 @@ def advise(result: GridResult) -> None:
     for outcome in failed:
         console.message(f"failed: {outcome.arm} seed {outcome.seed} (exit {outcome.exit_code}); its output is "
                         f"in {outcome.log}")
+    interrupted = result.count(INTERRUPTED)
     if result.stopped_by is not None:
         console.message(f"opalctl: grid stopped ({result.stopped_by}); {resume_hint(result)}")
-    elif failed or result.count(INTERRUPTED):
-        console.message(f"{len(failed)} run(s) failed; after fixing the cause, {resume_hint(result)}")
+    elif failed:
+        also = f" and {interrupted} interrupted" if interrupted else ""
+        console.message(f"{len(failed)} run(s) failed{also}; after fixing the cause, {resume_hint(result)}")
+    elif interrupted:  # stopped by a signal from outside the grid (a kill, a cancelled Slurm task): nothing to fix
+        console.message(f"{interrupted} run(s) interrupted; {resume_hint(result)}")
 
 
 def print_json_end(result: GridResult, comparison: dict[str, Any] | None, note: str | None) -> None:

@@ -38,7 +38,7 @@ from opalctl.driver.chain import (
 from opalctl.errors import BadInput, InputChanged, OpalctlError
 from opalctl.files import sha256_bytes, sha256_file
 from opalctl.formats import RecordChanged, RecordDamaged, decode_record
-from opalctl.layout import LockRuns, RunLayout, runs_dir_default
+from opalctl.layout import AT_UPDATE_0, NEW, LockRuns, RunLayout, runs_dir_default
 from opalctl.protocol.lock import Lock, protocol_digest, read_lock
 
 
@@ -214,13 +214,18 @@ def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes:
     layout = RunLayout.of(run_dir)
     folder = layout.root
     limit = limit_bytes or checkpoints.DEFAULT_LIMIT_BYTES
+    # Read in the reverse of the order a run writes (the close: last.json, selected.json, report.json, then the
+    # resume checkpoint removed; before it the stages, the start, the anchor): a folder written while it is read
+    # then reads as a state it was in, never as a run that closed without its report
+    resumable = layout.resume.exists()
+    report = _record(folder, layout.name_of(layout.report))
+    selected = _record(folder, layout.name_of(layout.selected))
+    last = _record(folder, layout.name_of(layout.last))
     stages = [_record(folder, path.name) for path in layout.stage_records()]
-    found = RunFolder(start=_record(folder, layout.name_of(layout.start)), stages=stages,
-                      last=_record(folder, layout.name_of(layout.last)),
-                      selected=_record(folder, layout.name_of(layout.selected)),
-                      report=_record(folder, layout.name_of(layout.report)),
+    found = RunFolder(start=_record(folder, layout.name_of(layout.start)), stages=stages, last=last,
+                      selected=selected, report=report,
                       anchor=_record(folder, layout.name_of(layout.anchor.record)), steps=_steps(layout),
-                      resumable=layout.resume.exists(), agent=_agent_records(layout))
+                      resumable=resumable, agent=_agent_records(layout))
     for path in layout.stage_records():
         number = int(path.stem.removeprefix("stage-"))
         found.stage_checkpoints[path.name] = layout.name_of(layout.stage_checkpoint(number))
@@ -276,11 +281,30 @@ def verify_runs(lock_path: str | Path, runs_dir=None) -> dict[str, Any]:
     """The lock (as ``verify``), then every run folder of it under the runs folder."""
     lock = read_lock(Path(lock_path))
     runs_of = LockRuns.of(runs_dir_default(runs_dir), lock)
-    folders = sorted(layout.root for arm in lock.resolved["arms"] for layout in runs_of.seeds_of(arm))
-    runs = [verify_run(path, lock) for path in folders]
+    layouts = sorted((layout for arm in lock.resolved["arms"] for layout in runs_of.seeds_of(arm)),
+                     key=lambda layout: layout.root)
+    runs, not_started = [], []
+    for layout in layouts:
+        waiting = not_yet_training(layout)
+        if waiting is None:
+            runs.append(verify_run(layout.root, lock))
+        else:
+            not_started.append({"run_dir": str(layout.root), "state": waiting})
     checked = verify_lock(lock)
+    notes = [{"file": entry["run_dir"], "problem": f"{entry['state']}: it has not trained yet, so there is nothing "
+                                                  f"to verify"} for entry in not_started]
     return {**checked, "ok": checked["ok"] and all(run["ok"] for run in runs), "runs_base": str(runs_of.base),
-            "runs": runs}
+            "runs": runs, "not_started": not_started, "notes": notes}
+
+
+def not_yet_training(layout: RunLayout) -> str | None:
+    """``running, not yet started`` for a folder a live process holds that has no record of training yet (just
+    made by a grid, or at update 0), ``not started`` for one nothing holds that holds no record of a run (a start
+    refused before its first record), else None: a run folder to verify."""
+    state = layout.state
+    if layout.held() and state in (NEW, AT_UPDATE_0):
+        return "running, not yet started"
+    return None if layout.is_run_folder() else "not started"
 
 
 def refuse_damaged(run_dir: Path, findings: list[Finding]) -> None:

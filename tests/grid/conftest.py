@@ -56,7 +56,8 @@ class GatedDigits(Digits):
 class GridProject:
     """A frozen digits protocol on the gated task, its gate, and uninterrupted reference runs."""
 
-    def __init__(self, template: Path, folder: Path):
+    def __init__(self, template: Path, folder: Path, *, updates: int = UPDATES, ranks: int = 1,
+                 arms: dict | None = None):
         shutil.copytree(template, folder)
         self.folder = folder
         tasks = folder / "tasks"
@@ -66,9 +67,9 @@ class GridProject:
         protocol = folder / "digits.yaml"
         data = yaml.safe_load(protocol.read_text())
         data["task"]["entry"] = "grid_gated_task:GatedDigits"
-        data["budget"] = {"clock": "updates", "amount": UPDATES, "threads": 1, "fractions": [0.5, 1.0]}
-        data["training"] = {**data["training"], "checkpoint_every": 0.05}
-        data["arms"] = ARMS
+        data["budget"] = {"clock": "updates", "amount": updates, "threads": 1, "fractions": [0.5, 1.0]}
+        data["training"] = {**data["training"], "checkpoint_every": 0.05, "ranks": ranks}
+        data["arms"] = arms or ARMS
         data["selection"] = {"denominators": ["selection.total", "retention.total"],
                              "floors": {"retention.correct": 128}, "improve_any": ["selection.correct"]}
         protocol.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -104,6 +105,13 @@ class GridProject:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    def run(self, arm: str, seed: int, *, runs: Path, gate: Path | None = None) -> subprocess.Popen:
+        """A plain ``python -m opalctl run`` of ``arm`` on ``seed`` as a child process (output to a pipe)."""
+        command = [sys.executable, "-m", "opalctl", "run", str(self.lock), "--arm", arm, "--seed", str(seed),
+                   "--runs-dir", str(runs)]
+        return subprocess.Popen(command, cwd=self.folder.parent, env=self.env(gate), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
     def grid(self, *args: str, runs: Path, gate: Path | None = None) -> subprocess.Popen:
         """``python -m opalctl grid LOCK ARGS --runs-dir RUNS --json`` as a child process."""
         command = [sys.executable, "-m", "opalctl", "grid", str(self.lock), *args, "--runs-dir", str(runs), "--json"]
@@ -136,6 +144,83 @@ def events(stdout: str) -> list[dict]:
 def stop(process: subprocess.Popen, signum: int = signal.SIGINT) -> None:
     if process.poll() is None:
         process.send_signal(signum)
+
+
+class Lines:
+    """Every line a child prints on stdout and stderr, read by threads as they come, so that a test can wait for
+    a line while the child runs (``wait``) and still have them all at the end (``finish``)."""
+
+    def __init__(self, process: subprocess.Popen):
+        import threading
+
+        self.process, self.out, self.err = process, [], []
+        self.threads = [threading.Thread(target=self._read, args=(stream, into), daemon=True)
+                        for stream, into in ((process.stdout, self.out), (process.stderr, self.err)) if stream]
+        for thread in self.threads:
+            thread.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def events(self) -> list[dict]:
+        return events("".join(self.out))
+
+    def wait(self, predicate, timeout: float, what: str) -> None:
+        wait_for(lambda: predicate(self.events()) or self.process.poll() is not None, timeout, what)
+        assert self.process.poll() is None, f"it ended before {what}: {''.join(self.err)[-4000:]}"
+
+    def finish(self, timeout: float) -> tuple[int, list[dict], str]:
+        code = self.process.wait(timeout=timeout)
+        for thread in self.threads:
+            thread.join(timeout=30)
+        return code, self.events(), "".join(self.err)
+
+
+def states(lines: list[dict]) -> dict[str, str]:
+    """arm -> the last state a grid's JSON lines gave it."""
+    return {line["arm"]: line["state"] for line in lines if line.get("event") == "run"}
+
+
+HOLDER = """
+import sys
+from opalctl.driver.run import FolderLock
+from opalctl.layout import RunLayout
+
+lock = FolderLock(RunLayout.of(sys.argv[1]))
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class HeldFolder:
+    """A helper process that takes a run folder's lock as ``opalctl run`` does (driver/run.py ``FolderLock``) and
+    holds it until ``release``: a real lock held by a live process other than the test's."""
+
+    def __init__(self, run_dir: Path):
+        self.process = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "held", "the helper could not take the folder's lock"
+
+    def release(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+
+    def __enter__(self) -> HeldFolder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def run_folder(project: GridProject, runs: Path, arm: str, seed: int) -> Path:
+    from opalctl.layout import LockRuns
+    from opalctl.protocol.lock import read_lock
+
+    return LockRuns.of(runs, read_lock(project.lock)).run(arm, seed).root
 
 
 SAME_RUN_KEYS = ("final_model_sha256", "rows_digest", "updates", "promoted_stages", "selected")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import gzip
 import json
 
@@ -93,7 +92,7 @@ def test_a_steps_file_that_is_not_gzip_gives_no_figure_rather_than_a_wrong_one(t
     assert StepsTail(path).read() is None
 
 
-def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid_project, tmp_path):
+def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid_project, grid_tools, tmp_path):
     plan = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
     finished, running, interrupted = plan.runs
     for run in plan.runs:
@@ -101,11 +100,46 @@ def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid
     (finished.run_dir / "report.json").write_text("{}")
     (interrupted.run_dir / "training" / "resume.pt").write_bytes(b"")
     (running.run_dir / "start.json").write_text(json.dumps({"budget": {"total": 10}}))
-    with open(running.run_dir / ".running", "a+") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+    (running.run_dir / "training" / "resume.pt").write_bytes(b"")
+    with grid_tools.HeldFolder(running.run_dir):  # the folder's lock, held by a live process as a run holds it
         result = grid_status(grid_project.lock, seeds=[1, 2], runs_dir=tmp_path / "runs")
     states = {(r["arm"], r["seed"]): r["state"] for r in result["runs"]}
     assert states[finished.arm, 1] == "finished" and states[running.arm, 1] == "running"
     assert states[interrupted.arm, 1] == "interrupted"
     assert {states[arm, 2] for arm in plan.arms} == {"not started"}
     assert result["ok"] is False and result["counts"]["not started"] == 3
+    again = grid_status(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
+    assert {r["arm"]: r["state"] for r in again["runs"]}[running.arm] == "interrupted", "the lock was released"
+
+
+@pytest.mark.parametrize("files, code, resumed, state", [
+    (["report.json"], 143, False, "finished"),  # a SIGTERM that landed after the report: finished all the same
+    (["report.json"], 143, True, "resumed"),
+    (["report.json"], 2, False, "skipped"),  # refused: another process had finished it
+    (["report.json"], None, False, "finished"),  # a Slurm task that ended without a result
+    (["start.json", "training/resume.pt"], 143, False, "interrupted"),
+    (["start.json", "training/resume.pt"], 1, False, "failed"),
+    (["start.json", "training/resume.pt"], 0, False, "failed"),  # no report: never finished, whatever the code
+])
+def test_a_runs_outcome_is_read_from_its_folder_not_from_the_exit_code_alone(grid_project, tmp_path, files, code,
+                                                                               resumed, state):
+    run = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs").runs[0]
+    for name in files:
+        (run.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / name).write_bytes(b"{}")
+    assert run.outcome(code, resumed) == state
+
+
+def test_runs_only_interrupted_are_not_called_failed_in_the_advice(capsys):
+    from opalctl.grid.records import GridResult, RunOutcome
+    from opalctl.grid.summary import advise
+
+    result = GridResult(lock="x/digits.lock.json", runs_dir="runs", executor="local", jobs=2,
+                        outcomes=[RunOutcome("adamw", 1, "interrupted", "r", 143), RunOutcome("b", 1, "finished", "r")])
+    advise(result)
+    said = capsys.readouterr().err
+    assert "failed" not in said and "fixing the cause" not in said
+    assert "1 run(s) interrupted; every stopped run is resumable; run the same command again" in said
+    result.outcomes.append(RunOutcome("c", 1, "failed", "r", 1, "r/grid.log"))
+    advise(result)
+    assert "1 run(s) failed and 1 interrupted; after fixing the cause" in capsys.readouterr().err

@@ -63,3 +63,41 @@ def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_dig
     status = grid_project.status("--arm", "adamw", "--arm", "cosine", "--seed", "1", runs=runs)
     assert {(r["arm"], r["state"]) for r in status["runs"]} == {("adamw", "finished"), ("cosine", "finished")}
     assert {r["slurm"]["job_id"] for r in status["runs"]} == {entry["job_id"] for entry in jobs["runs"]}
+
+
+def test_a_slurm_grid_rerun_while_the_old_array_runs_reports_what_it_did_not_run_as_skipped(grid_project,
+                                                                                            grid_tools, tmp_path):
+    if not slurm_up():
+        pytest.skip("needs a system component: a running Slurm (sinfo lists no usable node); run ci/slurm/setup.sh")
+    import signal
+
+    runs, gate = tmp_path / "runs", tmp_path / "gate"
+    gate.mkdir()
+    selection = ("--arm", "adamw", "--arm", "cosine", "--seed", "2", "--jobs", "2", "--executor", "slurm")
+    old = grid_project.grid(*selection, runs=runs, gate=gate)
+    again = None
+    try:
+        grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or old.poll() is not None, 180,
+                            "both tasks of the first array to be held in the middle of their budget")
+        assert old.poll() is None, old.communicate()[1]
+        first_array = json.loads(next(runs.glob("*/.slurm/jobs.json")).read_text())["array_job_id"]
+        old.send_signal(signal.SIGKILL)  # the grid is gone (a closed terminal); its array runs on
+        old.communicate(timeout=30)
+        again = grid_tools.Lines(grid_project.grid(*selection, runs=runs, gate=gate))
+        grid_tools.wait_for(lambda: json.loads(next(runs.glob("*/.slurm/jobs.json")).read_text())["array_job_id"]
+                            != first_array, 180, "the second grid to submit its array")
+        (gate / "open").write_text("")
+        code, lines, stderr = again.finish(300)
+    finally:
+        grid_tools.stop(old)
+        if again is not None:
+            grid_tools.stop(again.process)
+    assert code == 0, stderr
+    final = lines[-1]
+    assert {run["arm"]: run["state"] for run in final["runs"]} == {"adamw": "skipped", "cosine": "skipped"}, \
+        "the first array's tasks ran them; the second grid ran nothing"
+    for arm in ("adamw", "cosine"):
+        folder = grid_tools.run_folder(grid_project, runs, arm, 2)
+        report = json.loads((folder / "report.json").read_text())
+        assert report["resumes"] == 0 and report["machine"]["slurm"]["array_job_id"] == first_array
+        assert (folder / "grid.log").read_text().count("--- opalctl grid") == 1, "trained once"
