@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, InputChanged, OpalctlError
+from opalctl.files import atomic_write_text, storage
 from opalctl.layout import RunLayout
 
 MINUTES = 3  # the wall time the demo is held to on two cores after install (`demo --help` and README say it)
@@ -119,7 +120,8 @@ def write_protocol(folder: Path) -> Path:
         raise BadInput(f"{path} already exists with other contents; the demo never overwrites it, so move it away or "
                        f"give another --dir")
     if not path.exists():
-        path.write_text(DEMO_PROTOCOL, encoding="utf-8")
+        with storage(path, then="run `opalctl demo` again"):
+            atomic_write_text(path, DEMO_PROTOCOL)
     return path
 
 

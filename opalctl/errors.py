@@ -12,10 +12,11 @@ resume checkpoint with that version marked failed (it never runs again); 129, 13
 SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops at once, keeps what it
 wrote and prints the command that continues it, ``opalctl run LOCK --arm A --seed S --resume``.
 
-A full disk, a used-up quota or a folder that cannot be written is a ``StorageFault`` (exit 1), raised by
-``opalctl.files.storage``: its sentence names the file being written and says that freeing space (or making the
-folder writable) and then ``opalctl run ... --resume`` continues; a run replaces that placeholder with its own
-command (``StorageFault.for_command``).
+A full disk, a used-up quota, a folder that cannot be written or a file where a folder must be is a
+``StorageFault`` (exit 1), raised by ``opalctl.files.storage``: its sentence names the file being written and says
+that freeing space (or making the folder writable, or moving the file away) and then ``opalctl run ... --resume``
+continues; a run replaces that placeholder with its own command (``StorageFault.for_command``), and a command that
+is not a run (init, freeze, report, export, show --html) says to run it again (``storage``'s ``then``).
 """
 
 from __future__ import annotations
