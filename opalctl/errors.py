@@ -74,7 +74,8 @@ class Interrupted(OpalctlError):
     """A run stopped by a signal (exit 128 + the signal's number); ``message`` is what the CLI prints after
     ``opalctl: ``, saying which signal and what to type to continue."""
 
-    def __init__(self, signum: int, command: str, *, what: str = "resume"):
+    def __init__(self, signum: int, command: str, *, what: str = "resume", lost: str | None = None):
         self.signal_name = signal.Signals(signum).name
-        super().__init__(f"interrupted ({self.signal_name}); {what} with: {command}")
+        said = f" {lost}" if lost else ""  # what the stop could not keep (the run's StopSignals says)
+        super().__init__(f"interrupted ({self.signal_name}){said}; {what} with: {command}")
         self.exit_code = EXIT_SIGNALLED + int(signum)
