@@ -131,6 +131,9 @@ def test_a_sigterm_at_a_random_moment_of_a_long_run_loses_at_most_the_update_in_
     report = tools.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
     assert report["rows_digest"] == uninterrupted["rows_digest"] and report["updates"] == LONG
+    # the evaluator's records agree: every stage judged once, at the same update, with the same results
+    assert [(s["stage"], s["update"], s["metrics"], s["promoted"]) for s in report["stages"]] == \
+        [(s["stage"], s["update"], s["metrics"], s["promoted"]) for s in uninterrupted["stages"]]
     assert tools.files_of(run_dir) == tools.FINISHED_FILES
 
 
