@@ -64,6 +64,7 @@ class StorageFault(OpalctlError):
     the message alone carries it, so the fault keeps its words across a process boundary (the evaluator's)."""
 
     CONTINUE = "`opalctl run ... --resume` continues"
+    then: str | None = None  # the way on its sentence ends with, where files.storage_fault made it
 
     def for_command(self, command: str) -> StorageFault:
         """The same fault, its sentence ending with ``command`` (the one that continues this very run)."""

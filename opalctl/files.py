@@ -92,11 +92,14 @@ def storage_fault(path: str | os.PathLike, number: int | None, reason: str = "",
     if number in STORAGE_ERRNOS:
         what, remedy = STORAGE_ERRNOS[number]
         said = f" ({reason})" if reason else ""
-        return StorageFault(f"cannot write {path}: {what}{said}; {remedy}, then {then}")
-    blocked = _in_the_way(path, number)
-    if blocked is None:
-        return None
-    return StorageFault(f"cannot write {path}: {blocked}; move it away or choose another place, then {then}")
+        fault = StorageFault(f"cannot write {path}: {what}{said}; {remedy}, then {then}")
+    else:
+        blocked = _in_the_way(path, number)
+        if blocked is None:
+            return None
+        fault = StorageFault(f"cannot write {path}: {blocked}; move it away or choose another place, then {then}")
+    fault.then = then
+    return fault
 
 
 @contextlib.contextmanager
@@ -107,9 +110,12 @@ def storage(path: str | os.PathLike, then: str | None = None) -> Iterator[None]:
     try:
         yield
     except StorageFault as fault:
-        if then is None:
+        inner = fault.then or RUN_CONTINUES  # a fault from another process brings its words alone
+        if then is None or not fault.message.endswith(inner):
             raise
-        raise StorageFault(fault.message.replace(RUN_CONTINUES, then), details=fault.details) from None
+        reworded = StorageFault(fault.message.removesuffix(inner) + then, details=fault.details)
+        reworded.then = then  # the outermost command's way on is the one told
+        raise reworded from None
     except OSError as error:
         fault = storage_fault(path, error.errno, error.strerror or "", then=then or RUN_CONTINUES)
         if fault is None:

@@ -100,7 +100,7 @@ def test_an_export_that_fills_the_disk_keeps_the_earlier_export_and_leaves_no_pa
     assert snapshot(disk / "tb") == earlier
 
 
-def test_init_and_freeze_on_a_read_only_disk_say_so_and_name_their_own_way_on(digits_project, cli_inprocess,
+def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_on(digits_project, cli_inprocess,
                                                                                tmpfs):
     disk = tmpfs("disk", size="8m")
     shutil.copy(digits_project / "digits.yaml", disk / "digits.yaml")
@@ -113,6 +113,11 @@ def test_init_and_freeze_on_a_read_only_disk_say_so_and_name_their_own_way_on(di
     assert said.endswith("then run `opalctl init digits` again (or give --dir a folder that can be written)"), said
     said = one_sentence(cli_inprocess("freeze", disk / "digits.yaml"), disk / "digits.lock.json", "read-only")
     assert said.endswith("make the folder writable, then freeze again"), said
+    demo = cli_inprocess("demo", "--dir", disk / "demo")
+    assert demo.code == 1 and "Traceback" not in demo.stderr, demo.output
+    assert demo.stderr.strip().splitlines()[-1] == (
+        f"opalctl: error: cannot write {disk / 'demo'}: the file system is read-only (Read-only file system); make "
+        f"the folder writable, then run `opalctl demo` again (or give --dir a folder that can be written)"), demo.stderr
     assert snapshot(disk) == before
 
 
