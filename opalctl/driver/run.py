@@ -750,7 +750,10 @@ class StopSignals:
         self._deadline = float("inf")
         self._guard: Any = None  # the SIGINT handler installed over this one, set aside while the loop defers
         self._forwarding = False
-        self._timer: threading.Timer | None = None
+        # the watch of the bound, a thread started with the loop: a handler starts no thread (it may run while the
+        # main thread holds a lock of threading's own) and only sets an event
+        self._stirred = threading.Event()  # a stop was asked, or the loop ended
+        self._ended = threading.Event()  # the loop ended
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -780,12 +783,16 @@ class StopSignals:
                 self._guard = current
                 signal.signal(signal.SIGINT, self.stop)
         self._deferring = bool(self.previous)
+        self._stirred.clear()
+        self._ended.clear()
+        if self._deferring:
+            threading.Thread(target=self._watch, name="opalctl-stop-bound", daemon=True).start()
         try:
             yield self.asked
         finally:
-            self._deferring = False
-            if self._timer is not None:
-                self._timer.cancel()
+            self._deferring = False  # first: a handler that runs from here on sets no event
+            self._ended.set()
+            self._stirred.set()
             if self._guard is not None:
                 signal.signal(signal.SIGINT, self._guard)
                 self._guard = None
@@ -797,9 +804,7 @@ class StopSignals:
             if not self.asked:  # the loop stops after this update; past the bound, a signal of our own stops it
                 self.asked.append(signum)
                 self._deadline = time.monotonic() + self.wait
-                self._timer = threading.Timer(self.wait, self._past_the_bound)
-                self._timer.daemon = True
-                self._timer.start()
+                self._stirred.set()
             return
         if self._forwarding:  # the guard, counting the stop, calls the handler it was installed over: this one
             raise KeyboardInterrupt
@@ -816,9 +821,11 @@ class StopSignals:
             return
         raise KeyboardInterrupt
 
-    def _past_the_bound(self) -> None:
-        """The timer's end: the update did not end in time, so the stop happens where the run is now."""
-        if self._deferring and self.received is not None:
+    def _watch(self) -> None:
+        """The bound: once a stop is asked, when the loop has not ended ``wait`` seconds later, the stop happens
+        where the run is then (a signal of this process's own, which finds the bound passed)."""
+        self._stirred.wait()
+        if not self._ended.wait(self.wait) and self.received is not None:
             os.kill(os.getpid(), self.received)
 
 
