@@ -9,8 +9,10 @@ frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGR
 its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``training/opal/hung.jsonl``
 naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
 resume checkpoint with that version marked failed (it never runs again); 129, 130 and 143 a run stopped by SIGHUP,
-SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops at once, keeps what it
-wrote and prints the command that continues it, ``opalctl run LOCK --arm A --seed S --resume``.
+SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops once the update in
+progress ends, with a resume checkpoint there (or, past a bound, where it is, saying how many updates the resume
+trains again: driver/run.py ``StopSignals``), keeps what it wrote and prints the command that continues it,
+``opalctl run LOCK --arm A --seed S --resume``.
 
 A full disk, a used-up quota, a folder that cannot be written or a file where a folder must be is a
 ``StorageFault`` (exit 1), raised by ``opalctl.files.storage``: its sentence names the file being written and says
