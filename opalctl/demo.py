@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, InputChanged, OpalctlError
+from opalctl.files import atomic_write_text, storage
 from opalctl.layout import RunLayout
 
 MINUTES = 3  # the wall time the demo is held to on two cores after install (`demo --help` and README say it)
@@ -84,10 +85,11 @@ def demo(folder: str | Path, *, runs_dir: str | Path | None = None, jobs: int = 
     folder = Path(folder)
     runs_dir = runs_dir_default(runs_dir)
     say(f"[1/6] init digits in {folder} (data files and one parent per seed)")
-    init("digits", folder)
-    protocol = write_protocol(folder)
-    say(f"[2/6] freeze {protocol}")
-    frozen = freeze(protocol, force=True)  # a lock from an older opalctl is kept beside it (NAME.lock.SHA12.json)
+    with storage(folder, then="run `opalctl demo` again (or give --dir a folder that can be written)"):
+        init("digits", folder)
+        protocol = write_protocol(folder)
+        say(f"[2/6] freeze {protocol}")
+        frozen = freeze(protocol, force=True)  # a lock from an older opalctl is kept beside it (NAME.lock.SHA12.json)
     say(f"[3/6] verify {frozen['lock']}")
     checked = verify(frozen["lock"])
     if not checked["ok"]:
@@ -119,7 +121,7 @@ def write_protocol(folder: Path) -> Path:
         raise BadInput(f"{path} already exists with other contents; the demo never overwrites it, so move it away or "
                        f"give another --dir")
     if not path.exists():
-        path.write_text(DEMO_PROTOCOL, encoding="utf-8")
+        atomic_write_text(path, DEMO_PROTOCOL)
     return path
 
 

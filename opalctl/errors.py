@@ -9,13 +9,16 @@ frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGR
 its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``training/opal/hung.jsonl``
 naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
 resume checkpoint with that version marked failed (it never runs again); 129, 130 and 143 a run stopped by SIGHUP,
-SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops at once, keeps what it
-wrote and prints the command that continues it, ``opalctl run LOCK --arm A --seed S --resume``.
+SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops once the update in
+progress ends, with a resume checkpoint there (or, past a bound, where it is, saying how many updates the resume
+trains again: driver/run.py ``StopSignals``), keeps what it wrote and prints the command that continues it,
+``opalctl run LOCK --arm A --seed S --resume``.
 
-A full disk, a used-up quota or a folder that cannot be written is a ``StorageFault`` (exit 1), raised by
-``opalctl.files.storage``: its sentence names the file being written and says that freeing space (or making the
-folder writable) and then ``opalctl run ... --resume`` continues; a run replaces that placeholder with its own
-command (``StorageFault.for_command``).
+A full disk, a used-up quota, a folder that cannot be written or a file where a folder must be is a
+``StorageFault`` (exit 1), raised by ``opalctl.files.storage``: its sentence names the file being written and says
+that freeing space (or making the folder writable, or moving the file away) and then ``opalctl run ... --resume``
+continues; a run replaces that placeholder with its own command (``StorageFault.for_command``), and a command that
+is not a run (init, freeze, report, export, show --html) says to run it again (``storage``'s ``then``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class StorageFault(OpalctlError):
     the message alone carries it, so the fault keeps its words across a process boundary (the evaluator's)."""
 
     CONTINUE = "`opalctl run ... --resume` continues"
+    then: str | None = None  # the way on its sentence ends with, where files.storage_fault made it
 
     def for_command(self, command: str) -> StorageFault:
         """The same fault, its sentence ending with ``command`` (the one that continues this very run)."""
@@ -73,7 +77,8 @@ class Interrupted(OpalctlError):
     """A run stopped by a signal (exit 128 + the signal's number); ``message`` is what the CLI prints after
     ``opalctl: ``, saying which signal and what to type to continue."""
 
-    def __init__(self, signum: int, command: str, *, what: str = "resume"):
+    def __init__(self, signum: int, command: str, *, what: str = "resume", lost: str | None = None):
         self.signal_name = signal.Signals(signum).name
-        super().__init__(f"interrupted ({self.signal_name}); {what} with: {command}")
+        said = f" {lost}" if lost else ""  # what the stop could not keep (the run's StopSignals says)
+        super().__init__(f"interrupted ({self.signal_name}){said}; {what} with: {command}")
         self.exit_code = EXIT_SIGNALLED + int(signum)

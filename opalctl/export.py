@@ -17,6 +17,9 @@ export never shows what ``show`` would not.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,32 +61,76 @@ def _summary_writer():
 
 
 def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
-    from opalctl.driver.show import agent_decisions
+    """The run's event files in ``folder``: the new file is written whole before the earlier export's files are
+    removed, so a write the storage refuses leaves the earlier export as it was (and no part of the new one)."""
+    from opalctl.files import storage
+
+    earlier = set(folder.glob("events.out.tfevents.*"))
+    with storage(folder, then="run `opalctl export` again (or give --tensorboard a folder that can be written)"):
+        try:
+            _write_events(run_dir, report, folder)
+        except BaseException:
+            for written in set(folder.glob("events.out.tfevents.*")) - earlier:
+                written.unlink(missing_ok=True)
+            raise
+        for path in earlier:
+            path.unlink(missing_ok=True)
+
+
+def _write_events(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
     from opalctl.report.runs import loss_curve
 
     curve = loss_curve(run_dir, every_update=True)
-    for earlier in folder.glob("events.out.tfevents.*"):
-        earlier.unlink()
-    writer = _summary_writer()(log_dir=str(folder))
+    with _writer_thread_failures() as failures:
+        writer = _summary_writer()(log_dir=str(folder))
+        try:
+            _add_events(writer, run_dir, report, curve)
+        finally:
+            writer.close()
+    if failures:  # the last writes failed in the writer's thread, after the calls that would have said so
+        raise failures[0]
+
+
+@contextlib.contextmanager
+def _writer_thread_failures() -> Iterator[list[OSError]]:
+    """The OSErrors of the event writer's own thread, kept (and not printed as a thread's traceback) while the
+    block runs: TensorBoard's writer writes in a thread of its own, which re-raises the error for a later call
+    to find, but one that happens at its last write is found by no call."""
+    failures: list[OSError] = []
+    previous = threading.excepthook
+
+    def keep(args) -> None:
+        if isinstance(args.exc_value, OSError):
+            failures.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = keep
     try:
-        for update, seconds, loss in zip(curve.updates, curve.seconds, curve.losses, strict=True):
-            writer.add_scalar("train/loss", loss, update, walltime=seconds)
-        for metric, value in report["anchor_metrics"].items():
-            writer.add_scalar(f"anchor/{metric}", value, 0, walltime=0.0)
-        for stage in report["stages"]:
-            seconds = curve.seconds_at(stage["update"]) or 0.0
-            for metric, value in stage["metrics"].items():
-                writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
-            if "budget_used" in stage:
-                writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
-        layout = RunLayout.of(run_dir)
-        for decision in agent_decisions(layout.opal / "events.jsonl", layout.decisions) or []:
-            if decision.get("answered_at") is None:
-                continue
-            writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],
-                            walltime=curve.seconds_at(decision["answered_at"]) or 0.0)
+        yield failures
     finally:
-        writer.close()
+        threading.excepthook = previous
+
+
+def _add_events(writer, run_dir: Path, report: dict[str, Any], curve) -> None:
+    from opalctl.driver.show import agent_decisions
+
+    for update, seconds, loss in zip(curve.updates, curve.seconds, curve.losses, strict=True):
+        writer.add_scalar("train/loss", loss, update, walltime=seconds)
+    for metric, value in report["anchor_metrics"].items():
+        writer.add_scalar(f"anchor/{metric}", value, 0, walltime=0.0)
+    for stage in report["stages"]:
+        seconds = curve.seconds_at(stage["update"]) or 0.0
+        for metric, value in stage["metrics"].items():
+            writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
+        if "budget_used" in stage:
+            writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
+    layout = RunLayout.of(run_dir)
+    for decision in agent_decisions(layout.opal / "events.jsonl", layout.decisions) or []:
+        if decision.get("answered_at") is None:
+            continue
+        writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],
+                        walltime=curve.seconds_at(decision["answered_at"]) or 0.0)
 
 
 def decision_text(decision: dict[str, Any]) -> str:

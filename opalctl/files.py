@@ -4,9 +4,11 @@ A record that is half written is worse than no record, so every file opalctl pro
 temporary name in the same folder, flushed and fsynced, then renamed over the target (rename is atomic on
 POSIX), and the folder is fsynced so the rename itself survives a crash.
 
-A write the storage refuses (a full disk, a used-up quota, a read-only folder) is told in one sentence naming the
-file and the way on (``storage``), never as an internal error: every atomic write goes through it, and so does
-any writer that holds a file open (the steps records).
+A write the storage refuses (a full disk, a used-up quota, a read-only folder, a file where a folder must be) is
+told in one sentence naming the file and the way on (``storage``), never as an internal error: every atomic write
+goes through it, and so does any writer that holds a file open (the steps records). A run's sentence ends with the
+command that resumes it; every other command that writes (init, freeze, report, export, show --html) says its own
+way on (``then``), which also rewords a fault raised by a write inside its block.
 """
 
 from __future__ import annotations
@@ -63,26 +65,59 @@ STORAGE_ERRNOS = {errno.ENOSPC: ("the disk is full", _FULL), errno.EDQUOT: ("the
                   errno.EROFS: ("the file system is read-only", _WRITABLE),
                   errno.EACCES: ("writing is not permitted", _WRITABLE),
                   errno.EPERM: ("writing is not permitted", _WRITABLE)}
+# a file where a folder must be (or a folder where a file must be): the path is what is refused
+IN_THE_WAY_ERRNOS = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
+RUN_CONTINUES = f"{StorageFault.CONTINUE} the run"  # what a run's sentence ends with (errors.StorageFault)
 
 
-def storage_fault(path: str | os.PathLike, number: int | None, reason: str = "") -> StorageFault | None:
-    """The one sentence for a write of ``path`` the storage refused with ``number`` (an errno), or None when
-    ``number`` is not the storage's refusal."""
-    if number not in STORAGE_ERRNOS:
+def _in_the_way(path: str | os.PathLike, number: int | None) -> str | None:
+    """What stands in the way of writing ``path`` when the refusal ``number`` says one thing is where another must
+    be: the first of ``path``'s folders that is not a folder, or ``path`` itself when it is a folder."""
+    if number not in IN_THE_WAY_ERRNOS:
         return None
-    what, remedy = STORAGE_ERRNOS[number]
-    said = f" ({reason})" if reason else ""
-    return StorageFault(f"cannot write {path}: {what}{said}; {remedy}, then {StorageFault.CONTINUE} the run")
+    target = Path(path)
+    if number == errno.EISDIR and target.is_dir():
+        return f"{target} is a folder, not a file"
+    for place in reversed([target, *target.parents]):
+        if os.path.lexists(place) and not place.is_dir():
+            return f"{place} is a file, not a folder"
+    return None
+
+
+def storage_fault(path: str | os.PathLike, number: int | None, reason: str = "",
+                  then: str = RUN_CONTINUES) -> StorageFault | None:
+    """The one sentence for a write of ``path`` the storage refused with ``number`` (an errno), or None when
+    ``number`` is not the storage's refusal; ``then``: what continues once the cause is gone (a run's resume line,
+    by default; a command that is not a run says to run it again)."""
+    if number in STORAGE_ERRNOS:
+        what, remedy = STORAGE_ERRNOS[number]
+        said = f" ({reason})" if reason else ""
+        fault = StorageFault(f"cannot write {path}: {what}{said}; {remedy}, then {then}")
+    else:
+        blocked = _in_the_way(path, number)
+        if blocked is None:
+            return None
+        fault = StorageFault(f"cannot write {path}: {blocked}; move it away or choose another place, then {then}")
+    fault.then = then
+    return fault
 
 
 @contextlib.contextmanager
-def storage(path: str | os.PathLike) -> Iterator[None]:
+def storage(path: str | os.PathLike, then: str | None = None) -> Iterator[None]:
     """Turn the storage's refusal of a write inside the block into a ``StorageFault`` naming ``path``; any other
-    OSError passes unchanged."""
+    OSError passes unchanged. ``then``: what continues once the cause is gone, for a command that is not a run
+    (a fault raised by a write inside the block is told with it too); by default a run's resume line."""
     try:
         yield
+    except StorageFault as fault:
+        inner = fault.then or RUN_CONTINUES  # a fault from another process brings its words alone
+        if then is None or not fault.message.endswith(inner):
+            raise
+        reworded = StorageFault(fault.message.removesuffix(inner) + then, details=fault.details)
+        reworded.then = then  # the outermost command's way on is the one told
+        raise reworded from None
     except OSError as error:
-        fault = storage_fault(path, error.errno, error.strerror or "")
+        fault = storage_fault(path, error.errno, error.strerror or "", then=then or RUN_CONTINUES)
         if fault is None:
             raise
         raise fault from None

@@ -52,6 +52,7 @@ process, with nothing wrapped.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import os
@@ -62,7 +63,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,9 @@ from opalctl.layout import AT_UPDATE_0, FINISHED, NEW, RESUMABLE, LockRuns, RunL
 __all__ = ["run", "FormalRun", "RunCommand", "runs_dir_default"]
 
 LOCK_WAIT_SECONDS = 30.0  # how long a run waits for a folder's lock no live run holds before calling it busy
+# how long a stop signal waits for the update in progress to end, so that a resume checkpoint is written at it;
+# well under the grace a grid (60 s) or Slurm (KillWait, 30 s by default) gives a run it stops
+STOP_WAIT_SECONDS = 10.0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -317,6 +321,8 @@ class BudgetLoop:
 
         self.agent_code_charge = clock_spec(protocol.budget.clock).agent_code_charge
         self.pending = pending or PendingCharge()  # what the agent arm's ChargingClock adds to the next update
+        self.saved_at = meter.updates  # the update of the last resume checkpoint (a resume starts at its own)
+        self.stop_asked: list[int] = []  # StopSignals.asked while the loop runs
 
     def run(self, first_checkpoint: bool, session: tuple[float, float]) -> TrainingFacts:
         """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``);
@@ -333,8 +339,18 @@ class BudgetLoop:
         # of a tenth of a second or more that would land inside whichever timed update it happens to, charging it
         # to the budget at random. They are handed back when the loop ends.
         gc.freeze()
+        # a stop signal waits for the update in progress, then the resume checkpoint at it (StopSignals); under
+        # torchrun the ranks would have to agree on the update first, so there a stop happens where each rank is
+        stops = StopSignals.active if self.ranks.world == 1 else None
         try:
-            self._loop()
+            with stops.deferred() if stops is not None else contextlib.nullcontext([]) as self.stop_asked:
+                self._loop()
+            if self.stop_asked:  # it came after the last update's look: the checkpoint at that update is there
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            if stops is not None and self.saved_at != self.meter.updates:
+                stops.lost = (self.saved_at, self.meter.updates)  # what the resume trains again, for the sentence
+            raise
         finally:
             gc.unfreeze()
         self.steps.close()
@@ -377,6 +393,7 @@ class BudgetLoop:
             self._take_agent_code()  # what a resume's load_state_dict ran
         apply_schedule = parts.schedule.apply if self.arm.schedule != "constant" else None  # constant: set once
         perf_counter, progress = time.perf_counter, self.progress
+        asked = self.stop_asked  # a stop signal's, read after each update (StopSignals)
         last_progress = 0.0
         # k * every is compared with a tolerance: repeated float sums (0.05 * 3 = 0.15000000000000002) would
         # otherwise push a checkpoint one update late
@@ -406,6 +423,15 @@ class BudgetLoop:
                 last_progress = wall1
                 progress(meter.used, meter.total, stage=self.carried.stages,
                          stages=len(self.protocol.budget.fractions), loss=float(loss.detach()))
+            if asked:
+                self._stop_here()
+
+    def _stop_here(self) -> None:
+        """A stop signal arrived during the update that just ended: the resume checkpoint at it (unless this
+        update wrote one), the very one a periodic checkpoint here would be, then the stop."""
+        if self.saved_at != self.meter.updates:
+            self._boundary([])
+        raise KeyboardInterrupt
 
     def _between_updates(self) -> None:
         """The agent's work (and training's waiting for it), outside the timed interval."""
@@ -479,6 +505,7 @@ class BudgetLoop:
                 extra["ranks"] = states
             checkpoints.save(self.layout.resume, self.parts.model.state_dict(), kind="resume",
                              extra=extra, meta={"update": self.meter.updates})
+        self.saved_at = self.meter.updates
 
     def _loop_state(self) -> dict[str, Any]:
         """The state a resume continues from; call it after ``steps.finish_sync`` (every line on the disk)."""
@@ -700,13 +727,33 @@ class StopSignals:
     continues it. A SIGTERM or SIGHUP goes through the SIGINT handler when one is installed over this one: the
     agent optimizer's guard counts SIGINTs to tell the user's stop from agent code's own exceptions
     (opal/guard.py). A signal the process ignores (nohup, a background job's SIGINT) stays ignored; nothing is
-    installed off the main thread."""
+    installed off the main thread.
+
+    While the budget loop runs (``deferred``), a stop waits for the update in progress to end, so that the loop
+    writes a resume checkpoint at it and nothing trained is lost (``asked``, which the loop reads after each
+    update): the same checkpoint a periodic one at that update would be. The wait is bounded (``wait`` seconds):
+    when the update does not end in time, the stop happens where the run is, as above, and the loop records how
+    much the resume will train again (``lost``). The SIGINT handler is this one while the loop defers, so that
+    agent code is never interrupted by a stop that waits for it; past the bound the guard counts the stop as it
+    always does."""
 
     NUMBERS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    active: StopSignals | None = None  # the instance installed in this process (signal handlers are the process's)
 
-    def __init__(self) -> None:
+    def __init__(self, wait: float = STOP_WAIT_SECONDS) -> None:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
+        self.wait = wait
+        self.asked: list[int] = []  # the stop that waits for the update's end; empty until one arrives
+        self.lost: tuple[int, int] | None = None  # (last resume checkpoint's update, updates done) past the bound
+        self._deferring = False
+        self._deadline = float("inf")
+        self._guard: Any = None  # the SIGINT handler installed over this one, set aside while the loop defers
+        self._forwarding = False
+        # the watch of the bound, a thread started with the loop: a handler starts no thread (it may run while the
+        # main thread holds a lock of threading's own) and only sets an event
+        self._stirred = threading.Event()  # a stop was asked, or the loop ended
+        self._ended = threading.Event()  # the loop ended
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -715,32 +762,89 @@ class StopSignals:
                 if current != signal.SIG_IGN:
                     self.previous[number] = current
                     signal.signal(number, self.stop)
+            StopSignals.active = self
         return self
 
     def __exit__(self, *exc_info) -> None:
         for number, previous in self.previous.items():
             signal.signal(number, signal.SIG_DFL if previous is None else previous)
         self.previous = {}
+        if StopSignals.active is self:
+            StopSignals.active = None
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[list[int]]:
+        """The budget loop's span: a stop waits for the update in progress (the class docstring); yields
+        ``asked``."""
+        installed = signal.SIGINT in self.previous and threading.current_thread() is threading.main_thread()
+        if installed:
+            current = signal.getsignal(signal.SIGINT)
+            if callable(current) and current != self.stop:
+                self._guard = current
+                signal.signal(signal.SIGINT, self.stop)
+        self._deferring = bool(self.previous)
+        self._stirred.clear()
+        self._ended.clear()
+        if self._deferring:
+            threading.Thread(target=self._watch, name="opalctl-stop-bound", daemon=True).start()
+        try:
+            yield self.asked
+        finally:
+            self._deferring = False  # first: a handler that runs from here on sets no event
+            self._ended.set()
+            self._stirred.set()
+            if self._guard is not None:
+                signal.signal(signal.SIGINT, self._guard)
+                self._guard = None
 
     def stop(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
+        if self._deferring and time.monotonic() < self._deadline:
+            if not self.asked:  # the loop stops after this update; past the bound, a signal of our own stops it
+                self.asked.append(signum)
+                self._deadline = time.monotonic() + self.wait
+                self._stirred.set()
+            return
+        if self._forwarding:  # the guard, counting the stop, calls the handler it was installed over: this one
+            raise KeyboardInterrupt
+        if self._guard is not None:
+            self._forwarding = True
+            try:
+                self._guard(signal.SIGINT, frame)
+            finally:
+                self._forwarding = False
+            raise KeyboardInterrupt
         on_interrupt = signal.getsignal(signal.SIGINT)
         if signum != signal.SIGINT and callable(on_interrupt) and on_interrupt != self.stop:
             signal.raise_signal(signal.SIGINT)  # its handler runs as soon as this one returns
             return
         raise KeyboardInterrupt
 
+    def _watch(self) -> None:
+        """The bound: once a stop is asked, when the loop has not ended ``wait`` seconds later, the stop happens
+        where the run is then (a signal of this process's own, which finds the bound passed)."""
+        self._stirred.wait()
+        if not self._ended.wait(self.wait) and self.received is not None:
+            os.kill(os.getpid(), self.received)
+
 
 def told(error: BaseException, received: int | None, command: RunCommand,
-         layout: RunLayout | None) -> OpalctlError | None:
+         layout: RunLayout | None, lost: tuple[int, int] | None = None) -> OpalctlError | None:
     """What a run that failed with ``error`` tells the user, when it is a stop, a lost rank or a storage fault: an
-    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped), a sentence naming the
-    failed collective when another torchrun rank is gone, a ``StorageFault`` whose sentence ends with the command
-    that continues the run; None for anything else."""
+    ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped; ``lost``: the last resume
+    checkpoint's update and the updates done, when the stop could not wait for the update in progress), a sentence
+    naming the failed collective when another torchrun rank is gone, a ``StorageFault`` whose sentence ends with the
+    command that continues the run; None for anything else."""
     verb, line = command.next_step(layout) if layout is not None else ("start it again", command.line())
     if received is not None:
-        return Interrupted(received, line, what=verb)
+        said = None
+        if lost is not None and verb == "resume":
+            saved, done = lost
+            said = (f"before the update in progress ended (it waited {STOP_WAIT_SECONDS:g} s), so no resume "
+                    f"checkpoint was written at the stop: the resume starts at update {saved}, and trains the "
+                    f"{done - saved} update(s) done since then again")
+        return Interrupted(received, line, what=verb, lost=said)
     from opalctl.sandbox import bound_refusal
 
     refusal = bound_refusal(error, f"{verb} with: {line}")
@@ -772,9 +876,24 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
             command = formal.command  # the lock says whether continuing it is a torchrun command
             report = formal.execute(resume=resume, restart=restart)
         except BaseException as error:
-            saying = told(error, stops.received, command, layout)
-            if saying is None:
-                raise
-            raise saying from None
+            if stops.received is not None and layout is not None and layout.state == FINISHED:
+                report = finished_anyway(layout, stops.received, say)
+            else:
+                saying = told(error, stops.received, command, layout, stops.lost)
+                if saying is None:
+                    raise
+                raise saying from None
     report["run_dir"] = str(formal.layout.root)
     return report
+
+
+def finished_anyway(layout: RunLayout, received: int, say: Callable[[str], None] | None) -> dict[str, Any]:
+    """A stop that came once the evaluator had written ``report.json``: the run is finished (its report is whole,
+    written at once), so it ends as a finished run does, saying so; the resume checkpoint it would have removed
+    next goes too."""
+    from opalctl.compare.aggregate import read_report
+
+    layout.resume.unlink(missing_ok=True)
+    (say or (lambda text: None))(f"the stop ({signal.Signals(received).name}) came after the run finished; its "
+                                 f"report is {layout.report}")
+    return read_report(layout.report)

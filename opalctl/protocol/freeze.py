@@ -19,7 +19,14 @@ from typing import Any
 
 import opalctl
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.files import atomic_write_bytes, atomic_write_text, canonical_json, file_record, sha256_bytes
+from opalctl.files import (
+    atomic_write_bytes,
+    atomic_write_text,
+    canonical_json,
+    file_record,
+    sha256_bytes,
+    storage,
+)
 from opalctl.protocol import provenance
 from opalctl.protocol.lock import FORMAT, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
@@ -229,9 +236,11 @@ def write_lock(lock_path: Path, text: str, force: bool) -> str:
                 raise BadInput(f"lock {lock_path} already exists and differs from what freezing now would write; "
                                f"run `opalctl verify {lock_path}` to see why, or pass --force to replace it (the "
                                f"old lock is then kept as {lock_path.name.removesuffix('.json')}.SHA12.json)")
-            keep_replaced(lock_path, previous)
+            with storage(lock_path, then="freeze again"):
+                keep_replaced(lock_path, previous)
             outcome = "replaced"
-        atomic_write_text(lock_path, text)
+        with storage(lock_path, then="freeze again"):
+            atomic_write_text(lock_path, text)
     except OSError as error:
         raise OpalctlError(f"the lock {lock_path} cannot be written ({error.strerror or type(error).__name__}); "
                            f"make its folder writable or free space, then freeze again") from None

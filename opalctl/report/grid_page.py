@@ -13,6 +13,7 @@ from typing import Any
 
 from opalctl.compare.significance import TEST_MIN_SEEDS
 from opalctl.compare.values import TRAIN_LOSS
+from opalctl.files import atomic_write_text, storage
 from opalctl.report import html
 from opalctl.report.sections import (
     RunView,
@@ -40,10 +41,9 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
                          _identity(result, verification), _verdicts(result), _tables(result),
                          _figures(result, runs), decisions_section(runs),
                          limitations_section(runs, _notes(result)))
-    folder = Path(out) if out is not None else Path(result["runs"])
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / PAGE_NAME
-    path.write_text(page, encoding="utf-8")
+    path = (Path(out) if out is not None else Path(result["runs"])) / PAGE_NAME
+    with storage(path, then="run `opalctl report` again (or give --out a folder that can be written)"):
+        atomic_write_text(path, page)  # a page already there stays whole until the new one replaces it
     return path
 
 

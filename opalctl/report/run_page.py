@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from opalctl.files import atomic_write_text, storage
 from opalctl.report import html
 from opalctl.report.sections import (
     RunView,
@@ -30,8 +31,8 @@ def write_run_page(run_dir: str | Path, path: str | Path) -> Path:
                          html.section("Figures", *_figures(run, metrics), anchor="figures"),
                          decisions_section([run]), limitations_section([run], []))
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(page, encoding="utf-8")
+    with storage(target, then="run `opalctl show --html` again with a path that can be written"):
+        atomic_write_text(target, page)  # a page already there stays whole until the new one replaces it
     return target
 
 

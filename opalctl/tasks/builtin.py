@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.files import storage
 from opalctl.tasks import BUILTIN, make_task
 
 DEFAULT_SEEDS = (1, 2, 3)
@@ -35,38 +36,41 @@ def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = Non
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise BadInput(f"--dir {folder} is a file; give a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    text = protocol_text(task_name, seeds)
-    import yaml
+    # a write the storage refuses names its file, and the files already in place stay as they were (every new
+    # file is staged whole first, then moved in by a rename)
+    with storage(folder, then=f"run `opalctl init {task_name}` again (or give --dir a folder that can be written)"):
+        folder.mkdir(parents=True, exist_ok=True)
+        text = protocol_text(task_name, seeds)
+        import yaml
 
-    config = yaml.safe_load(text)["task"].get("config", {})
-    task = make_task(BUILTIN[task_name], config)
-    say(f"preparing {task_name} in {folder} (data files and one parent per seed)...")
-    staging = Path(tempfile.mkdtemp(prefix=".opalctl-init-", dir=folder))
-    try:
-        task.prepare(staging, seeds)
-        (staging / f"{task_name}.yaml").write_text(text, encoding="utf-8")
-        staged = sorted(p for p in staging.rglob("*") if p.is_file() and not p.name.startswith("."))
-        files, conflicts = [], []
-        for path in staged:
-            relative = path.relative_to(staging)
-            target = folder / relative
-            if target.exists():
-                same = target.is_file() and target.read_bytes() == path.read_bytes()
-                (files if same else conflicts).append((relative, "unchanged"))
-            else:
-                files.append((relative, "written"))
-        if conflicts:
-            shown = ", ".join(str(folder / r) for r, _ in conflicts[:3])
-            raise BadInput(f"{shown} already exist{'s' if len(conflicts) == 1 else ''} with other contents; "
-                           f"init never overwrites, so choose another --dir or move {'it' if len(conflicts) == 1 else 'them'} away")
-        for relative, status in files:
-            if status == "written":
+        config = yaml.safe_load(text)["task"].get("config", {})
+        task = make_task(BUILTIN[task_name], config)
+        say(f"preparing {task_name} in {folder} (data files and one parent per seed)...")
+        staging = Path(tempfile.mkdtemp(prefix=".opalctl-init-", dir=folder))
+        try:
+            task.prepare(staging, seeds)
+            (staging / f"{task_name}.yaml").write_text(text, encoding="utf-8")
+            staged = sorted(p for p in staging.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files, conflicts = [], []
+            for path in staged:
+                relative = path.relative_to(staging)
                 target = folder / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(staging / relative), str(target))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+                if target.exists():
+                    same = target.is_file() and target.read_bytes() == path.read_bytes()
+                    (files if same else conflicts).append((relative, "unchanged"))
+                else:
+                    files.append((relative, "written"))
+            if conflicts:
+                shown = ", ".join(str(folder / r) for r, _ in conflicts[:3])
+                raise BadInput(f"{shown} already exist{'s' if len(conflicts) == 1 else ''} with other contents; "
+                               f"init never overwrites, so choose another --dir or move {'it' if len(conflicts) == 1 else 'them'} away")
+            for relative, status in files:
+                if status == "written":
+                    target = folder / relative
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(staging / relative), str(target))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return {
         "task": task_name,
         "protocol": str(folder / f"{task_name}.yaml"),
