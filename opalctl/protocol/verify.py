@@ -39,7 +39,7 @@ from opalctl.errors import BadInput, InputChanged, OpalctlError
 from opalctl.files import sha256_bytes, sha256_file
 from opalctl.formats import RecordChanged, RecordDamaged, decode_record
 from opalctl.layout import LockRuns, RunLayout, runs_dir_default
-from opalctl.protocol.lock import Lock, protocol_digest, read_lock
+from opalctl.protocol.lock import Lock, read_lock
 
 
 def check_record(lock: Lock, role: str, record: dict) -> dict[str, Any]:
@@ -80,8 +80,9 @@ def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
     if roles is None:
         from opalctl.protocol.provenance import added_sources
 
-        problems += added_package_files(lock) + added_sources(lock)
-    if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
+        # a protocol edited by hand is a change, named first; what it names of the task is not looked at then
+        problems += added_package_files(lock) + (added_sources(lock) if lock.digest_matches else [])
+    if roles is None and not lock.digest_matches:
         problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
     if not problems:
         lock.validated_protocol()
@@ -112,7 +113,7 @@ def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, A
 
 
 def verify(path: str | Path) -> dict[str, Any]:
-    return verify_lock(read_lock(Path(path)))
+    return verify_lock(read_lock(Path(path), protocol_changes_reported=True))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -274,7 +275,7 @@ def verify_run(run_dir: str | Path, lock: Lock | None = None) -> dict[str, Any]:
 
 def verify_runs(lock_path: str | Path, runs_dir=None) -> dict[str, Any]:
     """The lock (as ``verify``), then every run folder of it under the runs folder."""
-    lock = read_lock(Path(lock_path))
+    lock = read_lock(Path(lock_path), protocol_changes_reported=True)
     runs_of = LockRuns.of(runs_dir_default(runs_dir), lock)
     folders = sorted(layout.root for arm in lock.resolved["arms"] for layout in runs_of.seeds_of(arm))
     runs = [verify_run(path, lock) for path in folders]
