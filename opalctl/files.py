@@ -241,15 +241,30 @@ class JSONRefused(ValueError):
     """``decode_json`` refused the bytes: the clause says why (not UTF-8, not JSON, nested too deep)."""
 
 
-def decode_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``data`` as JSON, nested at most ``max_depth`` deep; ``JSONRefused`` (a clause: "is not JSON ...")
-    otherwise. JSON nested a hundred thousand deep is refused here, never a RecursionError further on."""
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:
+        raise JSONRefused(f"holds the number {text}, which is not finite")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise JSONRefused(f"holds {name}, which strict JSON has not")
+
+
+def decode_json(data: bytes, max_depth: int = MAX_JSON_DEPTH, finite: bool = False) -> Any:
+    """``data`` as JSON, nested at most ``max_depth`` deep (and with ``finite``, strict JSON: no NaN, no
+    Infinity, no number too large for a float, as ``canonical_json`` writes); ``JSONRefused`` (a clause: "is not
+    JSON ...") otherwise. JSON nested a hundred thousand deep is refused here, never a RecursionError further on."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise JSONRefused("is not UTF-8 text") from None
+    strict = {"parse_float": _finite, "parse_constant": _no_constant} if finite else {}
     try:
-        value = json.loads(text)
+        value = json.loads(text, **strict)
+    except JSONRefused:
+        raise
     except RecursionError:
         raise JSONRefused(f"is nested deeper than {max_depth} levels") from None
     except ValueError:

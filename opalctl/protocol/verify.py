@@ -36,8 +36,15 @@ from opalctl.driver.chain import (
     failures,
 )
 from opalctl.errors import BadInput, InputChanged, OpalctlError
-from opalctl.files import sha256_bytes, sha256_file
-from opalctl.formats import RecordChanged, RecordDamaged, decode_record
+from opalctl.files import NotAPlainFile, plain_sha256, read_plain, sha256_bytes, sha256_file
+from opalctl.formats import (
+    PROGRAM_MAX_BYTES,
+    RECORD_MAX_BYTES,
+    REPORT_MAX_BYTES,
+    RecordChanged,
+    RecordDamaged,
+    decode_record,
+)
 from opalctl.layout import LockRuns, RunLayout, runs_dir_default
 from opalctl.protocol.lock import Lock, read_lock
 
@@ -119,11 +126,13 @@ def verify(path: str | Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 # run folders
 
-def _record(folder: Path, name: str) -> RecordFile:
+def _record(folder: Path, name: str, limit: int = RECORD_MAX_BYTES) -> RecordFile:
     try:
-        data = (folder / name).read_bytes()
+        data = read_plain(folder / name, limit)
     except FileNotFoundError:
         return RecordFile(name, None)
+    except NotAPlainFile as why:
+        return RecordFile(name, "", error=f"cannot be read ({why})")
     except OSError as error:
         return RecordFile(name, "", error=f"cannot be read ({error.strerror or error})")
     value, why = decode_record(data)
@@ -134,9 +143,12 @@ def _checkpoint(folder: Path, name: str, load: bool, limit_bytes: int) -> Checkp
     from opalctl import checkpoints
 
     path = folder / name
-    if not path.is_file():
+    try:
+        found = CheckpointFile(name, plain_sha256(path), loaded=load)
+    except FileNotFoundError:
         return CheckpointFile(name, None)
-    found = CheckpointFile(name, sha256_file(path), loaded=load)
+    except OSError as error:
+        return CheckpointFile(name, "", error=f"cannot be read ({error})", loaded=False)
     if load:
         try:
             found.model_sha256 = checkpoints.load(path, limit_bytes=limit_bytes, require_finite=False)["model_sha256"]
@@ -150,16 +162,21 @@ def _steps(layout: RunLayout) -> StepsFile:
 
     path = layout.steps
     name = layout.name_of(path)
-    if not path.is_file():
+    try:
+        found = StepsFile(plain_sha256(path), name)
+    except FileNotFoundError:
         return StepsFile(None, name)
-    found = StepsFile(sha256_file(path), name)
+    except OSError as error:
+        return StepsFile("", name, error=f"cannot be read ({error})")
     try:
         for line in read_steps(path):
             found.lines += 1
             found.numbered = found.numbered and line.get("update") == found.lines
             found.last_update, found.last_seen = line.get("update"), line.get("seen")
-    except ValueError:  # a line that is not UTF-8 or not JSON inside a gzip member that reads
+    except (ValueError, RecursionError):  # a line that is not UTF-8 or not JSON inside a gzip member that reads
         found.error = f"holds a line that is not JSON after line {found.lines}"
+    except OSError as error:  # replaced by another kind of file since it was hashed
+        found.error = f"cannot be read ({error})"
     if found.error is None and found.lines == 0 and path.stat().st_size > 0:
         found.error = "holds no complete gzip member (it is not gzip, or was cut short)"
     return found
@@ -173,7 +190,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
     from opalctl.opal.records import ANSWER, PROGRAM_FILES, program_sha256
 
     events = layout.opal / "events.jsonl"
-    if not layout.host_decisions.is_dir() or not events.is_file():
+    if not layout.host_decisions.is_dir() or not os.path.lexists(events):  # a FIFO there is read, and refused
         return None
     records = AgentRecords(answered={}, outcomes={}, loaded={}, events=layout.name_of(events),
                            programs=layout.name_of(layout.opal / "programs"))
@@ -203,7 +220,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
 
 def _text_sha256(path: Path, digest) -> str | None:
     try:
-        return digest(path.read_text(encoding="utf-8"))
+        return digest(read_plain(path, PROGRAM_MAX_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -219,7 +236,7 @@ def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes:
     found = RunFolder(start=_record(folder, layout.name_of(layout.start)), stages=stages,
                       last=_record(folder, layout.name_of(layout.last)),
                       selected=_record(folder, layout.name_of(layout.selected)),
-                      report=_record(folder, layout.name_of(layout.report)),
+                      report=_record(folder, layout.name_of(layout.report), REPORT_MAX_BYTES),
                       anchor=_record(folder, layout.name_of(layout.anchor.record)), steps=_steps(layout),
                       resumable=layout.resume.exists(), agent=_agent_records(layout))
     for path in layout.stage_records():
