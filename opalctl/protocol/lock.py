@@ -139,9 +139,13 @@ def _seed_keys(resolved: dict) -> dict:
     return resolved
 
 
+REFREEZE = "`opalctl freeze` never writes such a lock: correct the protocol file and freeze it again"
+
+
 def _refreeze(error):
-    """The schema's sentence, with what to do about a lock: it is written by freeze only, never edited."""
-    error.details.append("`opalctl freeze` never writes such a lock: correct the protocol file and freeze it again")
+    """The schema's sentence, with what to do about a lock (it is written by freeze only, never edited): one line."""
+    error.message = f"{error.message}; {REFREEZE}"
+    error.args = (error.message,)
     return error
 
 
@@ -171,7 +175,7 @@ def read_lock(path: str | Path, *, protocol_changes_reported: bool = False) -> L
         raise BadInput(f"lock {path} cannot be read ({error.strerror or error}); give the .lock.json file `opalctl "
                        f"freeze` wrote") from None
     try:
-        data = decode_json(raw)
+        data = decode_json(raw, finite=True)  # what canonical_json wrote, so protocol_digest can digest it
     except JSONRefused as why:
         raise BadInput(f"lock {path} is not valid JSON (it {why}); freeze the protocol again") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -202,6 +206,8 @@ def read_lock(path: str | Path, *, protocol_changes_reported: bool = False) -> L
 def lock_shape_problem(data: dict) -> tuple[str, str] | None:
     """``(key, what is wrong)`` for the first key of a lock (its top level, its records, the protocol's arms) that
     is not of the shape ``freeze`` writes, else None. The protocol's other keys are the schema's (``Lock.protocol``)."""
+    from opalctl.protocol.schema import path_problem
+
     for key, kind in TOP_KEYS.items():
         if not isinstance(data.get(key), kind):
             return key, f"is {_kind(data.get(key))}, where freeze writes {_kind_name(kind)}"
@@ -222,8 +228,10 @@ def lock_shape_problem(data: dict) -> tuple[str, str] | None:
         extra = sorted(set(record) - set(RECORD_KEYS))
         if extra:
             return f"records.{role}.{extra[0]}", "is no key of a record"
-        if not record["path"] or "\0" in record["path"]:
-            return f"records.{role}.path", "is empty or holds a NUL character"
+        if reason := path_problem(record["path"]):
+            return f"records.{role}.path", reason.partition(";")[0]
+        if Path(record["path"]).is_absolute():
+            return f"records.{role}.path", "is absolute, where freeze writes a path relative to the lock's folder"
         if record["bytes"] < 0:
             return f"records.{role}.bytes", "is negative"
         if not SHA256.fullmatch(record["sha256"]):
@@ -274,7 +282,11 @@ def check_records(lock: Lock, protocol) -> None:
     problems: list[tuple[str, int | None, str]] = []
     records = lock.records
     named = {f"data.{split}": (f"data.{split}", relative) for split, relative in protocol.data.items()}
-    named |= {f"parent.seed-{seed}": ("parents", protocol.parent_for(seed)) for seed in protocol.seeds}
+    for seed in protocol.seeds:
+        if isinstance(protocol.parents, dict) and seed not in protocol.parents:
+            problems.append(("parents", None, f"no parent for seed {seed}, which freeze requires"))
+        else:
+            named[f"parent.seed-{seed}"] = ("parents", protocol.parent_for(seed))
     for role, (key, relative) in named.items():
         record = records.get(role)
         if record is None:
@@ -293,7 +305,7 @@ def check_records(lock: Lock, protocol) -> None:
     limit = protocol.limits.checkpoint_bytes
     for seed in protocol.seeds:
         record = records.get(f"parent.seed-{seed}")
-        if record is not None and record["bytes"] > limit:
+        if record is not None and f"parent.seed-{seed}" in named and record["bytes"] > limit:
             problems.append(("limits.checkpoint_bytes", None,
                              f"is {limit}, below the parent of seed {seed} ({protocol.parent_for(seed)}, "
                              f"{record['bytes']} bytes); every stage checkpoint is about as large as the parent, so "
