@@ -167,3 +167,24 @@ def test_a_lock_edited_and_its_digest_left_alone_is_still_a_change_under_verify(
     result = cli_inprocess("verify", lock_path, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# shapes
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda data: data["protocol"].__setitem__("arms", 5), "protocol.arms"),
+    (lambda data: data.__setitem__("protocol", [1, 2]), "protocol"),
+    (lambda data: data["records"]["data.train"].pop("sha256"), "records.data.train"),
+    (lambda data: data["records"]["data.train"].__setitem__("bytes", "many"), "records.data.train.bytes"),
+    (lambda data: data.__setitem__("records", []), "records"),
+    (lambda data: data["records"].__setitem__("source.task", None), "records.source.task"),
+    (lambda data: data["protocol"].__setitem__("seeds", {"1": 1}), "seeds"),
+], ids=["arms-an-int", "protocol-a-list", "record-without-sha256", "bytes-a-string", "records-a-list",
+        "record-null", "seeds-an-object"])
+def test_a_lock_of_another_shape_is_one_sentence_naming_the_key(digits_project, cli_inprocess, tmp_path, edit, key):
+    lock = edited(freeze(cli_inprocess, digits_project), edit)
+    for command in readers(lock, tmp_path / "runs", tmp_path / "tb").values():
+        assert_one_sentence(cli_inprocess(*command), lock, f"{key}: ")
+    assert not (tmp_path / "runs").exists()
