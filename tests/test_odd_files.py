@@ -175,3 +175,14 @@ def test_a_record_over_its_kinds_limit_is_refused_before_it_is_read(tmp_path):
         handle.truncate(StartRecord.MAX_BYTES + 1)  # sparse: nothing is written, and nothing may be read
     with pytest.raises(RecordDamaged, match=f"over the limit of {StartRecord.MAX_BYTES}"):
         read_record(path, StartRecord)
+
+
+@pytest.mark.parametrize("odd", list(ODD))
+def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, cli_inprocess, odd):
+    """freeze reads the lock already there (to keep it if it is replaced): never a FIFO waited on."""
+    lock = digits_project / "digits.lock.json"
+    ODD[odd](lock)
+    result, seconds = within_time(cli_inprocess, "freeze", digits_project / "digits.yaml", "--force")
+    assert result.code == 2 and result.stderr.count("\n") == 1, result.output
+    assert f"{lock} is where the lock goes, and it cannot be read as one" in result.stderr
+    assert seconds < SECONDS_PER_CASE and not stat.S_ISREG(os.lstat(lock).st_mode)

@@ -372,6 +372,8 @@ def check_agent_records(records: AgentRecords) -> list[Finding]:
                 out.append(Finding(f"{records.programs}/v{version:03d}/{name}",
                                    "is missing" if loaded is None else
                                    f"is not the program the agent host answered at decision {decision}"))
+    if any(finding.file == records.events for finding in records.unreadable):
+        return out  # events that cannot be read say nothing of any decision: that one finding is the whole story
     for decision in sorted(set(records.answered) - set(records.outcomes)):
         out.append(Finding(records.events, f"says nothing of decision {decision}, which the agent host answered",
                            NOTE))
