@@ -94,11 +94,12 @@ def _reads_as_another_value(value: str) -> bool:
     """Whether YAML (a protocol file) or Python's number parsing reads ``value`` as anything but this string."""
     import yaml
 
-    try:
-        float(value)
-        return True
-    except ValueError:
-        pass
+    for number in (float, lambda text: int(text, 0)):  # 1e3, nan, inf, 1_000; 0x1F, 0o17, 0b1
+        try:
+            number(value)
+            return True
+        except ValueError:
+            pass
     try:
         return yaml.safe_load(value) != value
     except yaml.YAMLError:
