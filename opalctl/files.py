@@ -205,28 +205,126 @@ def read_beneath(root: str | os.PathLike, relative: str, limit: int) -> bytes:
                 raise
             os.close(folder)
             folder = inner
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
-        except OSError as error:
-            if error.errno == errno.ELOOP:
-                raise NotAPlainFile("it is a symbolic link") from None
-            raise
+        fd = _open_plain(parts[-1], folder)
     finally:
         os.close(folder)
+    return _read_plain_fd(fd, limit, single_name=True)
+
+
+def _open_plain(path: str | os.PathLike, dir_fd: int | None = None) -> int:
+    """A descriptor of the regular file ``path``, opened without following a link and without blocking (a FIFO
+    opens at once, and is then refused by ``_read_plain_fd`` as not a regular file, never waited on)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise NotAPlainFile("it is a symbolic link") from None
+        if error.errno == errno.ENXIO:  # a socket, or a FIFO on a system that refuses to open it without a writer
+            raise NotAPlainFile("it is not a regular file") from None
+        raise
+
+
+def _read_plain_fd(fd: int, limit: int, single_name: bool) -> bytes:
+    """The bytes behind ``fd`` (closed here), when it is a regular file of at most ``limit`` bytes (with
+    ``single_name``, of one name too); else ``NotAPlainFile``. The status is taken from the open descriptor, so
+    what is checked is what is read."""
     with os.fdopen(fd, "rb") as handle:
         status = os.fstat(handle.fileno())
         if not stat.S_ISREG(status.st_mode):
             raise NotAPlainFile("it is not a regular file")
-        if status.st_nlink != 1:
+        if single_name and status.st_nlink != 1:
             raise NotAPlainFile(f"it has {status.st_nlink} names (a hard link)")
         if status.st_size > limit:
             raise NotAPlainFile(f"it is {status.st_size} bytes, over the limit of {limit}")
-        data = handle.read(limit + 1)
+        # what fstat says it holds, and one byte more to see it grew (never ``limit`` bytes asked for at once: a
+        # read allocates what it is asked for)
+        parts = [handle.read(status.st_size + 1)]
+        size = len(parts[0])
+        while size > status.st_size and size <= limit and parts[-1]:
+            parts.append(handle.read(min(CHUNK, limit + 1 - size)))
+            size += len(parts[-1])
+        data = b"".join(parts)
     if len(data) > limit:
         raise NotAPlainFile(f"it grew past the limit of {limit} bytes while it was read")
     return data
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+def read_plain(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, of at most ``limit`` bytes: the one read of every file opalctl did
+    not just write itself (a lock, a run's records, the agent's events and programs). A link there, a FIFO (which
+    is never waited on), a device such as /dev/zero or a file over the limit is refused (``NotAPlainFile`` with the
+    clause) before anything is read; ``FileNotFoundError`` when it is missing. Unlike ``read_beneath`` the folders
+    on the way are the caller's to trust, and a file with more than one name reads."""
+    return _read_plain_fd(_open_plain(path), limit, single_name=False)
+
+
+def plain_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of the regular file ``path`` (refused as ``read_plain`` refuses, whatever its size)."""
+    digest = hashlib.sha256()
+    with os.fdopen(_open_plain(path), "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise NotAPlainFile("it is not a regular file")
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+MAX_JSON_DEPTH = 64  # the deepest nesting of a record opalctl reads back (its own go a few levels deep)
+
+
+class JSONRefused(ValueError):
+    """``decode_json`` refused the bytes: the clause says why (not UTF-8, not JSON, nested too deep)."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:
+        raise JSONRefused(f"holds the number {text}, which is not finite")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise JSONRefused(f"holds {name}, which strict JSON has not")
+
+
+def decode_json(data: bytes, max_depth: int = MAX_JSON_DEPTH, finite: bool = False) -> Any:
+    """``data`` as JSON, nested at most ``max_depth`` deep (and with ``finite``, strict JSON: no NaN, no
+    Infinity, no number too large for a float, as ``canonical_json`` writes); ``JSONRefused`` (a clause: "is not
+    JSON ...") otherwise. JSON nested a hundred thousand deep is refused here, never a RecursionError further on."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JSONRefused("is not UTF-8 text") from None
+    strict = {"parse_float": _finite, "parse_constant": _no_constant} if finite else {}
+    try:
+        value = json.loads(text, **strict)
+    except JSONRefused:
+        raise
+    except RecursionError:
+        raise JSONRefused(f"is nested deeper than {max_depth} levels") from None
+    except ValueError:
+        raise JSONRefused("is not JSON (cut short or damaged)") from None
+    if json_depth(value) > max_depth:
+        raise JSONRefused(f"is nested deeper than {max_depth} levels")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar 0, ``[]`` 1), walked without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def read_json(path: str | os.PathLike, limit: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON in the regular file ``path`` (``read_plain``, then ``decode_json``): raises what they raise."""
+    return decode_json(read_plain(path, limit), max_depth)

@@ -50,10 +50,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from opalctl.errors import InputChanged, OpalctlError
-from opalctl.files import canonical_json
+from opalctl.files import JSONRefused, NotAPlainFile, canonical_json, decode_json, read_plain
 
 FORMAT_VERSION = 1
 DAMAGED = "the record is damaged"  # what a refusal says when its caller has nothing better to advise
+
+# The most bytes read of each kind of file opalctl reads back (``read_bounded``): far above what a run writes, far
+# below what exhausts a machine's memory. A record's own is its class's ``MAX_BYTES``.
+RECORD_MAX_BYTES = 16 << 20  # start, stage, last, selected and anchor records, a decision's answer
+REPORT_MAX_BYTES = 256 << 20  # report.json holds every stage record
+EVENTS_MAX_BYTES = 1 << 30  # opal/events.jsonl and the other .jsonl records of an agent arm
+STEPS_MAX_BYTES = 8 << 30  # steps.jsonl.gz: a line per update, compressed
+PROGRAM_MAX_BYTES = 16 << 20  # an agent's program file as a run folder keeps it
 
 
 class RecordDamaged(OpalctlError):
@@ -194,6 +202,7 @@ class _Record:
     """A record's JSON form: its fields as a dict, and back (``WHAT`` names it in a refusal)."""
 
     WHAT = "a record"
+    MAX_BYTES = RECORD_MAX_BYTES
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -355,6 +364,7 @@ class RunReport(_Record):
     """``report.json``: the figures of a finished run (written once, at its end)."""
 
     WHAT = "a run report"
+    MAX_BYTES = REPORT_MAX_BYTES
 
     lock_sha256: str
     protocol: str
@@ -511,41 +521,47 @@ def record_sha256(value: Any) -> str:
 
 
 def decode_record(data: bytes) -> tuple[Any, str | None]:
-    """A record file's bytes as JSON: ``(value, None)``, or ``(None, why)`` with ``why`` a clause ("is empty")."""
+    """A record file's bytes as JSON: ``(value, None)``, or ``(None, why)`` with ``why`` a clause ("is empty", "is
+    nested deeper than 64 levels"; ``files.decode_json``)."""
     if not data.strip():
         return None, "is empty"
     try:
-        return json.loads(data.decode("utf-8")), None
-    except UnicodeDecodeError:
-        return None, "is not UTF-8 text"
-    except ValueError:
-        return None, "is not JSON (cut short or damaged)"
+        return decode_json(data), None
+    except JSONRefused as why:
+        return None, str(why)
 
 
-def read_record(path: str | Path, cls: type | None = None, advice: str = DAMAGED) -> Any:
-    """A JSON record file, as ``cls`` when given; refused as ``RecordDamaged`` in one sentence naming the file and
-    ending in ``advice`` when it is missing, empty, not UTF-8, not JSON or (with ``cls``) not of that shape."""
-    path = Path(path)
+def read_bounded(path: str | Path, limit: int, advice: str = DAMAGED) -> bytes:
+    """The bytes of a file opalctl reads back (``files.read_plain``: a regular file, never a link, a FIFO or a
+    device, of at most ``limit`` bytes), else ``RecordDamaged`` in one sentence naming it and ending in ``advice``."""
     try:
-        data = path.read_bytes()
+        return read_plain(path, limit)
     except FileNotFoundError:
         raise RecordDamaged(f"{path} is missing; {advice}") from None
+    except NotAPlainFile as why:
+        raise RecordDamaged(f"{path} cannot be read ({why}); {advice}") from None
     except OSError as error:
         raise RecordDamaged(f"{path} cannot be read ({error.strerror or error}); {advice}") from None
+
+
+def read_record(path: str | Path, cls: type | None = None, advice: str = DAMAGED, limit: int | None = None) -> Any:
+    """A JSON record file, as ``cls`` when given; refused as ``RecordDamaged`` in one sentence naming the file and
+    ending in ``advice`` when it is missing, not a regular file, over ``limit`` (else ``cls.MAX_BYTES``), empty,
+    not UTF-8, not JSON, nested too deep or (with ``cls``) not of that shape."""
+    path = Path(path)
+    data = read_bounded(path, limit or getattr(cls, "MAX_BYTES", RECORD_MAX_BYTES), advice)
     value, why = decode_record(data)
     if why is not None:
         raise RecordDamaged(f"{path} {why}; {advice}")
     return value if cls is None else cls.from_json(value, what=str(path), advice=advice)
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Each JSON object of a ``.jsonl`` file, in order. A last line cut short by a crash (no newline at its end,
-    or not JSON) is skipped; any other line that is not a JSON object is damage, refused naming file and line."""
+def read_jsonl(path: str | Path, limit: int = EVENTS_MAX_BYTES) -> Iterator[dict[str, Any]]:
+    """Each JSON object of a ``.jsonl`` file (of at most ``limit`` bytes, read as ``read_bounded`` reads), in
+    order. A last line cut short by a crash (no newline at its end, or not JSON) is skipped; any other line that is
+    not a JSON object is damage, refused naming file and line."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise RecordDamaged(f"{path} cannot be read ({error.strerror or error})") from None
+    data = read_bounded(path, limit)
     lines = data.split(b"\n")
     torn_tail = not data.endswith(b"\n")  # the last piece is "" for a complete file
     for number, raw in enumerate(lines, start=1):
@@ -553,11 +569,11 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
             continue
         last = number == len(lines)
         try:
-            value = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            value = decode_json(raw)
+        except JSONRefused as why:
             if last and torn_tail:
                 return
-            raise RecordDamaged(f"{path} line {number} is not JSON; the record is damaged") from None
+            raise RecordDamaged(f"{path} line {number} {why}; the record is damaged") from None
         if not isinstance(value, dict):
             if last and torn_tail:
                 return

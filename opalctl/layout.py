@@ -37,8 +37,12 @@ files say; ``RunLayout.live_state`` is where the run stands as any other process
 process holds the folder's lock (the run, or its evaluator or steps helper, which inherit it), else ``state``. The
 grid, ``grid --status`` and the readers ask ``live_state``; a run deciding under its own lock asks ``state``.
 
-The names of a lock, an arm and a seed become folders, so each must be a plain name (``NAME_PATTERN``): a lock edited
-by hand to name ``../../elsewhere`` is refused here, before any folder is made.
+The names of a lock and an arm become folders, so each must be a plain name (``name_problem``): a pattern that
+never leaves the runs folder (``NAME_PATTERN``: no ``/``, not ``.`` or ``..``), none of the names opalctl gives a file
+or folder of its own beside the arms' folders (``RESERVED_NAMES``: an arm named ``report.html`` or ``anchors`` would
+be the lock's report page or anchors), and nothing a YAML reader or a number parser reads as another value (``5``, ``1e3``, ``nan``, ``true``:
+a protocol that names it reads back as a number). The protocol's schema holds protocol files to the same rule, and
+every reader of a lock holds the lock to it (protocol/lock.py), before any folder is made.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from pathlib import Path
 
 from opalctl.errors import BadInput
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # a protocol's or an arm's name; never "." or ".."
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a protocol's or an arm's name; never "." or ".."
 
 NEW, AT_UPDATE_0, RESUMABLE, STARTED, FINISHED = "new", "at update 0", "resumable", "started", "finished"
 RUNNING = "running"  # live_state only: a process holds the folder's lock
@@ -61,8 +65,11 @@ GRID_LOG = "grid.log"
 TRAINING, AGENT = "training", "agent"
 RESUME, STEPS, OPAL = "resume.pt", "steps.jsonl.gz", "opal"
 WORKSPACE, DECISIONS = "workspace", "decisions"
-ANCHOR = "anchor.json"
+ANCHOR, ANCHORS = "anchor.json", "anchors"
 REPORT_PAGE = "report.html"
+# the names opalctl gives what it writes beside the arms' folders in a lock's folder (the rest there starts with a
+# dot, which no name may): no arm, and so that one rule holds both, no lock may be named so
+RESERVED_NAMES = frozenset({ANCHORS, REPORT_PAGE})
 
 
 def runs_dir_default(value: str | os.PathLike | None) -> Path:
@@ -75,11 +82,40 @@ def stage_name(stage: int) -> str:
     return f"stage-{stage:02d}"
 
 
+def name_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a lock's or an arm's name (a clause: "cannot name a folder ..."), or None."""
+    if not isinstance(value, str) or not re.fullmatch(NAME_PATTERN, value):
+        return ("cannot name a folder (use up to 64 letters, digits, '.', '_' and '-', starting with a letter or a "
+                "digit)")
+    if value in RESERVED_NAMES:
+        return (f"is the name of what opalctl writes beside the arms' folders ({', '.join(sorted(RESERVED_NAMES))}), "
+                f"so it cannot be an arm's")
+    if _reads_as_another_value(value):
+        return "reads as a number or another value, not as a name, where a protocol gives it (use letters too)"
+    return None
+
+
+def _reads_as_another_value(value: str) -> bool:
+    """Whether YAML (a protocol file) or Python's number parsing reads ``value`` as anything but this string."""
+    import yaml
+
+    for number in (float, lambda text: int(text, 0)):  # 1e3, nan, inf, 1_000; 0x1F, 0o17, 0b1
+        try:
+            number(value)
+            return True
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(value) != value
+    except yaml.YAMLError:
+        return True
+
+
 def plain_name(value: object, what: str, where: str) -> str:
-    """``value`` when it can name a folder (``NAME_PATTERN``), else a refusal naming ``where`` (exit 2)."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value):
-        raise BadInput(f"{where}: {what} {value!r} cannot name a folder (use letters, digits, '.', '_' and '-', not "
-                       f"starting with '.' or '-'); freeze a protocol with another {what}")
+    """``value`` when it can be a lock's or an arm's name (``name_problem``), else a refusal naming ``where``
+    (exit 2)."""
+    if problem := name_problem(value):
+        raise BadInput(f"{where}: {what} {value!r} {problem}; freeze a protocol with another {what}")
     return value
 
 
@@ -110,7 +146,7 @@ class LockRuns:
         return RunLayout(self.base / arm / f"seed-{int(seed)}", self.anchor(seed))
 
     def anchor(self, seed: int) -> AnchorFolder:
-        return AnchorFolder(self.base / "anchors" / f"seed-{int(seed)}")
+        return AnchorFolder(self.base / ANCHORS / f"seed-{int(seed)}")
 
     def seeds_of(self, arm: str) -> list[RunLayout]:
         """The run folders of ``arm`` that are there (``seed-S`` with S a number), in seed order."""
@@ -132,7 +168,7 @@ class RunLayout:
     def __init__(self, root: str | os.PathLike, anchor: AnchorFolder | None = None):
         self.root = Path(root)
         # a run folder knows its anchor by where it lies (runs/NAME-SHA12/ARM/seed-S -> runs/NAME-SHA12/anchors)
-        self.anchor = anchor or AnchorFolder(self.root.parent.parent / "anchors" / self.root.name)
+        self.anchor = anchor or AnchorFolder(self.root.parent.parent / ANCHORS / self.root.name)
 
     def __repr__(self) -> str:
         return f"RunLayout({str(self.root)!r})"

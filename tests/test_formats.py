@@ -114,5 +114,5 @@ def test_the_jsonl_reader_refuses_a_damaged_line_before_the_last_naming_file_and
 
 
 def test_the_jsonl_reader_names_a_missing_file(tmp_path):
-    with pytest.raises(RecordDamaged, match=r"nothing.jsonl cannot be read"):
+    with pytest.raises(RecordDamaged, match=r"nothing.jsonl is missing"):
         list(read_jsonl(tmp_path / "nothing.jsonl"))

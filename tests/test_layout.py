@@ -87,3 +87,21 @@ def test_the_seeds_of_an_arm_are_its_numbered_run_folders_in_seed_order(tmp_path
     for name in ("seed-10", "seed-2", "seed-x", "notes"):
         (runs.base / "adamw" / name).mkdir(parents=True)
     assert [layout.root.name for layout in runs.seeds_of("adamw")] == ["seed-2", "seed-10"]
+
+
+@pytest.mark.parametrize("name", ["anchors", "report.html", "5", "1e3", "1_000", "nan", "inf", "true", "null", "0x1F",
+                                  "0o17", "x" * 65])
+def test_a_name_that_is_opalctls_own_beside_the_arms_or_reads_as_another_value_is_refused(tmp_path, name):
+    with pytest.raises(BadInput, match=r"opalctl writes beside the arms|reads as a number|cannot name a folder"):
+        LockRuns.of(tmp_path, FakeLock("digits")).run(name, 1)
+    with pytest.raises(BadInput):
+        LockRuns.of(tmp_path, FakeLock(name))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["agent", "adamw-cosine", "stage-2", "seed-3", "grid.log", "v1.5", "e5x", "Nano"])
+def test_ordinary_names_stay_names(tmp_path, name):
+    """Only what lies beside the arms' folders is reserved: an arm named like a file of a run folder is fine, since
+    each run folder lies one level below its arm's."""
+    assert LockRuns.of(tmp_path, FakeLock(name)).run(name, 1).root == tmp_path / f"{name}-0123456789ab" / name / \
+        "seed-1"

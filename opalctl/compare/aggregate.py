@@ -29,7 +29,7 @@ from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, st
 from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
-from opalctl.formats import RecordDamaged, read_record
+from opalctl.formats import REPORT_MAX_BYTES, RecordDamaged, read_record
 from opalctl.layout import LockRuns
 
 # the fields of a RunReport that compare reads (a test checks they are RunReport's)
@@ -105,7 +105,7 @@ def _chained(report: dict[str, Any]) -> bool:
 
 def read_report(path: Path) -> dict[str, Any]:
     """A run's ``report.json``, with at least the keys compare reads (``RecordDamaged`` naming the file if not)."""
-    report = read_record(path, advice="the record is damaged (run the arm again)")
+    report = read_record(path, advice="the record is damaged (run the arm again)", limit=REPORT_MAX_BYTES)
     if not isinstance(report, dict):
         raise RecordDamaged(f"{path} is not a JSON object; the record is damaged (run the arm again)")
     missing = [key for key in REPORT_KEYS if key not in report]
@@ -236,6 +236,8 @@ def _agent_figures(reports: dict[int, dict]) -> dict[str, Any] | None:
 
 def _hung(base: Path, arm: str, reports: dict[int, dict]) -> dict[int, int]:
     """seed -> the program versions that hung in that run (its ``hung.jsonl``, the agent optimizer's record)."""
+    from opalctl.files import read_plain
+    from opalctl.formats import EVENTS_MAX_BYTES
     from opalctl.layout import RunLayout
     from opalctl.opal.hangs import HUNG_FILE
 
@@ -243,7 +245,7 @@ def _hung(base: Path, arm: str, reports: dict[int, dict]) -> dict[int, int]:
     for seed in reports:
         path = RunLayout(base / arm / f"seed-{seed}").opal / HUNG_FILE
         try:
-            counted[seed] = sum(1 for line in path.read_bytes().splitlines() if line.strip())
-        except OSError:
+            counted[seed] = sum(1 for line in read_plain(path, EVENTS_MAX_BYTES).splitlines() if line.strip())
+        except OSError:  # none hung (or the record is not a file that reads: a FIFO, a device)
             counted[seed] = 0
     return counted

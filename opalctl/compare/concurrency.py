@@ -9,10 +9,10 @@ work alone or beside a neighbour, so their arms are at equal compute whatever sh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from opalctl.formats import REPORT_MAX_BYTES, RecordDamaged, read_record
 from opalctl.layout import RunLayout
 
 DIFFERENCE = 0.5  # mean concurrent runs that differ by this much or more are different conditions
@@ -37,8 +37,8 @@ def seed_concurrency(result: dict[str, Any]) -> dict[int, dict[str, float]]:
     for arm in result["arms"]:
         for seed in arm["seeds"]:
             try:
-                report = json.loads(RunLayout(base / arm["arm"] / f"seed-{seed}").report.read_text("utf-8"))
-            except (OSError, ValueError):
+                report = read_record(RunLayout(base / arm["arm"] / f"seed-{seed}").report, limit=REPORT_MAX_BYTES)
+            except RecordDamaged:
                 continue
             if not isinstance(report, dict) or _on_updates_clock(report):
                 continue

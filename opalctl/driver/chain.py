@@ -158,6 +158,8 @@ def check_checkpoint(checkpoint: CheckpointFile, named: dict[str, Any], by: str)
     """A checkpoint file against the record that names it (``by``): the file's sha256, then what it loads to."""
     if checkpoint.sha256 is None:
         return [Finding(checkpoint.name, f"is missing ({by} names it)", DAMAGED)]
+    if not checkpoint.sha256:  # not a file that can be read: a FIFO, a device, a link
+        return [Finding(checkpoint.name, checkpoint.error or "cannot be read", DAMAGED)]
     out = []
     if checkpoint.sha256 != named.get("sha256"):
         out.append(Finding(checkpoint.name, f"has sha256 {_short(checkpoint.sha256)}, {by} records "
@@ -370,6 +372,8 @@ def check_agent_records(records: AgentRecords) -> list[Finding]:
                 out.append(Finding(f"{records.programs}/v{version:03d}/{name}",
                                    "is missing" if loaded is None else
                                    f"is not the program the agent host answered at decision {decision}"))
+    if any(finding.file == records.events for finding in records.unreadable):
+        return out  # events that cannot be read say nothing of any decision: that one finding is the whole story
     for decision in sorted(set(records.answered) - set(records.outcomes)):
         out.append(Finding(records.events, f"says nothing of decision {decision}, which the agent host answered",
                            NOTE))

@@ -583,8 +583,12 @@ def _members(data: bytes) -> Iterator[tuple[bytes, int]]:
 
 
 def read_steps(path: Path) -> Iterator[dict[str, Any]]:
-    """Every complete line of a steps file; a member cut short by a crash is ignored."""
-    for text, _end in _members(Path(path).read_bytes()):
+    """Every complete line of a steps file; a member cut short by a crash is ignored. The file is read as every
+    file opalctl reads back (``files.read_plain``): a FIFO, a device or a link there is an ``OSError``."""
+    from opalctl.files import read_plain
+    from opalctl.formats import STEPS_MAX_BYTES
+
+    for text, _end in _members(read_plain(path, STEPS_MAX_BYTES)):
         for line in text.decode().splitlines():
             if line:
                 yield json.loads(line)

@@ -358,8 +358,11 @@ class DecisionRecord:
         return (self.folder / ANSWER).is_file()
 
     def text(self, name: str) -> str | None:
-        try:
-            return (self.folder / name).read_text(encoding="utf-8")
+        from opalctl.files import read_plain
+        from opalctl.formats import PROGRAM_MAX_BYTES
+
+        try:  # never a FIFO waited on, nor a device read without end (files.read_plain)
+            return read_plain(self.folder / name, PROGRAM_MAX_BYTES).decode("utf-8")
         except (OSError, UnicodeDecodeError):
             return None
 
@@ -392,11 +395,11 @@ class DecisionRecord:
 
     @staticmethod
     def _checked(path: Path, sha256: str | None) -> str:
-        from opalctl.formats import RecordChanged, RecordDamaged
+        from opalctl.formats import PROGRAM_MAX_BYTES, RecordChanged, RecordDamaged, read_bounded
 
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
+            text = read_bounded(path, PROGRAM_MAX_BYTES, "the agent host's record is damaged").decode("utf-8")
+        except UnicodeDecodeError as error:
             raise RecordDamaged(f"{path} cannot be read ({error}); the agent host's record is damaged") from None
         if program_sha256(text) != sha256:
             raise RecordChanged(f"{path} is not the program the agent host answered (its sha256 differs from "

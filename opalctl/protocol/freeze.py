@@ -20,15 +20,17 @@ from typing import Any
 import opalctl
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import (
+    NotAPlainFile,
     atomic_write_bytes,
     atomic_write_text,
     canonical_json,
     file_record,
+    read_plain,
     sha256_bytes,
     storage,
 )
 from opalctl.protocol import provenance
-from opalctl.protocol.lock import FORMAT, protocol_digest
+from opalctl.protocol.lock import FORMAT, LOCK_MAX_BYTES, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
 
 PACKAGE_SUFFIXES = (".py", ".md", ".txt", ".json", ".yaml")
@@ -228,8 +230,12 @@ def write_lock(lock_path: Path, text: str, force: bool) -> str:
     try:
         if lock_path.is_dir():
             raise BadInput(f"{lock_path} is a folder where the lock goes; move it, or rename the protocol")
-        if lock_path.exists():
-            previous = lock_path.read_bytes()
+        if lock_path.exists() or lock_path.is_symlink():
+            try:  # the lock there, as every lock is read (never a FIFO waited on, nor a device read without end)
+                previous = read_plain(lock_path, LOCK_MAX_BYTES)
+            except NotAPlainFile as why:
+                raise BadInput(f"{lock_path} is where the lock goes, and it cannot be read as one ({why}); move it, "
+                               f"then freeze again") from None
             if previous == text.encode("utf-8"):
                 return "unchanged"
             if not force:
@@ -255,7 +261,11 @@ def kept_lock_path(lock_path: Path, previous: bytes) -> Path:
 def keep_replaced(lock_path: Path, previous: bytes) -> Path:
     """Keep the lock about to be replaced (atomically, before the new one is written: nothing is lost either way)."""
     kept = kept_lock_path(lock_path, previous)
-    if not (kept.is_file() and kept.read_bytes() == previous):
+    try:
+        same = read_plain(kept, LOCK_MAX_BYTES) == previous
+    except OSError:  # missing, or not a file a lock can be read from: written over
+        same = False
+    if not same:
         atomic_write_bytes(kept, previous)
     return kept
 

@@ -101,6 +101,8 @@ def added_sources(lock) -> list[dict]:
     if not entry_file.is_file():
         return []  # reported as missing by its own record
     depth = len(parts) - 1 if entry_file.name == "__init__.py" else len(parts) - 2
+    if depth >= len(entry_file.parents):
+        return []  # a file that cannot be that module: its own record says whether it changed
     package = entry_file.parents[depth]
     recorded = {role for role in lock.records if role.startswith(PACKAGE_ROLE)} | {PACKAGE_ROLE + entry_module}
     added = []

@@ -13,17 +13,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from opalctl.driver.budget import CLOCKS
 from opalctl.errors import BadInput
+from opalctl.layout import NAME_PATTERN, name_problem
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.anthropic import Prices
 from opalctl.opal.agents.options import Strict
 from opalctl.protocol.optimizers import check_optimizer
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_PATH = 1024  # characters of a data or parent path: room for any real project, far below what the OS refuses
 MAX_BATCH = 1 << 16  # examples per update
 MAX_SEED = (1 << 32) - 1  # every generator a run seeds (torch, numpy, the samplers) takes it
@@ -169,15 +169,25 @@ def _bytes_or_auto(value: Any, floor: int, floor_text: str) -> Any:
     raise ValueError(f"give a number of bytes, at least {floor} ({floor_text}), or auto (got {value!r})")
 
 
+def _plain_name(value: str) -> str:
+    """A lock's or an arm's name: one that can be a folder of the runs folder (``layout.name_problem``)."""
+    if problem := name_problem(value):
+        raise ValueError(f"{value!r} {problem}")
+    return value
+
+
+PlainName = Annotated[str, Field(pattern=NAME_PATTERN), AfterValidator(_plain_name)]
+
+
 class Protocol(Strict):
-    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    name: PlainName
     task: TaskSpec
     data: dict[Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")], str]
     parents: str | dict[int, str]
     seeds: Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEED)]], Field(min_length=1, max_length=1000)]
     budget: Budget
     training: Training
-    arms: Annotated[dict[Annotated[str, Field(pattern=NAME_PATTERN)], Arm], Field(min_length=1)]
+    arms: Annotated[dict[PlainName, Arm], Field(min_length=1)]
     selection: Selection = Field(default_factory=Selection)
     limits: Limits = Field(default_factory=Limits)
 

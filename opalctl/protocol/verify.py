@@ -36,10 +36,17 @@ from opalctl.driver.chain import (
     failures,
 )
 from opalctl.errors import BadInput, InputChanged, OpalctlError
-from opalctl.files import sha256_bytes, sha256_file
-from opalctl.formats import RecordChanged, RecordDamaged, decode_record
+from opalctl.files import NotAPlainFile, plain_sha256, read_plain, sha256_bytes, sha256_file
+from opalctl.formats import (
+    PROGRAM_MAX_BYTES,
+    RECORD_MAX_BYTES,
+    REPORT_MAX_BYTES,
+    RecordChanged,
+    RecordDamaged,
+    decode_record,
+)
 from opalctl.layout import AT_UPDATE_0, NEW, LockRuns, RunLayout, runs_dir_default
-from opalctl.protocol.lock import Lock, protocol_digest, read_lock
+from opalctl.protocol.lock import Lock, read_lock
 
 
 def check_record(lock: Lock, role: str, record: dict) -> dict[str, Any]:
@@ -80,8 +87,9 @@ def verify_lock(lock: Lock, roles: list[str] | None = None) -> dict[str, Any]:
     if roles is None:
         from opalctl.protocol.provenance import added_sources
 
-        problems += added_package_files(lock) + added_sources(lock)
-    if roles is None and protocol_digest(lock.resolved) != lock.data["protocol_sha256"]:
+        # a protocol edited by hand is a change, named first; what it names of the task is not looked at then
+        problems += added_package_files(lock) + (added_sources(lock) if lock.digest_matches else [])
+    if roles is None and not lock.digest_matches:
         problems.insert(0, {"role": "lock.protocol", "path": lock.path.name, "status": "changed"})
     if not problems:
         lock.validated_protocol()
@@ -112,17 +120,19 @@ def require_unchanged(lock: Lock, roles: list[str] | None = None) -> dict[str, A
 
 
 def verify(path: str | Path) -> dict[str, Any]:
-    return verify_lock(read_lock(Path(path)))
+    return verify_lock(read_lock(Path(path), protocol_changes_reported=True))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # run folders
 
-def _record(folder: Path, name: str) -> RecordFile:
+def _record(folder: Path, name: str, limit: int = RECORD_MAX_BYTES) -> RecordFile:
     try:
-        data = (folder / name).read_bytes()
+        data = read_plain(folder / name, limit)
     except FileNotFoundError:
         return RecordFile(name, None)
+    except NotAPlainFile as why:
+        return RecordFile(name, "", error=f"cannot be read ({why})")
     except OSError as error:
         return RecordFile(name, "", error=f"cannot be read ({error.strerror or error})")
     value, why = decode_record(data)
@@ -133,9 +143,12 @@ def _checkpoint(folder: Path, name: str, load: bool, limit_bytes: int) -> Checkp
     from opalctl import checkpoints
 
     path = folder / name
-    if not path.is_file():
+    try:
+        found = CheckpointFile(name, plain_sha256(path), loaded=load)
+    except FileNotFoundError:
         return CheckpointFile(name, None)
-    found = CheckpointFile(name, sha256_file(path), loaded=load)
+    except OSError as error:
+        return CheckpointFile(name, "", error=f"cannot be read ({error})", loaded=False)
     if load:
         try:
             found.model_sha256 = checkpoints.load(path, limit_bytes=limit_bytes, require_finite=False)["model_sha256"]
@@ -149,16 +162,21 @@ def _steps(layout: RunLayout) -> StepsFile:
 
     path = layout.steps
     name = layout.name_of(path)
-    if not path.is_file():
+    try:
+        found = StepsFile(plain_sha256(path), name)
+    except FileNotFoundError:
         return StepsFile(None, name)
-    found = StepsFile(sha256_file(path), name)
+    except OSError as error:
+        return StepsFile("", name, error=f"cannot be read ({error})")
     try:
         for line in read_steps(path):
             found.lines += 1
             found.numbered = found.numbered and line.get("update") == found.lines
             found.last_update, found.last_seen = line.get("update"), line.get("seen")
-    except ValueError:  # a line that is not UTF-8 or not JSON inside a gzip member that reads
+    except (ValueError, RecursionError):  # a line that is not UTF-8 or not JSON inside a gzip member that reads
         found.error = f"holds a line that is not JSON after line {found.lines}"
+    except OSError as error:  # replaced by another kind of file since it was hashed
+        found.error = f"cannot be read ({error})"
     if found.error is None and found.lines == 0 and path.stat().st_size > 0:
         found.error = "holds no complete gzip member (it is not gzip, or was cut short)"
     return found
@@ -172,7 +190,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
     from opalctl.opal.records import ANSWER, PROGRAM_FILES, program_sha256
 
     events = layout.opal / "events.jsonl"
-    if not layout.host_decisions.is_dir() or not events.is_file():
+    if not layout.host_decisions.is_dir() or not os.path.lexists(events):  # a FIFO there is read, and refused
         return None
     records = AgentRecords(answered={}, outcomes={}, loaded={}, events=layout.name_of(events),
                            programs=layout.name_of(layout.opal / "programs"))
@@ -202,7 +220,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
 
 def _text_sha256(path: Path, digest) -> str | None:
     try:
-        return digest(path.read_text(encoding="utf-8"))
+        return digest(read_plain(path, PROGRAM_MAX_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -218,7 +236,7 @@ def read_run_folder(run_dir: str | Path, *, load_checkpoints: bool, limit_bytes:
     # resume checkpoint removed; before it the stages, the start, the anchor): a folder written while it is read
     # then reads as a state it was in, never as a run that closed without its report
     resumable = layout.resume.exists()
-    report = _record(folder, layout.name_of(layout.report))
+    report = _record(folder, layout.name_of(layout.report), REPORT_MAX_BYTES)
     selected = _record(folder, layout.name_of(layout.selected))
     last = _record(folder, layout.name_of(layout.last))
     stages = [_record(folder, path.name) for path in layout.stage_records()]
@@ -279,7 +297,7 @@ def verify_run(run_dir: str | Path, lock: Lock | None = None) -> dict[str, Any]:
 
 def verify_runs(lock_path: str | Path, runs_dir=None) -> dict[str, Any]:
     """The lock (as ``verify``), then every run folder of it under the runs folder."""
-    lock = read_lock(Path(lock_path))
+    lock = read_lock(Path(lock_path), protocol_changes_reported=True)
     runs_of = LockRuns.of(runs_dir_default(runs_dir), lock)
     layouts = sorted((layout for arm in lock.resolved["arms"] for layout in runs_of.seeds_of(arm)),
                      key=lambda layout: layout.root)

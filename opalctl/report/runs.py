@@ -45,9 +45,12 @@ def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
         return Curve()
     try:
         return _curve(path, every_update)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise RecordDamaged(f"{path} holds a line that is not a steps record; the record is damaged, so the loss "
                             f"cannot be drawn") from None
+    except OSError as error:
+        raise RecordDamaged(f"{path} cannot be read ({error}); the record is damaged, so the loss cannot be "
+                            f"drawn") from None
 
 
 def _curve(path: Path, every_update: bool) -> Curve:
@@ -88,16 +91,31 @@ def program_diff(run_dir: Path, decision: int, version: int | None, files: list[
         return "".join(parts)
     if not version or not files:
         return ""
+    from opalctl.opal.records import PROGRAM_FILES
+
     programs = layout.opal / "programs"
     parts = []
     for name in files:
-        before, after = programs / f"v{version - 1:03d}" / name, programs / f"v{version:03d}" / name
-        if not after.is_file():
+        if name not in PROGRAM_FILES:  # the events are the training process's account: only its program files
             continue
-        old = before.read_text(encoding="utf-8").splitlines(keepends=True) if before.is_file() else []
-        parts.extend(difflib.unified_diff(old, after.read_text(encoding="utf-8").splitlines(keepends=True),
+        old = _program_text(programs / f"v{version - 1:03d}" / name)
+        new = _program_text(programs / f"v{version:03d}" / name)
+        if new is None:
+            continue
+        parts.extend(difflib.unified_diff((old or "").splitlines(keepends=True), new.splitlines(keepends=True),
                                           fromfile=f"v{version - 1:03d}/{name}", tofile=f"v{version:03d}/{name}"))
     return "".join(parts)
+
+
+def _program_text(path: Path) -> str | None:
+    """A program file of the training process's records, or None when it is not a readable one (``read_plain``)."""
+    from opalctl.files import read_plain
+    from opalctl.formats import PROGRAM_MAX_BYTES
+
+    try:
+        return read_plain(path, PROGRAM_MAX_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def decision_marks(decisions: list[dict[str, Any]] | None, curve: Curve) -> list[dict[str, Any]]:

@@ -487,7 +487,8 @@ def assert_refused_naming_the_lock(result, lock: Path, key: str, text: str):
     first, *details = result.stderr.splitlines()
     assert first.startswith(f"opalctl: error: lock {lock}: {key}: "), result.stderr
     assert text in first, first
-    assert details == ["  `opalctl freeze` never writes such a lock: correct the protocol file and freeze it again"]
+    assert first.endswith("; `opalctl freeze` never writes such a lock: correct the protocol file and freeze it "
+                          "again") and details == []
     assert "Traceback" not in result.output
 
 
