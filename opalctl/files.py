@@ -22,7 +22,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from opalctl.errors import StorageFault
 
@@ -258,12 +258,20 @@ def read_plain(path: str | os.PathLike, limit: int) -> bytes:
     return _read_plain_fd(_open_plain(path), limit, single_name=False)
 
 
+def open_plain(path: str | os.PathLike) -> BinaryIO:
+    """An open binary handle of the regular file ``path``, for a reader that reads it in parts (a hash, a file
+    followed as it grows); refused as ``read_plain`` refuses, whatever its size."""
+    handle = os.fdopen(_open_plain(path), "rb")
+    if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+        handle.close()
+        raise NotAPlainFile("it is not a regular file")
+    return handle
+
+
 def plain_sha256(path: str | os.PathLike) -> str:
     """The sha256 of the regular file ``path`` (refused as ``read_plain`` refuses, whatever its size)."""
     digest = hashlib.sha256()
-    with os.fdopen(_open_plain(path), "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise NotAPlainFile("it is not a regular file")
+    with open_plain(path) as handle:
         while block := handle.read(CHUNK):
             digest.update(block)
     return digest.hexdigest()

@@ -186,3 +186,22 @@ def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, 
     assert result.code == 2 and result.stderr.count("\n") == 1, result.output
     assert f"{lock} is where the lock goes, and it cannot be read as one" in result.stderr
     assert seconds < SECONDS_PER_CASE and not stat.S_ISREG(os.lstat(lock).st_mode)
+
+
+@pytest.mark.parametrize("odd", list(ODD))
+@pytest.mark.parametrize("kind", ["start.json", "steps"])
+def test_grid_status_reads_past_an_odd_file_where_its_progress_lies(copied, cli_inprocess, kind, odd):
+    """``grid --status`` reads the budget from start.json and the progress from the steps file of a run that has not
+    finished: a FIFO there is never waited on and /dev/zero never read, the status is shown without those figures."""
+    relative, run = KINDS[kind]
+    path, report = copied["base"] / relative, copied["base"] / KINDS["report.json"][0]
+    os.replace(report, report.with_name("report.json.aside"))  # the run reads as one that has not finished
+    try:
+        with replaced(path, ODD[odd]):
+            result, seconds = within_time(cli_inprocess, "grid", copied["lock"], "--status", "--runs-dir",
+                                          copied["runs"])
+    finally:
+        os.replace(report.with_name("report.json.aside"), report)
+    assert "Traceback" not in result.output and "internal error" not in result.output, result.output
+    assert result.code in (0, 1), result.output
+    assert seconds < SECONDS_PER_CASE

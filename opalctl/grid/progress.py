@@ -16,6 +16,8 @@ import time
 import zlib
 from pathlib import Path
 
+from opalctl.files import open_plain, read_plain
+from opalctl.formats import RECORD_MAX_BYTES
 from opalctl.layout import RunLayout
 
 
@@ -34,7 +36,7 @@ class StepsTail:
 
     def read(self) -> dict | None:
         try:
-            with open(self.path, "rb") as handle:
+            with open_plain(self.path) as handle:  # never a FIFO waited on, a device or a link followed
                 size = handle.seek(0, 2)
                 if size < self.offset:
                     self._restart()
@@ -104,6 +106,6 @@ class RunProgress:
 
 def _budget_total(path: Path) -> float | None:
     try:
-        return float(json.loads(path.read_text(encoding="utf-8"))["budget"]["total"])
+        return float(json.loads(read_plain(path, RECORD_MAX_BYTES))["budget"]["total"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import OpalctlError
-from opalctl.files import atomic_write_json
+from opalctl.files import atomic_write_json, read_plain
+from opalctl.formats import RECORD_MAX_BYTES
 from opalctl.grid.plan import DONE, RESUME, GridPlan, GridRun
 from opalctl.grid.progress import RunProgress
 from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING, SKIPPED, RunOutcome, event
@@ -86,7 +87,7 @@ def recorded_jobs(plan: GridPlan) -> dict[tuple[str, int], dict[str, Any]]:
     if path is None or not path.exists():
         return {}
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(read_plain(path, RECORD_MAX_BYTES))
     except (OSError, ValueError):
         return {}
     states = squeue(str(record.get("array_job_id"))) or {}
