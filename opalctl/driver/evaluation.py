@@ -7,6 +7,7 @@ same run as one with fewer. The driver does not trust this; it checks it, each t
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -73,9 +74,25 @@ def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return changed
 
 
+def recorded_metrics(metrics: dict[str, float | int]) -> dict[str, float | int | None]:
+    """The metrics as a record holds them (strict JSON): a value that is not finite, as a diverged model's loss
+    is, becomes None. The promotion decision saw the value itself, and its checks say it ("nan", "inf")."""
+    return {name: value if not isinstance(value, float) or math.isfinite(value) else None
+            for name, value in metrics.items()}
+
+
+def same_bytes(a, b) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes: "unchanged" by what is stored, so a diverged
+    model's NaN weights are unchanged when they are the same NaNs (``torch.equal`` calls NaN unequal to itself)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
 def evaluate_all(task, model, splits: dict[str, Any]) -> dict[str, float | int]:
     """Flat metrics ``{"split.metric": value}`` over every split except ``train``, checked for side effects."""
-    import torch
 
     before_parameters = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     before_rng = rng_state()
@@ -87,7 +104,7 @@ def evaluate_all(task, model, splits: dict[str, Any]) -> dict[str, float | int]:
             metrics[f"{split}.{name}"] = value
     after = model.state_dict()
     moved = [name for name, tensor in before_parameters.items()
-             if name not in after or not torch.equal(tensor, after[name].detach())]
+             if name not in after or not same_bytes(tensor, after[name].detach())]
     if moved:
         raise EvaluationChangedState(f"the task's evaluate changed the model's tensors ({', '.join(moved[:3])}); "
                                      f"it must leave them as it found them")
