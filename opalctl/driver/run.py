@@ -52,6 +52,7 @@ process, with nothing wrapped.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import os
@@ -538,7 +539,12 @@ class FormalRun:
 
     def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
         """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
-        from update 0, its folder moved aside (``seed-S.abandoned-N``)."""
+        from update 0, its folder moved aside (``seed-S.abandoned-N``). What the task prints goes to stderr:
+        stdout carries the command's report alone (one JSON document under ``--json``)."""
+        with contextlib.redirect_stdout(sys.stderr):
+            return self._execute_run(resume, restart)
+
+    def _execute_run(self, resume: bool, restart: bool) -> dict[str, Any]:
         from opalctl.protocol.verify import require_unchanged
 
         if resume and restart:
@@ -752,7 +758,9 @@ def told(error: BaseException, received: int | None, command: RunCommand,
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
         where = error.filename or (layout.root if layout is not None else None)
         error = storage_fault(where, error.errno, error.strerror or "") or error
-    return error.for_command(line) if isinstance(error, StorageFault) else None
+    from opalctl.tasks.calls import TaskFailed
+
+    return error.for_command(line) if isinstance(error, (StorageFault, TaskFailed)) else None
 
 
 def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False, restart: bool = False,
