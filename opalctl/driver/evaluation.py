@@ -7,17 +7,67 @@ same run as one with fewer. The driver does not trust this; it checks it, each t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from opalctl.errors import OpalctlError
+from opalctl.tasks.calls import TaskFailed
 
 
 class EvaluationChangedState(OpalctlError):
     pass
+
+
+class EvaluateLimit:
+    """``limits.evaluate_seconds`` in the process that evaluates (the evaluator, driver/evaluator.py): one call of the
+    task's ``evaluate`` that runs past it ends the process. A timer thread hands ``on_expiry`` the sentence (the
+    evaluator answers the training process with it, then exits); should the task hold the interpreter in code that
+    never lets the thread run, the kernel ends the process ``BACKSTOP_SECONDS`` later (SIGALRM at its default
+    action), so a hung evaluate never outlives its limit by more than that."""
+
+    BACKSTOP_SECONDS = 10.0
+
+    def __init__(self, seconds: float, on_expiry: Callable[[TaskFailed], None]):
+        self.seconds = float(seconds)
+        self.on_expiry = on_expiry
+
+    @contextlib.contextmanager
+    def during(self, task, split: str) -> Iterator[None]:
+        import signal
+        import threading
+
+        entry = getattr(task, "entry", type(task).__name__)
+        sentence = TaskFailed(f"task {entry}'s evaluate ran past limits.evaluate_seconds ({self.seconds:g} s) on "
+                              f"split {split!r}, so the evaluator ended it; make it faster, or freeze the protocol "
+                              f"again with a larger limits.evaluate_seconds")
+        timer = threading.Timer(self.seconds, self.on_expiry, args=(sentence,))
+        timer.daemon = True
+        previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds + self.BACKSTOP_SECONDS)
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+_limit: EvaluateLimit | None = None  # set only in the evaluator process (``limit_evaluate``)
+
+
+def limit_evaluate(limit: EvaluateLimit | None) -> None:
+    global _limit
+    _limit = limit
+
+
+def _within_limit(task, split: str):
+    return _limit.during(task, split) if _limit is not None else contextlib.nullcontext()
 
 
 def rng_state() -> dict[str, Any]:
@@ -100,7 +150,9 @@ def evaluate_all(task, model, splits: dict[str, Any]) -> dict[str, float | int]:
     for split in sorted(splits):
         if split == "train":
             continue
-        for name, value in task.evaluate(model, splits[split]).items():
+        with _within_limit(task, split):
+            values = task.evaluate(model, splits[split])
+        for name, value in values.items():
             metrics[f"{split}.{name}"] = value
     after = model.state_dict()
     moved = [name for name, tensor in before_parameters.items()

@@ -143,6 +143,8 @@ class FolderLock:
                 break
             except BlockingIOError:
                 holder = self._live_holder()
+                if not holder and time.monotonic() >= deadline:
+                    holder = self._openers()
                 if holder or time.monotonic() >= deadline:
                     raise BadInput(f"another opalctl process{holder} is running {self.run} now; wait for it to "
                                    f"finish") from None
@@ -160,6 +162,29 @@ class FolderLock:
         except (OSError, ValueError, IndexError):
             return ""
         return next((f" (pid {pid})" for pid, state in zip(pids, states) if state != "Z"), "")
+
+    def _openers(self) -> str:
+        """`` (pid N)``, `` (pids N, M)``: the live processes other than this one that have the lock's file open
+        (a killed run's helper that inherited it, still alive past the wait), from ``/proc``; ``""`` where it does
+        not say."""
+        status = os.fstat(self.fd)
+        pids = []
+        try:
+            processes = [entry for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()]
+        except OSError:
+            return ""
+        for pid in processes:
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    found = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if (found.st_dev, found.st_ino) == (status.st_dev, status.st_ino):
+                        pids.append(pid)
+                        break
+            except OSError:
+                continue
+        if not pids:
+            return ""
+        return f" (pid {pids[0]})" if len(pids) == 1 else f" (pids {', '.join(pids[:4])})"
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -1,6 +1,7 @@
 """A custom task (docs/custom-task.md) that misbehaves in one chosen way: the built-in digits, with the failure named
 by the environment variable ``TASK_FAIL`` (unset: it behaves), so one lock serves every test and a run whose cause
-has passed resumes. ``TASK_FAIL_AT=N`` delays a ``loss`` or ``next_batch`` failure to the N-th call of the process.
+has passed resumes. ``TASK_FAIL_AT=N`` delays a ``loss``, ``next_batch`` or ``hang_evaluate`` failure to the N-th call of the process
+(the evaluator's first three calls of ``evaluate`` are the anchor's splits).
 
 The ways (``TASK_FAIL``): ``load``, ``build``, ``sampler``, ``next_batch``, ``state_dict``, ``load_state_dict`` and
 ``evaluate`` raise in that method; ``loss`` raises in it; ``loss_vector`` returns one loss per row; ``loss_no_grad``
@@ -20,7 +21,7 @@ import numpy as np
 
 from opalctl.tasks.digits import Digits, DigitsSampler
 
-CALLS = {"loss": 0, "next_batch": 0}
+CALLS = {"loss": 0, "next_batch": 0, "evaluate": 0}
 
 
 def failing(way: str) -> bool:
@@ -93,7 +94,7 @@ class FailingDigits(Digits):
         say("evaluate")
         if failing("evaluate"):
             raise IndexError("the test's evaluate fails")
-        if failing("hang_evaluate"):
+        if failing("hang_evaluate") and due("evaluate"):
             Path(os.environ["TASK_HANG_PID"]).write_text(str(os.getpid()))
             release = Path(os.environ.get("TASK_RELEASE", os.devnull + ".never"))
             while not release.exists():
