@@ -7,7 +7,9 @@ evaluation is unchanged by its bytes, though NaN is not equal to itself.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +50,13 @@ def test_a_diverging_run_finishes_and_its_report_and_compare_say_so(diverging, t
     sgd = next(arm for arm in json.loads(compared.stdout)["arms"] if arm["arm"] == "sgd")
     assert any(flag.startswith("non-finite results (seed 1:") for flag in sgd["flags"]), sgd["flags"]
     assert "selection.loss" not in sgd["values"] or not sgd["values"]["selection.loss"]
+    page = diverging.process(["report", str(diverging.lock), "--runs-dir", str(diverging.runs)])
+    assert page.returncode == 0, page.stderr
+    assert "the run diverged" in (diverging.folder.parent / page.stdout.strip().splitlines()[-1]).read_text()
+    if importlib.util.find_spec("tensorboard") is not None:
+        exported = diverging.process(["export", str(diverging.lock), "--runs-dir", str(diverging.runs),
+                                      "--tensorboard", str(diverging.folder / "tb")])
+        assert exported.returncode == 0, exported.stderr
 
 
 def test_a_diverged_run_stopped_after_its_first_stage_resumes_to_the_end(diverging, tools):
