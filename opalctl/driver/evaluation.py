@@ -157,11 +157,12 @@ def evaluate_all(task, model, splits: dict[str, Any]) -> dict[str, float | int]:
     after = model.state_dict()
     moved = [name for name, tensor in before_parameters.items()
              if name not in after or not same_bytes(tensor, after[name].detach())]
+    task_name = f"task {task.entry}'s" if hasattr(task, "entry") else "the task's"
     if moved:
-        raise EvaluationChangedState(f"the task's evaluate changed the model's tensors ({', '.join(moved[:3])}); "
+        raise EvaluationChangedState(f"{task_name} evaluate changed the model's tensors ({', '.join(moved[:3])}); "
                                      f"it must leave them as it found them")
     changed = _same_rng(before_rng, rng_state())
     if changed:
-        raise EvaluationChangedState(f"the task's evaluate changed the {', '.join(changed)} random state; it must "
+        raise EvaluationChangedState(f"{task_name} evaluate changed the {', '.join(changed)} random state; it must "
                                      f"draw no random numbers, or save and restore the generators it uses")
     return metrics

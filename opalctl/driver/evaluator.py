@@ -103,6 +103,7 @@ class EvaluatorProcess:
     def __init__(self, opening: Opening, inherit_fds: tuple[int, ...] = ()):
         self.run_dir = opening.run_dir
         self.advice = "start the run again"  # what to do when it stops; a run that has a resume point resumes
+        self.unanswered = 0  # requests sent whose answer was not read: a busy evaluator, when the run ends
         package_root = str(Path(__file__).resolve().parents[2])  # the evaluator runs this very copy of opalctl
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -116,6 +117,7 @@ class EvaluatorProcess:
     def send(self, kind: str, body: Any) -> None:
         """A request whose answer ``answer`` reads later (so the evaluator works while training builds)."""
         line = json.dumps({"kind": kind, "body": body}, allow_nan=True) + "\n"
+        self.unanswered += 1
         try:
             self.process.stdin.write(line.encode())
             self.process.stdin.flush()
@@ -127,6 +129,7 @@ class EvaluatorProcess:
         line = self.process.stdout.readline()
         if not line:
             self._stopped()
+        self.unanswered -= 1
         try:
             answer = json.loads(line)
         except ValueError:
@@ -146,9 +149,12 @@ class EvaluatorProcess:
     END_WAIT_SECONDS = 5.0
 
     def end(self) -> None:
-        """Close its input (it ends there) and wait for it; an evaluator still busy after ``END_WAIT_SECONDS`` is
-        working on a request nobody waits for any more (the run failed or was stopped while it evaluated) and is
-        killed: every record it writes is written whole or not at all, so nothing is lost that a resume needs."""
+        """Close its input (it ends there) and wait for it, up to ``END_WAIT_SECONDS``. An evaluator with a request
+        unanswered (the run failed or was stopped while it evaluated, perhaps in a task's evaluate that hangs), or
+        still there after the wait, works for nobody any more and is killed at once: every record it writes is
+        written whole or not at all, so nothing is lost that a resume needs."""
+        if self.unanswered > 0 and self.process.poll() is None:
+            self.process.kill()
         for stream in (self.process.stdin, self.process.stdout):
             try:
                 stream.close()

@@ -72,6 +72,22 @@ def test_a_run_killed_while_its_evaluate_hangs_leaves_no_evaluator_and_resumes(p
     assert tools.read(project.run_dir("adamw", 1) / "report.json")["updates"] == 8
 
 
+def test_a_sigterm_to_a_run_whose_evaluate_hangs_ends_it_and_its_evaluator_in_seconds(project, tools, tmp_path):
+    _freeze(project)
+    hang = tmp_path / "evaluator.pid"
+    child = tools.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_FAIL_AT="4",
+                        TASK_HANG_PID=str(hang))
+    tools.wait_for(hang, child)
+    evaluator = int(hang.read_text())
+    signalled = time.monotonic()
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - signalled < 5, "the run waited for its evaluator"
+    assert "--resume" in err
+    assert not _alive(evaluator)
+
+
 HOLDER = '''
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)
