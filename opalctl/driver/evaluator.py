@@ -153,8 +153,8 @@ class EvaluatorProcess:
         unanswered (the run failed or was stopped while it evaluated, perhaps in a task's evaluate that hangs), or
         still there after the wait, works for nobody any more and is killed at once: every record it writes is
         written whole or not at all, so nothing is lost that a resume needs."""
-        if self.unanswered > 0 and self.process.poll() is None:
-            self.process.kill()
+        if self.unanswered > 0:
+            self._kill()
         for stream in (self.process.stdin, self.process.stdout):
             try:
                 stream.close()
@@ -163,8 +163,19 @@ class EvaluatorProcess:
         try:
             self.process.wait(timeout=self.END_WAIT_SECONDS)
         except subprocess.TimeoutExpired:
+            if self._kill():
+                self.process.wait()
+
+    def _kill(self) -> bool:
+        """SIGKILL it; False where this process may not (a confined training process cannot signal a process
+        outside its confinement): it dies with this process then, by its parent-death signal."""
+        if self.process.poll() is not None:
+            return True
+        try:
             self.process.kill()
-            self.process.wait()
+        except OSError:
+            return False
+        return True
 
     def _stopped(self) -> None:
         self.end()
