@@ -21,6 +21,7 @@ own sentence and passes unchanged, and so do a ``MemoryError`` (the confinement'
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 from typing import Any
@@ -174,10 +175,10 @@ def check_plain(value: Any, where: str, depth: int = 0) -> str:
         return f"data nested deeper than 100 at {where}"
     if isinstance(value, PLAIN_SCALARS) and type(value) in PLAIN_SCALARS:
         return ""
-    if isinstance(value, dict) and type(value) is dict:
+    if type(value) in (dict, collections.OrderedDict):
         for key, item in value.items():
             if type(key) is not str:
-                return f"a {type(key).__name__} key {key!r} in {where}"
+                return f"the key {key!r} (of type {type(key).__name__}) in {where}"
             problem = check_plain(item, f"{where}[{key!r}]", depth + 1)
             if problem:
                 return problem
