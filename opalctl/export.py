@@ -122,6 +122,8 @@ def _add_events(writer, run_dir: Path, report: dict[str, Any], curve) -> None:
     for stage in report["stages"]:
         seconds = curve.seconds_at(stage["update"]) or 0.0
         for metric, value in stage["metrics"].items():
+            if value is None:  # not finite (a diverged model's): no point of the curve
+                continue
             writer.add_scalar(f"stage/{metric}", value, stage["update"], walltime=seconds)
         if "budget_used" in stage:
             writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)

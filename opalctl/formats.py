@@ -250,7 +250,7 @@ class StageRecord(_Record):
     train_cpu_seconds: float
     train_wall_seconds: float
     checkpoint: dict[str, Any]  # file, sha256, model_sha256, bytes
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int | None]  # None: a value that was not finite (a diverged model's loss)
     eval_seconds: float
     incumbent_before: int | str  # a stage number, or "anchor"
     decision: dict[str, Any]  # promotion.Decision.to_json()
@@ -508,7 +508,7 @@ class SelectedRecord(_Record):
     stage: int | None
     flagged: bool
     checkpoint: dict[str, Any]  # file, sha256, model_sha256
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int | None]  # None: not finite (as in the stage record)
     reason: str | None = None
 
 

@@ -8,6 +8,9 @@ runs that a reader must have before believing a difference, each said with the s
 - **failed or hung programs**: versions the agent wrote that failed (an exception, a non-finite step, a state that
   could not be saved) or hung, and were reverted (``agent.decisions_reverted``, and ``hung`` versions read from
   the run's ``hung.jsonl``): what the agent arm trained with is partly its fallback's;
+- **non-finite results**: a run that diverged (report.json's ``nonfinite_losses``, ``parameter_change.nonfinite``,
+  stage metrics recorded as null): its non-finite metrics are left out of the figures, so the seeds a figure
+  pairs may be fewer than the arm's;
 - **work outside the charged updates**: the CPU the kernel counted for the training process (``process``, read by
   the evaluator from outside it) less the CPU of its charged updates, against the baseline's on the same seed. An
   agent's program can run anything in the training process; whatever it does outside the timed updates is not in
@@ -53,11 +56,32 @@ def run_flags(reports: dict[int, dict[str, Any]], hung: dict[int, int]) -> list[
     if failed:
         total = sum(reverted[seed] for seed in failed)
         out.append(f"{total} program version(s) failed and were reverted on {_seeds(failed)}")
+    diverged = {seed: _diverged(report) for seed, report in reports.items()}
+    diverged = {seed: said for seed, said in diverged.items() if said}
+    if diverged:
+        out.append(f"non-finite results ("
+                   f"{'; '.join(f'seed {seed}: {said}' for seed, said in sorted(diverged.items())[:3])}): a "
+                   f"diverged run is a result, and its metrics that are not finite are left out of the figures")
     hanging = sorted(seed for seed, count in hung.items() if count)
     if hanging:
         out.append(f"{sum(hung[seed] for seed in hanging)} program version(s) hung on {_seeds(hanging)} (the run "
                    f"ended and was resumed without them)")
     return out
+
+
+def _diverged(report: dict[str, Any]) -> str:
+    """What in one run's report was not finite (its training losses, final weights, stage metrics), or ""."""
+    said = []
+    losses = report.get("nonfinite_losses")
+    if isinstance(losses, int) and losses:
+        said.append(f"{losses} update(s) with a non-finite loss")
+    if ((report.get("parameter_change") or {}).get("nonfinite")):
+        said.append("final weights not finite")
+    stages = [stage.get("stage") for stage in report.get("stages") or []
+              if isinstance(stage, dict) and None in (stage.get("metrics") or {}).values()]
+    if stages:
+        said.append(f"metrics not finite at stage(s) {', '.join(map(str, stages))}")
+    return ", ".join(said)
 
 
 def outside_work_flag(reports: dict[int, dict[str, Any]], baseline: dict[int, dict[str, Any]]) -> str | None:

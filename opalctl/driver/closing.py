@@ -9,10 +9,12 @@ ledger, meter, rows digest, agent figures), reported as that process's account.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from opalctl.driver.budget import clock_spec
+from opalctl.driver.evaluation import recorded_metrics
 from opalctl.files import atomic_write_json
 from opalctl.formats import LastRecord, RunReport, StageRecord, TrainingFacts, anchor_sha256
 from opalctl.layout import RunLayout
@@ -42,28 +44,53 @@ def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> dict[
                                "model_sha256": anchor["model_sha256"]},
                 "metrics": anchor["metrics"]}
     return {"source": "stage", "stage": incumbent.stage, "flagged": False, "checkpoint": incumbent.checkpoint,
-            "metrics": incumbent.metrics}
+            "metrics": recorded_metrics(incumbent.metrics)}
 
 
 def parameter_change(initial: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
-    """How far training moved each floating-point tensor from its initial value (L2, and relative to it)."""
+    """How far training moved each floating-point tensor from its initial value (L2, and relative to it). A
+    tensor that is not finite at the end (a diverged run's) has None for both, and is named in ``nonfinite``."""
     import torch
 
-    changes = {}
+    changes, nonfinite = {}, []
     total_delta, total_norm = 0.0, 0.0
     for name, tensor in final.items():
         if not tensor.is_floating_point():
             continue
         delta = float(torch.linalg.vector_norm((tensor - initial[name]).double()))
         norm = float(torch.linalg.vector_norm(initial[name].double()))
+        if not math.isfinite(delta):
+            nonfinite.append(name)
+            changes[name] = {"l2": None, "relative": None}
+            continue
         changes[name] = {"l2": delta, "relative": delta / norm if norm > 0 else None}
         total_delta += delta ** 2
         total_norm += norm ** 2
+    if nonfinite:
+        return {"l2": None, "relative": None, "tensors": changes, "nonfinite": nonfinite}
     return {"l2": total_delta ** 0.5, "relative": (total_delta ** 0.5) / (total_norm ** 0.5) if total_norm else None,
             "tensors": changes}
 
 
-def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: dict[str, Any]) -> list[str]:
+def nonfinite_limitations(stages: list[StageRecord], change: dict[str, Any]) -> list[str]:
+    """What a diverged run's report says of it: a result, stated (not a failure)."""
+    out = []
+    if change.get("nonfinite"):
+        names = change["nonfinite"]
+        out.append(f"The final weights are not finite ({len(names)} tensor(s): {', '.join(names[:3])}"
+                   f"{', ...' if len(names) > 3 else ''}): the run diverged.")
+    unfinite = [(stage.stage, [name for name, value in stage.metrics.items() if value is None]) for stage in stages]
+    unfinite = [(number, names) for number, names in unfinite if names]
+    if unfinite:
+        said = "; ".join(f"stage {number}: {', '.join(names[:3])}" for number, names in unfinite[:4])
+        out.append(f"Some stage metrics were not finite and are recorded as null ({said}"
+                   f"{'; ...' if len(unfinite) > 4 else ''}); no stage with such a metric in a promotion rule "
+                   f"is promoted.")
+    return out
+
+
+def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: dict[str, Any],
+                change: dict[str, Any]) -> list[str]:
     """The report's limitations: what its figures cannot say, in sentences."""
     training, ledger = outcome.training, outcome.training.ledger
     out = [f"One run of arm {arm_name!r} on seed {seed}: a single seed says nothing about spread; "
@@ -83,6 +110,7 @@ def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: d
         out.append(f"The run was resumed {ledger['resumes']} time(s); clock totals are the sum of the sessions.")
     if ledger["nonfinite_losses"]:
         out.append(f"{ledger['nonfinite_losses']} update(s) had a non-finite loss.")
+    out += nonfinite_limitations(outcome.stages, change)
     if training.final_model_sha256 != outcome.stages[-1].checkpoint["model_sha256"]:
         out.append("The training process's model at the end is not the last stage's checkpoint, which is what "
                    "this report's final model and parameter change describe.")
@@ -102,6 +130,7 @@ def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outco
     atomic_write_json(layout.selected, selected)
     budget, training, ledger = protocol.budget, outcome.training, outcome.training.ledger
     arm = protocol.arms[arm_name]
+    change = parameter_change(outcome.initial_model, outcome.final_model)
     report = RunReport(
         lock_sha256=lock.sha256, protocol=lock.name, arm=arm_name, seed=seed,
         budget={"clock": budget.clock, "total": training.budget_total, "used": training.budget_used,
@@ -113,13 +142,13 @@ def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outco
                  "agent_wait_wall": ledger["agent_wait_wall"], "this_session_loop_wall": ledger["loop_wall"],
                  "this_session_wall": training.session_wall, "this_session_cpu": training.session_cpu},
         peak_memory_bytes=training.peak_memory_bytes,
-        parameter_change=parameter_change(outcome.initial_model, outcome.final_model),
+        parameter_change=change,
         stages=[stage.to_json() for stage in outcome.stages],
         promoted_stages=[stage.stage for stage in outcome.stages if stage.promoted],
         selected={"source": selected["source"], "stage": selected["stage"], "flagged": selected["flagged"]},
         final_model_sha256=last["model_sha256"], anchor_metrics=anchor["metrics"], agent=training.agent,
         resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
-        limitations=limitations(arm_name, seed, budget, outcome, splits),
+        limitations=limitations(arm_name, seed, budget, outcome, splits, change),
         peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
         machine=outcome.machine, ranks=protocol.training.ranks, process=outcome.process)
     # report.json is written once, with the digests of the chain it closes (driver/chain.py)

@@ -20,8 +20,10 @@ resume's stages are the evaluator's own records, their checkpoints hashed again.
 training process only for an arm without an agent, and to an agent arm's only at the close, after its last
 update: agent code learns no evaluation result it could act on. The training facts at the close are reported as
 the training process's own account, beside what the kernel counted of that process (driver/kernel_account.py).
-The evaluator ends when its input ends, so a killed training process leaves no evaluator behind; the run
-folder's lock is inherited, so a resume waits until it has ended.
+The evaluator ends when its input ends, and on Linux the kernel kills it when the training process dies (the
+parent-death signal), even inside a task's ``evaluate`` that hangs, so a killed training process leaves no evaluator
+behind; one call of ``evaluate`` past ``limits.evaluate_seconds`` ends it with a sentence (driver/evaluation.py).
+The run folder's lock is inherited, so a resume waits until it has ended.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -100,11 +103,13 @@ class EvaluatorProcess:
     def __init__(self, opening: Opening, inherit_fds: tuple[int, ...] = ()):
         self.run_dir = opening.run_dir
         self.advice = "start the run again"  # what to do when it stops; a run that has a resume point resumes
+        self.unanswered = 0  # requests sent whose answer was not read: a busy evaluator, when the run ends
         package_root = str(Path(__file__).resolve().parents[2])  # the evaluator runs this very copy of opalctl
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         self.stderr = tempfile.TemporaryFile()  # never fills up and blocks the evaluator, read when it stopped
-        self.process = subprocess.Popen([sys.executable, "-m", "opalctl.driver.evaluator", opening.run_dir],
+        self.process = subprocess.Popen([sys.executable, "-m", "opalctl.driver.evaluator", opening.run_dir,
+                                         str(os.getpid())],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
                                         pass_fds=inherit_fds)
         self.send(Message.OPEN, opening.__dict__)  # answered by ``answer`` once the anchor is ready
@@ -112,6 +117,7 @@ class EvaluatorProcess:
     def send(self, kind: str, body: Any) -> None:
         """A request whose answer ``answer`` reads later (so the evaluator works while training builds)."""
         line = json.dumps({"kind": kind, "body": body}, allow_nan=True) + "\n"
+        self.unanswered += 1
         try:
             self.process.stdin.write(line.encode())
             self.process.stdin.flush()
@@ -123,6 +129,7 @@ class EvaluatorProcess:
         line = self.process.stdout.readline()
         if not line:
             self._stopped()
+        self.unanswered -= 1
         try:
             answer = json.loads(line)
         except ValueError:
@@ -139,18 +146,36 @@ class EvaluatorProcess:
         self.send(kind, body)
         return self.answer()
 
+    END_WAIT_SECONDS = 5.0
+
     def end(self) -> None:
-        """Close its input (it ends there) and wait for it."""
+        """Close its input (it ends there) and wait for it, up to ``END_WAIT_SECONDS``. An evaluator with a request
+        unanswered (the run failed or was stopped while it evaluated, perhaps in a task's evaluate that hangs), or
+        still there after the wait, works for nobody any more and is killed at once: every record it writes is
+        written whole or not at all, so nothing is lost that a resume needs."""
+        if self.unanswered > 0:
+            self._kill()
         for stream in (self.process.stdin, self.process.stdout):
             try:
                 stream.close()
             except OSError:
                 pass
         try:
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=self.END_WAIT_SECONDS)
         except subprocess.TimeoutExpired:
+            if self._kill():
+                self.process.wait()
+
+    def _kill(self) -> bool:
+        """SIGKILL it; False where this process may not (a confined training process cannot signal a process
+        outside its confinement): it dies with this process then, by its parent-death signal."""
+        if self.process.poll() is not None:
+            return True
+        try:
             self.process.kill()
-            self.process.wait()
+        except OSError:
+            return False
+        return True
 
     def _stopped(self) -> None:
         self.end()
@@ -201,6 +226,10 @@ class Evaluator:
         if self.lock.sha256 != opening.lock_sha256:
             raise InputChanged(f"lock {self.lock.path} changed while the run started; run it again")
         self.protocol = self.lock.protocol()
+        if _channel is not None:  # the evaluator process: a task's evaluate past its limit ends it (evaluation.py)
+            from opalctl.driver.evaluation import EvaluateLimit, limit_evaluate
+
+            limit_evaluate(EvaluateLimit(self.protocol.limits.evaluate_seconds, _channel.expire))
         self.arm_name, self.seed = opening.arm, opening.seed
         self.arm = choose_arm(self.protocol, opening.arm, opening.seed, f"lock {self.lock.path}", "the lock's")
         self.layout = RunLayout(Path(opening.run_dir), AnchorFolder(Path(opening.anchor_dir)))
@@ -486,8 +515,37 @@ def _failure(error: BaseException) -> dict[str, Any]:
             "exit": 1, "class": "opalctl.errors.OpalctlError"}
 
 
+class AnswerChannel:
+    """The evaluator's answers: written whole, one at a time, by the main thread or by the evaluate limit's timer,
+    which answers the request in progress with its sentence and ends the process (nothing else can end a task's
+    evaluate that hangs)."""
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.lock = threading.Lock()
+
+    def write(self, answer: dict[str, Any]) -> None:
+        with self.lock:
+            self.answers.write(json.dumps(answer, allow_nan=True) + "\n")
+            self.answers.flush()
+
+    def expire(self, sentence: OpalctlError) -> None:
+        sys.stderr.write(f"{sentence.message}\n")
+        try:
+            self.write(_failure(sentence))
+        except (OSError, ValueError):
+            pass  # the training process is gone
+        finally:
+            os._exit(1)
+
+
+_channel: AnswerChannel | None = None  # set by ``serve`` in the evaluator process
+
+
 def serve(requests, answers) -> int:
     """Answer each request line until the input ends (the training process closed it, or is gone)."""
+    global _channel
+    _channel = channel = AnswerChannel(answers)
     evaluator: Evaluator | None = None
     for line in requests:
         try:
@@ -505,8 +563,7 @@ def serve(requests, answers) -> int:
             traceback.print_exc(file=sys.stderr)
             answer = _failure(error)
         try:
-            answers.write(json.dumps(answer, allow_nan=True) + "\n")
-            answers.flush()
+            channel.write(answer)
         except (BrokenPipeError, OSError):
             return 0  # the training process is gone: nothing waits for the answer
         if "error" in answer:
@@ -514,7 +571,25 @@ def serve(requests, answers) -> int:
     return 0
 
 
+def die_with_parent(parent: int) -> None:
+    """The kernel kills this process when the training process that started it dies (Linux's parent-death
+    signal), whatever it is doing then, a task's evaluate that hangs included: a run killed with SIGKILL leaves no
+    evaluator holding its folder's lock. Where the system has no such signal the input's end and the evaluate
+    limit end it."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)
+
+
 def main() -> int:
+    if len(sys.argv) > 2:
+        die_with_parent(int(sys.argv[2]))
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # they stop the run (a terminal signals the
         signal.signal(number, signal.SIG_IGN)                      # whole group); the evaluator sees its input end
     answers = os.fdopen(os.dup(1), "w")

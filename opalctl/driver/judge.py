@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
-from opalctl.driver.evaluation import evaluate_all, rng_state, set_rng_state
+from opalctl.driver.evaluation import evaluate_all, recorded_metrics, rng_state, set_rng_state
 from opalctl.files import sha256_bytes
-from opalctl.formats import RecordChanged, RecordDamaged, StageFacts, StageRecord
+from opalctl.formats import RecordChanged, RecordDamaged, StageFacts, StageRecord, finite_or_none
 
 
 @dataclass
@@ -145,8 +145,9 @@ class Judge:
             if decision.promoted:
                 incumbent = Incumbent(stage=stage.index + 1, metrics=metrics, checkpoint=checkpoint)
             records.append(StageRecord(
-                stage=stage.index + 1, fraction=self.fractions[stage.index], **facts.fields(),
-                checkpoint={**checkpoint, "bytes": stage.bytes}, metrics=metrics, eval_seconds=eval_seconds,
+                stage=stage.index + 1, fraction=self.fractions[stage.index],
+                **{**facts.fields(), "loss": finite_or_none(facts.loss)},  # a diverged update's loss: None
+                checkpoint={**checkpoint, "bytes": stage.bytes}, metrics=recorded_metrics(metrics), eval_seconds=eval_seconds,
                 incumbent_before=before, decision=decision.to_json(), promoted=decision.promoted,
                 incumbent_after=incumbent.label,
                 shared_state_with=[other.index + 1 for other in saved if other.index != stage.index],

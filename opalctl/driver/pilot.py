@@ -8,7 +8,9 @@ formal run's own build step (``build.build_arm``), so what it measures is what t
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -118,9 +120,10 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
     train_path, parent_path = _inputs(path, protocol, lock, seed)
     device = protocol.training.device
     check_device(protocol, advice="use cpu for the pilot", clock_needs_device=False)
-    parts = build_arm(protocol, arm, seed, parent_path, {"train": train_path})
-    parts.schedule.apply(0.0)
-    cpu_times, wall_times, losses = _measure(parts, device, steps, progress)
+    with contextlib.redirect_stdout(sys.stderr):  # what the task prints: stdout carries the pilot's report alone
+        parts = build_arm(protocol, arm, seed, parent_path, {"train": train_path})
+        parts.schedule.apply(0.0)
+        cpu_times, wall_times, losses = _measure(parts, device, steps, progress)
 
     cpu_per, wall_per = statistics.fmean(cpu_times), statistics.fmean(wall_times)
     clock = clock_spec(protocol.budget.clock)

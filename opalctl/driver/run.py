@@ -146,6 +146,8 @@ class FolderLock:
                 break
             except BlockingIOError:
                 holder = self._live_holder()
+                if not holder and time.monotonic() >= deadline:
+                    holder = self._openers()
                 if holder or time.monotonic() >= deadline:
                     raise BadInput(f"another opalctl process{holder} is running {self.run} now; wait for it to "
                                    f"finish") from None
@@ -163,6 +165,29 @@ class FolderLock:
         except (OSError, ValueError, IndexError):
             return ""
         return next((f" (pid {pid})" for pid, state in zip(pids, states) if state != "Z"), "")
+
+    def _openers(self) -> str:
+        """`` (pid N)``, `` (pids N, M)``: the live processes other than this one that have the lock's file open
+        (a killed run's helper that inherited it, still alive past the wait), from ``/proc``; ``""`` where it does
+        not say."""
+        status = os.fstat(self.fd)
+        pids = []
+        try:
+            processes = [entry for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()]
+        except OSError:
+            return ""
+        for pid in processes:
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    found = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if (found.st_dev, found.st_ino) == (status.st_dev, status.st_ino):
+                        pids.append(pid)
+                        break
+            except OSError:
+                continue
+        if not pids:
+            return ""
+        return f" (pid {pids[0]})" if len(pids) == 1 else f" (pids {', '.join(pids[:4])})"
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -565,7 +590,12 @@ class FormalRun:
 
     def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
         """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
-        from update 0, its folder moved aside (``seed-S.abandoned-N``)."""
+        from update 0, its folder moved aside (``seed-S.abandoned-N``). What the task prints goes to stderr:
+        stdout carries the command's report alone (one JSON document under ``--json``)."""
+        with contextlib.redirect_stdout(sys.stderr):
+            return self._execute_run(resume, restart)
+
+    def _execute_run(self, resume: bool, restart: bool) -> dict[str, Any]:
         from opalctl.protocol.verify import require_unchanged
 
         if resume and restart:
@@ -856,7 +886,9 @@ def told(error: BaseException, received: int | None, command: RunCommand,
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
         where = error.filename or (layout.root if layout is not None else None)
         error = storage_fault(where, error.errno, error.strerror or "") or error
-    return error.for_command(line) if isinstance(error, StorageFault) else None
+    from opalctl.tasks.calls import TaskFailed
+
+    return error.for_command(line) if isinstance(error, (StorageFault, TaskFailed)) else None
 
 
 def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bool = False, restart: bool = False,

@@ -151,6 +151,9 @@ class Limits(Strict):
     # checked by the evaluator at every stage; auto: a checkpoint per stage, the resume checkpoint and one being
     # written, each within checkpoint_bytes, and 1 GiB for the steps and the agent optimizer's records
     training_folder_bytes: int | Literal["auto"] = "auto"
+    # the seconds one call of the task's evaluate (one split) may take in the evaluator; past it the evaluator ends
+    # the run in one sentence (driver/evaluation.py)
+    evaluate_seconds: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 3600.0
 
     @field_validator("memory_bytes", mode="before")
     @classmethod

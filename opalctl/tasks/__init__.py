@@ -54,4 +54,14 @@ def task_source_file(entry: str) -> Path:
 
 
 def make_task(entry: str, config: dict):
-    return load_task_class(entry)(config)
+    """The task of ``entry`` with ``config``, as opalctl calls it: every call into it checked, its failure one
+    sentence naming the task and the method (opalctl/tasks/calls.py)."""
+    from opalctl.tasks.calls import CalledTask, task_failed
+
+    cls = load_task_class(entry)
+    try:
+        return CalledTask(cls(config), entry)
+    except BadInput:
+        raise
+    except Exception as error:
+        raise task_failed(entry, "__init__", error) from error

@@ -448,7 +448,7 @@ def test_a_folder_locked_by_a_live_process_is_refused_at_once_and_one_a_killed_r
     assert not run_dir.exists()
     subprocess.run([sys.executable, "-c", HELD_BY_A_HELPER, str(lock)], check=True)
     monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 0.2)
-    with pytest.raises(BadInput, match="another opalctl process is running .* now; wait for it to finish"):
+    with pytest.raises(BadInput, match=r"another opalctl process \(pid \d+\) is running .* now; wait for it to finish"):
         project.run("adamw", 1)
     # a lock let go within the wait is taken
     monkeypatch.setattr(run_module, "LOCK_WAIT_SECONDS", 30.0)

@@ -1,0 +1,119 @@
+"""The user's task is the user's (issue 30, group 4): every way a task can fail is one sentence naming the task, the
+method and the exception, exit 1, never "internal error" or "a bug in opalctl"; what it returns is checked (the
+loss a scalar with a gradient, the metrics numbers of their kind, the sampler's state plain data, checked at
+update 0); what it prints never reaches stdout. The task is tests/tasks/failing_task.py, failing in the way
+``TASK_FAIL`` names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TASK_SOURCE = (Path(__file__).resolve().parents[1] / "tasks" / "failing_task.py").read_text()
+ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
+
+
+@pytest.fixture
+def failing(project):
+    """8 updates of adamw on the failing task: stages at 4 and 8, resume checkpoints at 0, 4 and 8."""
+    project.entry = project.task_module(TASK_SOURCE, "FailingDigits")
+    project.freeze(entry=project.entry, budget={"clock": "updates", "amount": 8, "fractions": [0.5, 1.0]},
+                   training={"checkpoint_every": 0.5}, arms={"adamw": ADAMW})
+    return project
+
+
+def _fails(project, main_cli, monkeypatch, way: str, *more: str) -> str:
+    """Run with the task failing in ``way``: exit 1 and one sentence; returns it."""
+    monkeypatch.setenv("TASK_FAIL", way)
+    code, out, err = main_cli(project.run_args("adamw", 1, *more))
+    assert code == 1, err
+    assert out == ""
+    lines = [line for line in err.strip().splitlines() if not line.startswith("stage ")]  # progress lines
+    assert len(lines) == 1 and lines[0].startswith("opalctl: error: task "), err
+    assert "internal error" not in err and "bug in opalctl" not in err and "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("way", "method", "exception"), [
+    ("load", "load", "OSError: the test's load fails"),
+    ("build", "build", "RuntimeError: the test's build fails"),
+    ("sampler", "sampler", "ZeroDivisionError: the test's sampler fails"),
+    ("next_batch", "sampler's next_batch", "RuntimeError: the test's next_batch fails"),
+    ("state_dict", "sampler's state_dict", "KeyError: \"the test's state_dict fails\""),
+    ("loss", "loss", "RuntimeError: the test's loss fails"),
+    ("evaluate", "evaluate", "IndexError: the test's evaluate fails"),
+])
+def test_an_exception_in_a_task_method_is_one_sentence_naming_the_task_and_the_method(
+        failing, main_cli, monkeypatch, way, method, exception):
+    said = _fails(failing, main_cli, monkeypatch, way)
+    assert f"task {failing.entry} failed in {method}: {exception}; fix the task" in said
+
+
+def test_a_loss_that_fails_mid_run_ends_resumable_and_resumes_once_the_cause_has_passed(failing, main_cli,
+                                                                                        monkeypatch, tools):
+    monkeypatch.setenv("TASK_FAIL_AT", "6")
+    said = _fails(failing, main_cli, monkeypatch, "loss")
+    assert "failed in loss: RuntimeError" in said
+    assert said.endswith("--resume` continues the run")
+    monkeypatch.delenv("TASK_FAIL")
+    code, _, err = main_cli(failing.run_args("adamw", 1, "--resume"))
+    assert code == 0, err
+    assert tools.read(failing.run_dir("adamw", 1) / "report.json")["updates"] == 8
+
+
+def test_a_failing_load_state_dict_at_a_resume_is_one_sentence(failing, main_cli, monkeypatch):
+    monkeypatch.setenv("TASK_FAIL_AT", "6")
+    _fails(failing, main_cli, monkeypatch, "loss")
+    said = _fails(failing, main_cli, monkeypatch, "load_state_dict", "--resume")
+    assert "failed in sampler's load_state_dict: ValueError: the test's load_state_dict fails" in said
+
+
+def test_a_loss_of_one_value_per_row_is_refused_as_not_a_scalar(failing, main_cli, monkeypatch):
+    said = _fails(failing, main_cli, monkeypatch, "loss_vector")
+    assert f"task {failing.entry}'s loss returned a loss of shape (64,), not a scalar" in said
+
+
+def test_a_loss_without_a_gradient_is_refused(failing, main_cli, monkeypatch):
+    said = _fails(failing, main_cli, monkeypatch, "loss_no_grad")
+    assert "'s loss returned a loss that requires no gradient" in said
+
+
+def test_a_numpy_integer_in_the_sampler_state_is_refused_at_update_0_naming_state_dict(failing, main_cli,
+                                                                                     monkeypatch):
+    said = _fails(failing, main_cli, monkeypatch, "state_numpy")
+    assert (f"task {failing.entry}'s sampler's state_dict returned a numpy.int64 at state['streams'][0]"
+            f"['position'], which a resume checkpoint cannot hold") in said
+    assert not (failing.run_dir("adamw", 1) / "training" / "resume.pt").exists()
+
+
+@pytest.mark.parametrize(("way", "problem"), [
+    ("metric_nan_count", "returned nan, not a whole number for metric 'total' (a count metric)"),
+    ("metric_huge", "returned an integer of 401 digits, beyond what a record holds exactly (2**53) for metric "
+                    "'correct' (a higher metric)"),
+    ("metric_string", "returned str 'low', not a number for metric 'loss' (a lower metric)"),
+    ("metric_bool", "returned bool 'True', not a number for metric 'correct' (a higher metric)"),
+])
+def test_a_metric_that_is_not_a_number_of_its_kind_is_refused_naming_it(failing, main_cli, monkeypatch, way,
+                                                                        problem):
+    said = _fails(failing, main_cli, monkeypatch, way)
+    assert f"task {failing.entry}'s evaluate {problem}" in said
+
+
+def test_numpy_metrics_are_converted_and_the_run_finishes(failing, main_cli, monkeypatch, tools):
+    monkeypatch.setenv("TASK_FAIL", "metric_numpy")
+    code, _, err = main_cli(failing.run_args("adamw", 1))
+    assert code == 0, err
+    metrics = tools.read(failing.run_dir("adamw", 1) / "stage-02.json")["metrics"]
+    assert type(metrics["selection.correct"]) is int and type(metrics["selection.total"]) is int
+    assert type(metrics["selection.loss"]) is float
+
+
+def test_a_task_that_prints_leaves_run_json_one_document(failing):
+    done = failing.process(failing.run_args("adamw", 1, "--json"), env=failing.env(TASK_FAIL="print"))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["updates"] == 8
+    assert "the failing task prints from loss" in done.stderr
