@@ -374,7 +374,10 @@ class BudgetLoop:
                 raise KeyboardInterrupt
         except KeyboardInterrupt:
             if stops is not None and self.saved_at != self.meter.updates:
-                stops.lost = (self.saved_at, self.meter.updates)  # what the resume trains again, for the sentence
+                # what the resume trains again, and why no checkpoint was written at the stop, for the sentence
+                stops.lost = (self.saved_at, self.meter.updates,
+                              stops.at_once_span or f"before the update in progress ended (it waited "
+                                                    f"{STOP_WAIT_SECONDS:g} s)")
             raise
         finally:
             gc.unfreeze()
@@ -498,7 +501,9 @@ class BudgetLoop:
             facts = StageFacts(update=meter.updates, budget_used=meter.used, budget_fraction_used=meter.fraction_used,
                                examples=ledger.examples, train_cpu_seconds=ledger.train_cpu,
                                train_wall_seconds=ledger.train_wall, loss=self.steps.last_loss)
-            with ledger.outside("eval_wall"):
+            stops = StopSignals.active if self.ranks.world == 1 else None
+            with ledger.outside("eval_wall"), (stops.at_once("while the evaluator judged the stage")
+                                               if stops is not None else contextlib.nullcontext()):
                 answer = self.evaluator.ask(Message.STAGE, {"saved": [_saved_entry(entry) for entry in saved],
                                                             "facts": facts.to_json()})
             count = len(self.protocol.budget.fractions)
@@ -775,8 +780,10 @@ class StopSignals:
         self.previous: dict[int, Any] = {}
         self.wait = wait
         self.asked: list[int] = []  # the stop that waits for the update's end; empty until one arrives
-        self.lost: tuple[int, int] | None = None  # (last resume checkpoint's update, updates done) past the bound
+        # (last resume checkpoint's update, updates done, when the stop came) for a stop that could not wait
+        self.lost: tuple[int, int, str] | None = None
         self._deferring = False
+        self.at_once_span: str | None = None  # what the loop does in a span a stop does not wait for (at_once)
         self._deadline = float("inf")
         self._guard: Any = None  # the SIGINT handler installed over this one, set aside while the loop defers
         self._forwarding = False
@@ -827,6 +834,20 @@ class StopSignals:
                 signal.signal(signal.SIGINT, self._guard)
                 self._guard = None
 
+    @contextlib.contextmanager
+    def at_once(self, doing: str) -> Iterator[None]:
+        """A span of the loop that is no update, ``doing`` what the user's code bounds (the evaluator judging a
+        stage runs the task's evaluate, limited only by ``limits.evaluate_seconds``): a stop that arrives in it
+        happens at once, as outside the loop, and the sentence says what the resume trains again. A stop asked
+        before the span keeps waiting within its bound."""
+        deferring = self._deferring
+        if not self.asked:
+            self._deferring, self.at_once_span = False, doing
+        try:
+            yield
+        finally:
+            self._deferring, self.at_once_span = deferring, None
+
     def stop(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
@@ -860,7 +881,7 @@ class StopSignals:
 
 
 def told(error: BaseException, received: int | None, command: RunCommand,
-         layout: RunLayout | None, lost: tuple[int, int] | None = None) -> OpalctlError | None:
+         layout: RunLayout | None, lost: tuple[int, int, str] | None = None) -> OpalctlError | None:
     """What a run that failed with ``error`` tells the user, when it is a stop, a lost rank or a storage fault: an
     ``Interrupted`` when a stop signal arrived (whatever else went wrong while it stopped; ``lost``: the last resume
     checkpoint's update and the updates done, when the stop could not wait for the update in progress), a sentence
@@ -870,10 +891,9 @@ def told(error: BaseException, received: int | None, command: RunCommand,
     if received is not None:
         said = None
         if lost is not None and verb == "resume":
-            saved, done = lost
-            said = (f"before the update in progress ended (it waited {STOP_WAIT_SECONDS:g} s), so no resume "
-                    f"checkpoint was written at the stop: the resume starts at update {saved}, and trains the "
-                    f"{done - saved} update(s) done since then again")
+            saved, done, when = lost
+            said = (f"{when}, so no resume checkpoint was written at the stop: the resume starts at update {saved}, "
+                    f"and trains the {done - saved} update(s) done since then again")
         return Interrupted(received, line, what=verb, lost=said)
     from opalctl.sandbox import bound_refusal
 
