@@ -11,6 +11,7 @@ import time
 import pytest
 
 from opalctl.driver.records import read_steps
+from opalctl.tasks.calls import TaskFailed
 
 
 def names(folder):
@@ -69,7 +70,7 @@ def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_
         pausing, tools, main_cli, monkeypatch, tmp_path):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
     monkeypatch.setenv("FAIL_AT", "13")
-    with pytest.raises(RuntimeError, match="the test stops this run here"):
+    with pytest.raises(TaskFailed, match="failed in loss: RuntimeError: the test stops this run here"):
         project.run("adamw", 1)
     monkeypatch.delenv("FAIL_AT")
     (run_dir / "training" / "resume.pt").unlink()
@@ -109,7 +110,7 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
         pausing, tools, main_cli, monkeypatch):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
     monkeypatch.setenv("FAIL_AT", "13")  # the resume checkpoint of update 10 counts 10 steps lines
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TaskFailed):
         project.run("adamw", 1)
     monkeypatch.delenv("FAIL_AT")
     steps, start = run_dir / "training" / "steps.jsonl.gz", run_dir / "start.json"
