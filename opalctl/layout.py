@@ -162,6 +162,15 @@ class LockRuns:
         return self.base / REPORT_PAGE
 
 
+def flock_holders(status: os.stat_result) -> set[int]:
+    """The ids of the processes ``/proc/locks`` says took an flock on the file of ``status`` (``OSError`` where the
+    system does not say): the process that took it, whoever inherited it since."""
+    inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    listed = Path("/proc/locks").read_text().splitlines()
+    return {int(fields[4]) for fields in (line.split() for line in listed)
+            if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode] and fields[4].isdigit()}
+
+
 class RunLayout:
     """``runs/NAME-SHA12/ARM/seed-S/``: every file of one run, and the state it is in (module docstring)."""
 
@@ -333,13 +342,9 @@ class RunLayout:
         evaluator and steps helper hold it under the run's id, even after the run has died); None where the
         system does not say."""
         try:
-            status = os.stat(self.folder_lock)
-            listed = Path("/proc/locks").read_text().splitlines()
+            return flock_holders(os.stat(self.folder_lock))
         except OSError:
             return None
-        inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
-        return {int(fields[4]) for fields in (line.split() for line in listed)
-                if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode] and fields[4].isdigit()}
 
     @property
     def live_state(self) -> str:

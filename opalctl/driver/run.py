@@ -80,7 +80,16 @@ from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
 from opalctl.files import storage, storage_fault
 from opalctl.formats import TrainingFacts
-from opalctl.layout import AT_UPDATE_0, FINISHED, NEW, RESUMABLE, LockRuns, RunLayout, runs_dir_default
+from opalctl.layout import (
+    AT_UPDATE_0,
+    FINISHED,
+    NEW,
+    RESUMABLE,
+    LockRuns,
+    RunLayout,
+    flock_holders,
+    runs_dir_default,
+)
 
 __all__ = ["run", "FormalRun", "RunCommand", "runs_dir_default"]
 
@@ -156,12 +165,9 @@ class FolderLock:
     def _live_holder(self) -> str:
         """`` (pid N)`` when the process that took the lock is alive (``/proc/locks`` names it; a killed run's
         helpers hold it under the dead run's id), else ``""``, also where the system does not say."""
-        status = os.fstat(self.fd)
-        inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
         try:
-            held = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
-            pids = [fields[4] for fields in held if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode]]
-            states = [Path(f"/proc/{int(pid)}/stat").read_text().rpartition(")")[2].split()[0] for pid in pids]
+            pids = sorted(flock_holders(os.fstat(self.fd)))
+            states = [Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] for pid in pids]
         except (OSError, ValueError, IndexError):
             return ""
         return next((f" (pid {pid})" for pid, state in zip(pids, states) if state != "Z"), "")

@@ -58,6 +58,17 @@ def _passes(error: BaseException) -> bool:
     return isinstance(error, (OpalctlError, MemoryError))
 
 
+def call_into(entry: str, method: str, function, *args):
+    """``function(*args)``, a call into the task ``entry``: its exception becomes ``TaskFailed`` naming ``method``
+    (one that must pass through, such as a stop, passes)."""
+    try:
+        return function(*args)
+    except Exception as error:
+        if _passes(error):
+            raise
+        raise task_failed(entry, method, error) from error
+
+
 class CalledTask:
     """A task, every call into it checked (module docstring). Its attributes (``metrics``, ``splits``, ``name``,
     ``config``, ...) are the task's."""
@@ -72,12 +83,7 @@ class CalledTask:
         return getattr(self.task, name)
 
     def _call(self, method: str, *args):
-        try:
-            return getattr(self.task, method)(*args)
-        except Exception as error:
-            if _passes(error):
-                raise
-            raise task_failed(self.entry, method, error) from error
+        return call_into(self.entry, method, getattr(self.task, method), *args)
 
     def load(self, data_paths):
         splits = self._call("load", data_paths)
@@ -145,12 +151,7 @@ class CalledSampler:
         return getattr(self.sampler, name)
 
     def _call(self, method: str, *args):
-        try:
-            return getattr(self.sampler, method)(*args)
-        except Exception as error:
-            if _passes(error):
-                raise
-            raise task_failed(self.entry, f"sampler's {method}", error) from error
+        return call_into(self.entry, f"sampler's {method}", getattr(self.sampler, method), *args)
 
     def next_batch(self):
         return self._call("next_batch")
