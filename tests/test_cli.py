@@ -132,7 +132,7 @@ def test_pilot_reports_throughput_and_writes_nothing(frozen_project, tmp_path, c
 def test_pilot_of_an_unknown_arm_exits_2(frozen_project, cli_inprocess):
     result = cli_inprocess("pilot", frozen_project / "digits.lock.json", "--arm", "sgd")
     assert result.code == 2
-    assert "has no arm 'sgd'; its arms are adamw, adamw-cosine, adamw-long" in result.stderr
+    assert "has no arm 'sgd'; its arms are adamw, adamw-anneal-end, adamw-cosine, adamw-long, agent" in result.stderr
     assert result.stderr.count("\n") == 1
 
 
