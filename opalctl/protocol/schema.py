@@ -383,10 +383,10 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     try:
         task_cls = load_task_class(protocol.task.entry)
     except TaskLoadError as error:
+        # said at once: the optimizer checks below import torch (seconds), and nothing can run without the task
         problem(("task", "entry"), str(error))
-        task_cls = None
-    if task_cls is not None:
-        _check_task(protocol, task_cls, problem)
+        raise ProtocolError(where, problems) from None
+    _check_task(protocol, task_cls, problem)
     for arm_name, arm in protocol.arms.items():
         if reason := check_optimizer(arm.optimizer.name, arm.optimizer.arguments(), protocol.training.device):
             problem(("arms", arm_name, "optimizer", "name"), reason)
