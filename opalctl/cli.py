@@ -77,6 +77,8 @@ def freeze(protocol: str, force: bool, json_mode: bool) -> None:
         ("lock", result["lock"]), ("sha256", result["sha256"]), ("outcome", result["outcome"]),
         ("records", result["records"]), ("seeds", ", ".join(map(str, result["seeds"]))),
         ("arms", ", ".join(result["arms"]))])
+    for warning in result["warnings"]:
+        console.message(f"warning: {warning}")
     if result["outcome"] == "replaced":
         lock_name = os.path.basename(result["lock"]).removesuffix(".json")
         console.message(f"the lock it replaced is kept beside it as {lock_name}.SHA12.json (SHA12: the first 12 hex "

@@ -138,6 +138,8 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seed: int | None 
 
         result["notes"].append("an agent arm: this measures its starting program (the plain optimizer)")
         agent = arm.agent
+        if missing := registry.unready(agent):
+            result["notes"].append(f"{missing}; a run of this arm is refused until it is")
         if not registry.waits(agent):
             kind, _ = registry.find(agent.backend)
             result["notes"].append(f"the {kind.name} backend answers in milliseconds and costs nothing, so there "

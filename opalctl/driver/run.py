@@ -90,6 +90,7 @@ from opalctl.layout import (
     flock_holders,
     runs_dir_default,
 )
+from opalctl.opal.agents import registry
 
 __all__ = ["run", "FormalRun", "RunCommand", "runs_dir_default"]
 
@@ -204,6 +205,8 @@ class FolderLock:
 def claim_folder(layout: RunLayout, mode: str, command: RunCommand) -> FolderLock:
     """Take the run folder's lock, then decide under it whether this start may use the folder (``mode``: start,
     resume or restart), and make it ready; returns the held lock."""
+    if layout.state == NEW:  # what a new folder is refused (a resume) is refused before the lock's file is made
+        _may_use(layout, mode, command)
     lock = FolderLock(layout)
     try:
         lock.acquire()
@@ -613,6 +616,8 @@ class FormalRun:
             raise BadInput("--resume and --restart exclude each other; choose one")
         require_unchanged(self.lock)
         check_device(self.protocol, advice="run on a machine with a GPU or set training.device: cpu")
+        if self.arm.agent is not None and (missing := registry.unready(self.arm.agent)):
+            raise BadInput(f"arm {self.arm_name}: {missing}")  # before any folder is made: a refusal leaves nothing
         mode = "resume" if resume else "restart" if restart else "start"
         self.ranks = join(self.protocol, self.command.line({"start": ""}.get(mode, f"--{mode}")))
         try:

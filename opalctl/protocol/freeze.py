@@ -29,6 +29,7 @@ from opalctl.files import (
     sha256_bytes,
     storage,
 )
+from opalctl.opal.agents import registry
 from opalctl.protocol import provenance
 from opalctl.protocol.lock import FORMAT, LOCK_MAX_BYTES, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
@@ -99,8 +100,6 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
         options = arm["optimizer"]
         arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
         if arm.get("agent"):
-            from opalctl.opal.agents import registry
-
             arm["agent"] = registry.lock_defaults(arm["agent"])
     return resolved
 
@@ -294,4 +293,7 @@ def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
         "records": len(lock["records"]),
         "seeds": protocol.seeds,
         "arms": list(protocol.arms),
+        # the key or binary may be set before the runs start, so a warning here and a refusal at `run`
+        "warnings": [f"{missing}; a run of that arm is refused until it is"
+                     for missing in registry.unready_arms(protocol)],
     }

@@ -166,13 +166,12 @@ def test_an_error_answer_fails_the_decision_and_the_next_one_starts_afresh(stand
     assert "--resume" in calls(standin.log)[1]["argv"]
 
 
-def test_a_missing_binary_is_refused_when_the_run_starts(digits_project, tmp_path, monkeypatch):
+def test_a_missing_binary_is_refused_before_the_run_starts(digits_project, tmp_path, monkeypatch):
     monkeypatch.setenv("OPALCTL_CLAUDE_BIN", str(tmp_path / "no-such-claude"))
     lock = freeze_project(digits_project, {"decisions": 1})
     with pytest.raises(BadInput) as refused:
         run(lock, "cli", 1, runs_dir=tmp_path / "runs")
     message = str(refused.value)
     assert "no-such-claude" in message and "npm install" in message and "OPALCTL_CLAUDE_BIN" in message
-    run_dir = next((tmp_path / "runs").glob("*/cli/seed-1"))
-    assert not (run_dir / "training" / "opal").exists() and not (run_dir / "start.json").exists()
+    assert not (tmp_path / "runs").exists()  # refused before any folder is made (tests/driver/test_refused_early.py)
     assert os.environ["OPALCTL_CLAUDE_BIN"].endswith("no-such-claude")

@@ -191,15 +191,12 @@ class AnthropicBackend(Backend):
                            f"arms.NAME.agent.prices (input, output, cache_read, cache_write in USD per million tokens)")
         self.prompt_text = prompt_text
         self.effort = effort if self.model in EFFORT_MODELS else None
-        from opalctl.opal.handover import handed_over_names
-
         self._key_given = bool(api_key)  # a key from the environment is not passed on: the host holds it
         self._api_key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
         # an `opalctl run` process handed the key to its agent host without holding it (opalctl.opal.handover):
         # the backend it builds has none, and the one the host's worker builds from the recipe takes it there
-        if not self._api_key and "ANTHROPIC_API_KEY" not in handed_over_names():
-            raise BadInput("agent backend 'anthropic' needs an API key: set ANTHROPIC_API_KEY in the environment of "
-                           "opalctl (it is never written to any file)")
+        if not self._api_key and (missing := unready(None)):
+            raise BadInput(missing)
         try:
             import anthropic
         except ImportError:  # pragma: no cover - a dependency of opalctl
@@ -454,5 +451,15 @@ def problems(agent: AnthropicOptions, where: str) -> list[tuple[str, str]]:
     return []
 
 
+def unready(agent: AnthropicOptions | None) -> str | None:
+    """The key a protocol's arm cannot name: the environment's, or one `opalctl run` handed to this process."""
+    from opalctl.opal.handover import handed_over_names
+
+    if os.environ.get("ANTHROPIC_API_KEY") or "ANTHROPIC_API_KEY" in handed_over_names():
+        return None
+    return ("agent backend 'anthropic' needs an API key: set ANTHROPIC_API_KEY in the environment of opalctl (it "
+            "is never written to any file)")
+
+
 KIND = BackendKind(name="anthropic", waits=True, factory=AnthropicBackend, options=AnthropicOptions, prompted=True,
-                   lock_defaults=lock_defaults, problems=problems)
+                   lock_defaults=lock_defaults, problems=problems, unready=unready)

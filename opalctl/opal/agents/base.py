@@ -116,7 +116,9 @@ class BackendKind:
     ``options``: the protocol keys it reads; the factory takes them as keyword arguments, and ``prompt_text`` too
     when ``prompted``. ``lock_defaults(agent)`` gives the values the lock records in place of "the default"
     (``agent`` is the resolved agent section as JSON). ``problems(agent, where)`` gives ``(key, what to do)`` for
-    each setting the schema alone cannot refuse.
+    each setting the schema alone cannot refuse. ``unready(agent)`` says what this machine lacks for the backend to
+    answer (an API key, a binary), or None: freeze and pilot warn with it (the key may be set later), and a run
+    refuses with it before it makes any folder.
     """
 
     name: str
@@ -127,6 +129,7 @@ class BackendKind:
     prompted: bool = False
     lock_defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     problems: Callable[[Any, str], list[tuple[str, str]]] | None = None
+    unready: Callable[[Any], str | None] | None = None
 
     @property
     def spelling(self) -> str:

@@ -60,13 +60,10 @@ class ClaudeCodeBackend(Backend):
     def __init__(self, model: str | None = None, turns: int | None = None,
                  seconds_per_decision: float = ModelOptions().seconds_per_decision,
                  prompt_text: str | None = None, binary: str | None = None, env: dict[str, str] | None = None):
-        chosen = binary or os.environ.get(BINARY_ENV) or DEFAULT_BINARY
-        found = shutil.which(chosen)
-        if found is None:
-            raise BadInput(f"agent backend 'claude-code' needs the Claude Code CLI {chosen!r}, which was not found "
-                           f"or is not executable; install it (npm install -g @anthropic-ai/claude-code) or set "
-                           f"{BINARY_ENV} to its path")
-        self.binary = os.path.abspath(found)
+        found, missing = _find_binary(binary)
+        if missing:
+            raise BadInput(missing)
+        self.binary = found
         self.model = model
         self.turns = turns
         self.seconds_per_decision = float(seconds_per_decision)
@@ -208,5 +205,21 @@ def _shorten(text: str) -> str:
     return text if len(text) <= MAX_RECORDED_CHARS else text[:MAX_RECORDED_CHARS] + "... (cut)"
 
 
+def _find_binary(binary: str | None) -> tuple[str, str | None]:
+    """The CLI's absolute path, or what to do when there is none: ``binary``, else $OPALCTL_CLAUDE_BIN, else
+    ``claude`` on the PATH."""
+    chosen = binary or os.environ.get(BINARY_ENV) or DEFAULT_BINARY
+    found = shutil.which(chosen)
+    if found is None:
+        return "", (f"agent backend 'claude-code' needs the Claude Code CLI {chosen!r}, which was not found or is not "
+                    f"executable; install it (npm install -g @anthropic-ai/claude-code) or set {BINARY_ENV} to its "
+                    f"path")
+    return os.path.abspath(found), None
+
+
+def unready(agent: ClaudeCodeOptions) -> str | None:
+    return _find_binary(None)[1]  # a protocol names no binary: the environment's or the PATH's
+
+
 KIND = BackendKind(name="claude-code", waits=True, factory=ClaudeCodeBackend, options=ClaudeCodeOptions,
-                   prompted=True)
+                   prompted=True, unready=unready)

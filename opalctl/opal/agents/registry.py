@@ -98,6 +98,18 @@ def problems(agent, where: str) -> list[tuple[str, str]]:
     return kind.problems(agent, where) if kind.problems else []
 
 
+def unready(agent) -> str | None:
+    """What this machine lacks for ``agent``'s backend to answer (its key, its binary), or None."""
+    kind, _ = find(agent.backend)
+    return kind.unready(agent) if kind.unready else None
+
+
+def unready_arms(protocol) -> list[str]:
+    """``arm NAME: what it lacks`` for each agent arm of ``protocol`` whose backend cannot answer here."""
+    return [f"arm {name}: {missing}" for name, arm in protocol.arms.items()
+            if arm.agent is not None and (missing := unready(arm.agent))]
+
+
 def waits(agent) -> bool:
     """Whether training waits seconds to minutes, and pays, for each of this agent's answers."""
     return find(agent.backend)[0].waits
