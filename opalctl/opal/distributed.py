@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from opalctl.errors import OpalctlError
 from opalctl.formats import Event
-from opalctl.opal.optimizer import AgentOptimizer, wrap
+from opalctl.opal.optimizer import AgentOptimizer, linked_ranks, wrap
 from opalctl.opal.slots import version_digest
 
 DEFAULT_CHECK_EVERY = 50
@@ -299,5 +299,6 @@ def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *
                          "out progress, or pass rank_consistent_progress=True when it is the same on every rank")
     link = RankLink(group)
     settings = dict(options) if link.rank == 0 else {**options, **FOLLOWER_OPTIONS}
-    agent = wrap(optimizer, model, total_steps=total_steps, manual_boundaries=True, **settings)
+    with linked_ranks():
+        agent = wrap(optimizer, model, total_steps=total_steps, manual_boundaries=True, **settings)
     return DistributedAgent(agent, link, check_every, boundaries_between_updates)

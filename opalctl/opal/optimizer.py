@@ -46,8 +46,10 @@ With the starting programs and an agent that changes nothing, every update is ex
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -565,10 +567,39 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
     starts the host here; the host takes the secret-looking variables of the environment (``ANTHROPIC_API_KEY``,
     any ``*_TOKEN``, ...) and this process removes them from ``os.environ`` for good: they do not come back at
     ``close()``. In a notebook, set one again yourself, e.g. ``os.environ["ANTHROPIC_API_KEY"] = key``.
+
+    In a process group of more than one rank (torchrun, DDP) it refuses: each rank would run an agent of its own
+    into the same records, and the ranks' programs would part; ``wrap_distributed`` is the call there.
     """
+    ranks = _ranks_in_process_group()
+    if ranks > 1 and not _LINKED_RANKS.get():
+        raise ValueError(f"wrap() in a process group of {ranks} ranks would run one agent per rank; call "
+                         f"opalctl.opal.wrap_distributed(optimizer, model, ...) on every rank instead (rank 0's "
+                         f"agent decides, the others follow it)")
     return AgentOptimizer(optimizer, model, goal=goal, total_steps=total_steps, progress=progress, backend=backend,
                           decisions=decisions, schedule=schedule, blocking=blocking, every=every,
                           trial_steps=trial_steps, run_dir=run_dir, prompt=prompt, scheduler=scheduler, clip=clip,
                           max_lag=max_lag, step_time_limit=step_time_limit, max_wakes=max_wakes,
                           manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity,
                           agent_dir=agent_dir)
+
+
+# set by wrap_distributed around its own call of wrap(): the one caller that makes one agent optimizer per rank
+# and links them (rank 0 decides, the others follow), so the only one that may wrap inside a process group
+_LINKED_RANKS: contextvars.ContextVar[bool] = contextvars.ContextVar("opalctl_linked_ranks", default=False)
+
+
+@contextlib.contextmanager
+def linked_ranks() -> Iterator[None]:
+    token = _LINKED_RANKS.set(True)
+    try:
+        yield
+    finally:
+        _LINKED_RANKS.reset(token)
+
+
+def _ranks_in_process_group() -> int:
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 1
+    return distributed.get_world_size()

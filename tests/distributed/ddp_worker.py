@@ -5,7 +5,8 @@ costs seconds), each rank writing what it saw to ``OUT/rank-R.json``.
 - ``keep``: a wrapped DDP run with the keep backend against the plain DDP run, bit for bit;
 - ``heuristic``: the heuristic agent on rank 0; which programs each rank began running, at which update;
 - ``failure``: an agent program that fails on rank 1 only; where each rank reverted, and the versions after;
-- ``divergence``: rank 1 nudges one weight; the fingerprint check must stop both ranks.
+- ``divergence``: rank 1 nudges one weight; the fingerprint check must stop both ranks;
+- ``plain_wrap``: a plain ``wrap()`` in the process group, which must refuse rather than start an agent per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from opalctl.opal import wrap
 from opalctl.opal.distributed import RanksDiverged, wrap_distributed
 
 UPDATES = 24
@@ -124,6 +126,17 @@ def divergence() -> dict:
     return {"stopped": None}
 
 
+def plain_wrap(out: Path) -> dict:
+    ddp = DistributedDataParallel(model(), device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    try:
+        agent = wrap(optimizer, ddp.module, total_steps=UPDATES, run_dir=out / "plain")
+    except ValueError as error:
+        return {"refused": str(error), "folder_made": (out / "plain").exists()}
+    agent.close()
+    return {"refused": None, "folder_made": (out / "plain").exists()}
+
+
 def launch(out: Path, backend: str = "gloo", timeout: float = 240) -> list[dict]:
     """Run this file under ``python -m torch.distributed.run --standalone --nproc_per_node 2`` (what the
     ``torchrun`` script runs) and return what each rank reported; a failed launch fails with the ranks' output
@@ -152,7 +165,7 @@ def main() -> None:
     torch.set_num_threads(1)
     kept, kept_model = keep()
     seen = {"keep": kept, "heuristic": heuristic(out, kept_model), "failure": failure(out),
-            "divergence": divergence()}
+            "divergence": divergence(), "plain_wrap": plain_wrap(out)}
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(seen, indent=1), encoding="utf-8")
     dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()

@@ -72,3 +72,14 @@ def test_a_weight_changed_on_one_rank_stops_both_ranks_loudly_at_the_next_finger
         assert stopped is not None and rank["divergence"]["exit_code"] == 1
         assert stopped.startswith("rank 1's parameter '2.weight' differs from rank 0's at update 8 ")
         assert "training stops" in stopped and "\n" not in stopped
+
+
+def test_a_plain_wrap_in_a_process_group_refuses_naming_wrap_distributed(ranks):
+    """Before, each rank started an agent of its own into one folder (8 decisions asked for 4 scheduled)."""
+    _, seen = ranks
+    for rank in seen:
+        refused = rank["plain_wrap"]["refused"]
+        assert refused is not None and "\n" not in refused
+        assert refused.startswith("wrap() in a process group of 2 ranks would run one agent per rank")
+        assert "opalctl.opal.wrap_distributed" in refused
+        assert rank["plain_wrap"]["folder_made"] is False
