@@ -86,7 +86,7 @@ def d_z_text(figure: dict[str, Any]) -> str:
     """d_z as a cell shows it: two decimals, "+inf" or "-inf" when every difference is the same, "-" when
     undefined."""
     if figure.get("d_z") is not None:
-        return f"{figure['d_z']:+.2f}"
+        return f"{figure['d_z']:+.2f}" if abs(figure["d_z"]) < 100 else f"{figure['d_z']:+.0f}"
     if figure.get("sd_difference") == 0.0 and figure.get("mean_difference"):
         return "+inf" if figure["mean_difference"] > 0 else "-inf"
     return "-"

@@ -66,8 +66,8 @@ def _t_words(figure: dict[str, Any]) -> str:
                     f"and the paired t-test undefined")
         return "the paired t-test is undefined here"
     d_z = figure["d_z"]
-    return (f"under a normal model the difference is {abs(d_z):.2g} sd of the differences' spread (paired t "
-            f"p = {figure['t_p_value']:.2g}, d_z = {d_z:+.2g}, {figure['confidence'] * 100:g} % t-interval "
+    return (f"under a normal model the difference is {_size(abs(d_z))} sd of the differences' spread (paired t "
+            f"p = {figure['t_p_value']:.2g}, d_z = {_size(d_z, '+')}, {figure['confidence'] * 100:g} % t-interval "
             f"[{signed(figure['t_ci_low'])}, {signed(figure['t_ci_high'])}])")
 
 
@@ -82,6 +82,11 @@ def _seeds_words(figure: dict[str, Any]) -> str:
         return "more than a million seeds would be needed to detect a difference this small"
     return (f"to detect a difference this size with {POWER * 100:.0f} % power the t-test needs about {t_needed} "
             f"seeds, the exact test at least {exact}")
+
+
+def _size(value: float, sign: str = "") -> str:
+    """A size in sd: two significant digits (8.7, 0.18), whole beyond 100 (1104, not 1.1e+03)."""
+    return f"{value:{sign}.2g}" if abs(value) < 100 else f"{value:{sign}.0f}"
 
 
 def _capital(words: str) -> str:
