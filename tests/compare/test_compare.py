@@ -305,6 +305,8 @@ def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid, opalctl):
         else:
             assert float(line["p_value"]) == pair["p_value"] and line["verdict"] == pair["verdict"]
             assert float(line["ci_low"]) == pair["ci_low"] and line["interval_reliable"] == "False"
+            for key in ("t_p_value", "t_ci_low", "t_ci_high", "d_z", "t_seeds_needed", "seeds_needed"):
+                assert line[key] == ("" if pair[key] is None else str(pair[key])), key
 
 
 def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_rule_that_refused_most(grid,
@@ -381,6 +383,11 @@ def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypat
         assert any(label in line for line in lines), metric
     verdict = rows["high"]["paired"]["selection.correct"]["verdict"]
     assert len(verdict) > 100 and "verdict: " + verdict in " ".join(shown.split()), "wrapped whole, not cut"
+    from opalctl.compare.columns import TABLE, legend
+
+    assert "columns: " + legend() in " ".join(shown.split()), "every column of the paired table defined"
+    for column in TABLE:
+        assert any(column.header in line for line in lines), column.header
 
 
 def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
