@@ -1,5 +1,7 @@
-"""``opalctl compare --csv``: one row per arm and metric, every figure of the table and the paired test, for a
-spreadsheet or a plotting script. The paired columns are empty on the baseline's rows."""
+"""``opalctl compare --csv``: one row per arm and metric, every figure of the table and of both paired tests, for a
+spreadsheet or a plotting script. The paired columns are empty on the baseline's rows, and each is defined in
+``columns.FIELDS``; columns added later come after the older ones, so a script that reads them by position still
+reads what it did."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 
 SUMMARY_COLUMNS = ("n", "mean", "std", "min", "max")
 PAIRED_COLUMNS = ("mean_difference", "ci_low", "ci_high", "interval_reliable", "wins", "ties", "losses", "p_value",
-                  "p_exact", "detectable_effect", "seeds_needed", "note", "verdict")
+                  "p_exact", "detectable_effect", "seeds_needed", "note", "verdict", "sd_difference", "d_z",
+                  "t_statistic", "t_df", "t_p_value", "t_ci_low", "t_ci_high", "t_seeds_needed", "t_note")
 COLUMNS = ("arm", "baseline", "stage", "metric", "direction", *SUMMARY_COLUMNS, "seed_values", *PAIRED_COLUMNS)
 
 

@@ -1,5 +1,6 @@
 """How ``opalctl compare`` prints, legible at 100 columns: the arms, then the metrics (one row per metric, one
-column per arm), then the paired figures (one row per arm and metric), then the verdicts and notes in words.
+column per arm), then the paired figures (one row per arm and metric) with the legend of their columns
+(``columns``), then the verdicts and notes in words.
 
 Long metric names get short labels with a legend (``labels``); every sentence goes to stdout whole when piped and
 wrapped to the terminal otherwise. Verdicts are printed for the primary metric and for every metric whose exact
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from opalctl import console
+from opalctl.compare.columns import DIFFERENCE, EFFECT
+from opalctl.compare.columns import legend as columns_legend
 from opalctl.compare.concurrency import concurrency_warnings
 from opalctl.compare.labels import legend, short_labels
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
@@ -99,28 +102,24 @@ def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:
 
 
 def _paired_table(result: dict[str, Any], labels: dict[str, str]) -> None:
-    rows = []
-    for arm in result["arms"]:
-        for metric, figure in arm["paired"].items():
-            note = f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""
-            if figure["n"] == 0:
-                rows.append([arm["arm"], labels[metric], "-", "-", "-", "-", "-", "-", note])
-                continue
+    """One row per arm and metric, in two parts (``columns.DIFFERENCE``, ``columns.EFFECT``), then the legend."""
+    figures = [(arm, metric, figure) for arm in result["arms"] for metric, figure in arm["paired"].items()]
+    if not figures:
+        return
+    for title, part, note in (
+            (f"paired by seed against {result['baseline']} (exact: the sign-flip test, assumes nothing, decides)",
+             DIFFERENCE, True),
+            ("effect size and seeds needed (t: the paired t-test, assumes roughly normal differences)", EFFECT,
+             False)):
+        rows = []
+        for arm, metric, figure in figures:
             digits = _digits(arm["metrics"].get(metric))
-            mark = "" if figure["interval_reliable"] else "*"
-            rows.append([
-                arm["arm"], labels[metric], f"{figure['mean_difference']:+.{digits}f}",
-                f"[{figure['ci_low']:+.{digits}f}, {figure['ci_high']:+.{digits}f}]{mark}",
-                f"{figure['wins']}/{figure['ties']}/{figure['losses']}",
-                f"{figure['p_value']:.3g}" + ("" if figure["p_exact"] else " ~"),
-                "-" if figure["detectable_effect"] is None else f"{figure['detectable_effect']:.{digits}f}",
-                "-" if figure["seeds_needed"] is None else str(figure["seeds_needed"]),
-                note,
-            ])
-    if rows:
-        console.table(f"paired by seed against {result['baseline']} (95 % bootstrap interval, * unreliable below "
-                      f"{TEST_MIN_SEEDS} seeds; exact sign-flip p)",
-                      ["arm", "metric", "mean diff", "interval", "w/t/l", "p", "detectable", "seeds", "note"], rows)
+            cells = ["-" for _ in part] if figure["n"] == 0 else [column.cell(figure, digits) for column in part]
+            rows.append([arm["arm"], labels[metric], *cells,
+                         *([f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""] if note else [])])
+        console.table(title, ["arm", "metric", *[column.header for column in part], *(["note"] if note else [])],
+                      rows)
+    console.paragraph("columns: " + columns_legend() + f"; note = n, the paired seeds, where below {TEST_MIN_SEEDS}")
 
 
 def _sentences(result: dict[str, Any], chosen: bool) -> None:

@@ -2,13 +2,17 @@
 
 Seeds are the unit of replication: each seed gives every arm the same parent, the same data order and the same
 evaluation rows, so the honest comparison of an arm with the baseline is the difference seed by seed, not the
-difference of two means that each carry the seed-to-seed spread. With the handful of seeds a run can afford, no
-distribution is assumed: the confidence interval of the mean difference is a percentile bootstrap over seeds,
-from a seeded numpy Generator so the same records always give the same table, and beside it the exact sign-flip
-test with the planning figures of ``significance``. Below ``TEST_MIN_SEEDS`` seeds the bootstrap draws from so
-few distinct means that its interval is too narrow, so it is marked unreliable there. Wins, ties and losses are counted
-with the metric's direction, and a tie is an exact tie (the metrics are mostly counts). Every figure comes back as
-plain JSON-able values.
+difference of two means that each carry the seed-to-seed spread. Two tests read the differences
+(``significance``): the exact sign-flip test, which assumes nothing and is the only one a verdict claims on, and
+the paired t-test, which assumes the differences are roughly normal and says what they show under that model
+(its Student t interval of the mean difference, d_z, its p), each with the seeds it would need for the observed
+effect. The interval the tables and the verdict give is the t-interval: with 3 seeds a percentile bootstrap draws
+from at most 10 distinct means and comes out far too narrow. The bootstrap interval (``ci_low``, ``ci_high``,
+from a seeded numpy Generator so the same records always give the same figures) is still computed, for the
+forest plot of the report and the readers of ``--json`` and ``--csv``, and marked unreliable below
+``TEST_MIN_SEEDS`` seeds. Wins, ties and losses are counted with the metric's direction, and a tie is an exact tie
+(the metrics are mostly counts). Every figure comes back as plain JSON-able values (None where it is undefined,
+never an infinity).
 
 A value that is not a finite number (a report holds ``null`` for a metric that was not finite) cannot be compared:
 ``NotComparable`` names it. Wrong arguments of a caller (``resamples``, ``confidence``, a curve out of order) are
@@ -22,7 +26,16 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from opalctl.compare.significance import TEST_MIN_SEEDS, detectable_effect, seeds_needed, sign_flip_p
+from opalctl.compare.significance import (
+    ALPHA,
+    CONFIDENCE,
+    TEST_MIN_SEEDS,
+    detectable_effect,
+    exact_seeds_needed,
+    paired_t,
+    sign_flip_p,
+    t_seeds_needed,
+)
 from opalctl.errors import OpalctlError
 
 _CHUNK = 1000  # bootstrap resamples drawn at a time (fixed, so the draws never depend on memory)
@@ -76,9 +89,10 @@ def bootstrap_interval(differences: list[float], *, resamples: int, confidence: 
 
 
 def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is_better: bool = True,
-           resamples: int = 10000, confidence: float = 0.95, seed: int = 0, what: str = "metric") -> dict:
-    """The arm against the baseline on the seeds both have: differences (arm - baseline), their mean with a
-    bootstrap interval, and wins/ties/losses in the metric's direction.
+           resamples: int = 10000, confidence: float = CONFIDENCE, seed: int = 0, what: str = "metric") -> dict:
+    """The arm against the baseline on the seeds both have: differences (arm - baseline), their mean with its
+    t-interval and its bootstrap interval, d_z, both tests' p and seeds needed, and wins/ties/losses in the
+    metric's direction.
 
     Seeds only one side has are listed under ``unpaired`` and left out of every figure. With no seed in common,
     every figure is None; with one, the interval is that single difference and ``note`` says ``n=1``.
@@ -113,8 +127,17 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
         "p_exact": True,
         "interval_reliable": False,
         "detectable_effect": None,
-        "seeds_needed": None,
+        "seeds_needed": None,  # the exact test's
         "note": None,
+        "sd_difference": None,
+        "d_z": None,
+        "t_statistic": None,
+        "t_df": None,
+        "t_p_value": None,
+        "t_ci_low": None,
+        "t_ci_high": None,
+        "t_seeds_needed": None,
+        "t_note": None,
     }
     if n == 0:
         result["note"] = "n=0: no seed completed by both arms, so there is nothing to compare"
@@ -126,22 +149,27 @@ def paired(baseline: Mapping[int, float], arm: Mapping[int, float], *, higher_is
     result["wins"] = sum(1 for d in differences if sign * d > 0)
     result["ties"] = sum(1 for d in differences if d == 0)
     result["losses"] = sum(1 for d in differences if sign * d < 0)
+    scale = max(abs(v) for v in (*base, *mine))
     result.update(_exact_test(differences, seed))
+    result.update(paired_t(differences, confidence=confidence, scale=scale))
+    result["t_seeds_needed"] = t_seeds_needed(result["d_z"])
+    no_spread = result["sd_difference"] == 0.0 and result["mean_difference"] != 0.0
+    result["seeds_needed"] = exact_seeds_needed(result["t_seeds_needed"], no_spread=no_spread)
+    result["detectable_effect"] = detectable_effect(n, result["sd_difference"])
     return result
 
 
 def _exact_test(differences: list[float], seed: int) -> dict:
-    """The sign-flip test and planning figures of ``differences`` (at least one), with the small-n note."""
+    """The sign-flip test of ``differences`` (at least one), with the small-n note."""
     n = len(differences)
     p_value, exact = sign_flip_p(differences, seed=seed)
     note = None
     if n == 1:
-        note = "n=1: one seed, so the interval is the single difference and says nothing about spread"
+        note = "n=1: one seed says nothing about spread, so neither test can say anything"
     elif n < TEST_MIN_SEEDS:
-        note = f"n={n}: below {TEST_MIN_SEEDS} seeds the interval is unreliable and no exact p can reach 0.05"
-    return {"p_value": p_value, "p_exact": exact, "interval_reliable": n >= TEST_MIN_SEEDS,
-            "detectable_effect": detectable_effect(differences), "seeds_needed": seeds_needed(differences),
-            "note": note}
+        note = (f"n={n}: below {TEST_MIN_SEEDS} seeds no exact p can reach {ALPHA:g} (and the bootstrap interval "
+                f"is too narrow)")
+    return {"p_value": p_value, "p_exact": exact, "interval_reliable": n >= TEST_MIN_SEEDS, "note": note}
 
 
 def time_to_reach(curve: list[tuple[float, float]], target: float, higher_is_better: bool = True) -> float | None:

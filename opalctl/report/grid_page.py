@@ -21,6 +21,7 @@ from opalctl.report.sections import (
     fractions,
     limitations_section,
     load_figures,
+    paired_table,
     seconds_label,
     stage_series,
 )
@@ -84,21 +85,13 @@ def _tables(result: dict[str, Any]) -> str:
                                                   html.number_cell(a["metrics"][m]["std"], arm=a["arm"], metric=m,
                                                                    field="std"))]]
                for m, d in result["metrics"].items()]
-    fields = ("mean_difference", "ci_low", "ci_high", "p_value", "detectable_effect", "seeds_needed")
-    paired = [[f"<td>{html.text(a['arm'])}</td>", f"<td>{html.text(m)}</td>",
-               *[html.number_cell(f[key], arm=a["arm"], metric=m, field=key) for key in fields],
-               f"<td>{'yes' if f['interval_reliable'] else 'no'}</td>",
-               f"<td>{f['wins']}/{f['ties']}/{f['losses']}</td>", f"<td>{html.text(f['note'] or '')}</td>"]
-              for a in arms for m, f in a["paired"].items()]
     return html.section(
         "Arms", html.table(["arm", "seeds", "updates", seconds_label(result["seconds_key"]), "promoted stages",
                             "anchor kept"], overview, cells_ready=True),
         f"<h3>Metrics of the {html.text(result['stage'])} models (mean and sd over seeds)</h3>",
         html.table(["metric", "better", *[f"{a['arm']} {x}" for a in arms for x in ("mean", "sd")]], metrics,
                    cells_ready=True),
-        f"<h3>Paired by seed against {html.text(result['baseline'])}</h3>",
-        html.table(["arm", "metric", "mean diff", "95 % low", "95 % high", "exact p", "detectable", "seeds needed",
-                    f"interval reliable (≥ {TEST_MIN_SEEDS} seeds)", "w/t/l", "note"], paired, cells_ready=True),
+        paired_table(result),
         anchor="tables")
 
 

@@ -1,5 +1,6 @@
 """The parts both pages share: one run read for the page (``RunView``), the agent's decisions with rationale,
-the rule that decided each (the offline heuristic's) and diff, the limitations, and the figure inputs built from a set of runs."""
+the rule that decided each (the offline heuristic's) and diff, the limitations, the figure inputs built from a set
+of runs, and the table of paired figures with the legend of its columns (``compare.columns``)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,40 @@ def stage_series(runs: list[RunView], metrics: list[str]) -> dict[str, dict[str,
 
 def fractions(runs: list[RunView]) -> list[float]:
     return max(([s["fraction"] for s in run.report.get("stages", [])] for run in runs), key=len, default=[])
+
+
+def paired_table(result: dict[str, Any]) -> str:
+    """Compare's paired figures, one row per arm and metric and one cell per figure (``columns.REPORT``, each
+    with its exact value), then the legend of every column (``columns.FIELDS``)."""
+    from opalctl.compare.columns import FIELDS, REPORT, UNDEFINED, d_z_text
+    from opalctl.compare.significance import TEST_MIN_SEEDS
+
+    rows = []
+    for arm in result["arms"]:
+        for metric, figure in arm["paired"].items():
+            cells = []
+            for _, key in REPORT:
+                if key == "wins":
+                    cells.append(f"<td>{figure['wins']}/{figure['ties']}/{figure['losses']}</td>")
+                elif key == "d_z" and figure["d_z"] is None and d_z_text(figure) != "-":
+                    cells.append(f'<td class="n" data-arm="{html.text(arm["arm"])}" data-metric="{html.text(metric)}" '
+                                 f'data-field="d_z">{d_z_text(figure)}</td>')
+                else:
+                    cells.append(html.number_cell(figure[key], arm=arm["arm"], metric=metric, field=key))
+            note = f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""
+            rows.append([f"<td>{html.text(arm['arm'])}</td>", f"<td>{html.text(metric)}</td>", *cells,
+                         f"<td>{note}</td>"])
+    words = [f"<dt>{html.text(header)}</dt><dd>{html.text(_words(FIELDS, key))}</dd>" for header, key in REPORT]
+    words.append(f"<dt>note</dt><dd>n, the seeds paired, where it is below {TEST_MIN_SEEDS}: what so few seeds "
+                 f"cannot say is under Limitations</dd>")
+    words.append(f"<dt>-</dt><dd>{html.text(UNDEFINED.removeprefix('- = '))}</dd>")
+    return (f"<h3>Paired by seed against {html.text(result['baseline'])}</h3>"
+            + html.table(["arm", "metric", *[header for header, _ in REPORT], "note"], rows, cells_ready=True)
+            + f'<dl class="legend">{"".join(words)}</dl>')
+
+
+def _words(fields: dict[str, str], key: str) -> str:
+    """A column's legend from the words of its figure, with the page's "-" for the JSON's null."""
+    if key == "wins":
+        return f"wins / ties / losses: {fields['wins']}; {fields['ties']}; {fields['losses']}"
+    return fields[key].replace("null", "-")

@@ -305,6 +305,8 @@ def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid, opalctl):
         else:
             assert float(line["p_value"]) == pair["p_value"] and line["verdict"] == pair["verdict"]
             assert float(line["ci_low"]) == pair["ci_low"] and line["interval_reliable"] == "False"
+            for key in ("t_p_value", "t_ci_low", "t_ci_high", "d_z", "t_seeds_needed", "seeds_needed"):
+                assert line[key] == ("" if pair[key] is None else str(pair[key])), key
 
 
 def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_rule_that_refused_most(grid,
@@ -334,11 +336,16 @@ def test_verdicts_on_real_runs_say_tie_and_too_few_seeds(grid, opalctl):
     assert rows["twin"]["paired"]["selection.correct"]["verdict"] == \
         "twin vs adamw on selection.correct: identical on both seeds: no difference at all."
     high = rows["high"]["paired"]["selection.correct"]
-    assert high["verdict"] == (
+    assert high["verdict"].startswith(
         f"high vs adamw on selection.correct: {high['mean_difference']:+.4g} (2 of 2 seeds better), exact p = 0.5: "
-        f"not distinguishable with 2 seeds (no result of 2 seeds can reach p < 0.05)"
-        + (f"; about {high['seeds_needed']} seeds would tell a difference this size." if high["seeds_needed"] > 2
-           else "."))
+        f"the exact test cannot decide with 2 seeds (its smallest p is 0.5). ")
+    if high["sd_difference"]:  # the t-test's figures, and the seeds each test needs for this effect
+        assert f"(paired t p = {high['t_p_value']:.2g}, d_z = {high['d_z']:+.2g}, 95 % t-interval " in high["verdict"]
+        assert high["verdict"].endswith(f"the t-test needs about {high['t_seeds_needed']} seeds, the exact test at "
+                                        f"least {high['seeds_needed']}.")
+        assert high["seeds_needed"] == max(6, high["t_seeds_needed"])
+    else:
+        assert high["verdict"].endswith("6 seeds that agree as these do would let the exact test decide.")
     code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
     lines = out.splitlines()
     assert "verdict: " + high["verdict"] in lines and "verdict: " + rows["twin"]["paired"]["selection.correct"][
@@ -376,6 +383,11 @@ def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypat
         assert any(label in line for line in lines), metric
     verdict = rows["high"]["paired"]["selection.correct"]["verdict"]
     assert len(verdict) > 100 and "verdict: " + verdict in " ".join(shown.split()), "wrapped whole, not cut"
+    from opalctl.compare.columns import TABLE, legend
+
+    assert "columns: " + legend() in " ".join(shown.split()), "every column of the paired table defined"
+    for column in TABLE:
+        assert any(column.header in line for line in lines), column.header
 
 
 def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
@@ -387,6 +399,7 @@ def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
     rows = [line.split() for line in out.splitlines()]
     high = [r for r in rows if r[:2] == ["high", "sel.corr"]][0]
     twin = [r for r in rows if r[:2] == ["twin", "sel.corr"]][0]
-    assert high[-1] == "n=1" and twin[-1] == "n=0" and twin[2:-1] == ["-"] * 6
-    assert "note: n=1: one seed, so the interval is the single difference and says nothing about spread" in out
+    assert high[-1] == "n=1" and twin[-1] == "n=0" and twin[2:-1] == ["-"] * 4
+    assert [r for r in rows if r[:2] == ["twin", "sel.corr"]][1][2:] == ["-"] * 4, "the effect sizes' part"
+    assert "note: n=1: one seed says nothing about spread, so neither test can say anything" in out
     assert "note: n=0: no seed completed by both arms, so there is nothing to compare" in out

@@ -26,7 +26,7 @@ def test_paired_on_common_seeds():
     assert (result["wins"], result["ties"], result["losses"]) == (1, 1, 1)
     assert result["ci_low"] <= result["mean_difference"] <= result["ci_high"]
     assert -3.0 <= result["ci_low"] and result["ci_high"] <= 5.0
-    assert result["note"].startswith("n=3: below 6 seeds the interval is unreliable")
+    assert result["note"].startswith("n=3: below 6 seeds no exact p can reach 0.05")
     assert json.loads(json.dumps(result)) == {**result, "seeds": [1, 2, 3]}
 
 
@@ -69,6 +69,52 @@ def test_one_seed_interval_is_the_single_difference():
     result = paired({7: 0.5}, {7: 0.75})
     assert (result["mean_difference"], result["ci_low"], result["ci_high"]) == (0.25, 0.25, 0.25)
     assert "n=1" in result["note"]
+
+
+def test_one_seed_leaves_every_t_figure_undefined_and_says_why():
+    result = paired({7: 0.5}, {7: 0.75})
+    assert [result[k] for k in ("sd_difference", "d_z", "t_statistic", "t_df", "t_p_value", "t_ci_low",
+                                "t_ci_high", "t_seeds_needed", "seeds_needed", "detectable_effect")] == [None] * 10
+    assert result["t_note"] == "one seed has no spread, so the t-test is undefined"
+
+
+def test_equal_non_zero_differences_have_no_spread_an_infinite_d_z_and_no_t_test():
+    # 1.3 - 1.2 and 2.3 - 2.2 differ in their last bits: float rounding of the subtraction is not a spread
+    result = paired({1: 1.3, 2: 2.3, 3: 5.3}, {1: 1.2, 2: 2.2, 3: 5.2}, higher_is_better=False)
+    assert len(set(result["differences"])) == 2 and result["sd_difference"] == 0.0
+    assert result["d_z"] is None and result["t_p_value"] is None and result["t_statistic"] is None
+    assert result["t_note"] == ("every seed's difference is the same, so there is no spread: d_z is infinite and "
+                                "the t-test undefined")
+    assert result["t_ci_low"] == result["t_ci_high"] == result["mean_difference"]
+    assert result["t_seeds_needed"] is None and result["seeds_needed"] == 6, "6 agreeing seeds reach p = 0.031"
+    assert result["detectable_effect"] is None and result["wins"] == 3
+    assert json.dumps(result, allow_nan=False), "no infinity in the JSON"
+
+
+def test_all_zero_differences_have_nothing_to_test():
+    result = paired({1: 3.0, 2: 4.0}, {1: 3.0, 2: 4.0})
+    assert result["sd_difference"] == 0.0 and result["d_z"] is None and result["t_p_value"] is None
+    assert result["t_note"] == "every difference is zero: nothing to test"
+    assert result["seeds_needed"] is None and result["t_seeds_needed"] is None and result["p_value"] == 1.0
+
+
+def test_a_mean_of_zero_with_a_spread_has_a_t_test_but_no_seeds_figure():
+    result = paired({1: 0.0, 2: 0.0}, {1: 2.0, 2: -2.0})
+    assert result["d_z"] == 0.0 and result["t_p_value"] == pytest.approx(1.0)
+    assert result["t_seeds_needed"] is None and result["seeds_needed"] is None
+    assert result["detectable_effect"] is not None
+
+
+def test_every_paired_figure_and_csv_column_is_defined_once_in_the_legend():
+    from opalctl.compare.columns import FIELDS, REPORT, TABLE
+    from opalctl.compare.csv_table import PAIRED_COLUMNS
+
+    figure = paired({1: 1.0, 2: 2.0, 3: 4.0}, {1: 1.5, 2: 2.0, 3: 5.0})
+    assert set(FIELDS) == set(figure) | {"verdict"}
+    assert set(PAIRED_COLUMNS) <= set(FIELDS) and {k for c in TABLE for k in c.keys} <= set(FIELDS)
+    assert {key for _, key in REPORT} <= set(FIELDS)
+    numbers = {k for k, v in figure.items() if isinstance(v, float | int) and not isinstance(v, bool)}
+    assert numbers - {"confidence", "resamples", "bootstrap_seed", "n"} <= set(PAIRED_COLUMNS), "--csv has them"
 
 
 def test_no_common_seed():
