@@ -148,6 +148,7 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
         entry["post_hoc"] = base_of.get(arm) is not None
+        entry["runs"] = str(base_of.get(arm, base))  # a post-hoc arm's runs are its control lock's
         entry["controls"] = controls.get(arm)
         entry["flags"] = run_flags(finished[arm], _hung(base_of.get(arm, base), arm, finished[arm]))
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:

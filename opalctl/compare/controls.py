@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import OpalctlError
+
 SETTINGS = ("LR_SCALE", "CLIP", "ANNEAL_START")
 BUILT_IN_SCHEDULES = ("constant", "anneal-end", "cosine", "linear")  # the order a match is looked for in
 TOLERANCE = 1e-9
@@ -191,7 +193,11 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str, total: float,
     starting = starting or starting_programs()
     layout = RunLayout(run_dir)
     found = RunEquivalence(seed=seed)
-    events = list(read_jsonl(layout.opal / "events.jsonl"))
+    try:
+        events = list(read_jsonl(layout.opal / "events.jsonl"))
+    except (OSError, OpalctlError) as error:
+        found.reason = f"its events cannot be read ({error})"
+        return found
     stopped = next((e for e in events if e.get("kind") in NOT_ONE_PROGRAM), None)
     if stopped is not None:
         found.reason = f"a program was {stopped['kind'].replace('_', ' ')} at update {stopped.get('update')}"
@@ -218,13 +224,16 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str, total: float,
             found.reason = f"version {version} clips gradients at {settings['CLIP']:g}, which no schedule does"
             return found
         switches.append(Switch(update, settings))
-    used = [0.0] + [float(row["used"]) for row in read_steps(layout.steps)]
+    try:
+        used = [0.0] + [float(row["used"]) for row in read_steps(layout.steps)]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        found.reason = f"its steps cannot be read ({error})"
+        return found
     fractions = [u / total for u in used[:-1]]  # the fraction used before each update, as the meter divides it
     factors = effective_factors(switches, fractions, arm_schedule)
     match = fixed_equivalent(factors, fractions)
     if match is None:
-        changed = [s for s in switches[1:]]
-        found.reason = _why_not(changed, fractions)
+        found.reason = _why_not(switches[1:], fractions)
         return found
     found.schedule, found.scale = match
     return found
