@@ -148,7 +148,8 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
         entry["post_hoc"] = base_of.get(arm) is not None
-        entry["runs"] = str(base_of.get(arm, base))  # a post-hoc arm's runs are its control lock's
+        # a post-hoc arm's runs are its control lock's (the lock's own arms' are under "runs" of the result)
+        entry["runs"] = str(base_of[arm]) if entry["post_hoc"] else None
         entry["controls"] = controls.get(arm)
         entry["flags"] = run_flags(finished[arm], _hung(base_of.get(arm, base), arm, finished[arm]))
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
