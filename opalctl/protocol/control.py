@@ -101,7 +101,18 @@ def check_control(control: Lock, protocol) -> Lock:
             raise BadInput(f"control lock {control.path}: seed {seed} is not a seed of its parent {parent.path} "
                            f"with the same parent checkpoint; make the control again with `opalctl control`")
     arm = theirs["arms"][link.arm]
+    source = Path(link.source_run)
+    if (source.name, source.parent.name, source.parent.parent.name) != (
+            f"seed-{link.from_seed}", link.arm, f"{parent.name}-{parent.sha12}"):
+        raise BadInput(f"control lock {control.path}: control.source_run {link.source_run} is not the run of arm "
+                       f"{link.arm!r} on seed {link.from_seed} of its parent {parent.path}; make the control again "
+                       f"with `opalctl control`")
+    replay = {**arm["agent"], "backend": f"replay:{link.source_run}"}
     for name, spec in mine["arms"].items():
+        if spec.get("agent") and spec["agent"] != replay:
+            raise BadInput(f"control lock {control.path}: arm {name!r} is not the replay of {link.source_run} with "
+                           f"the agent settings of the controlled arm {link.arm!r}; make the control again with "
+                           f"`opalctl control`")
         for key in SAME_AS_ARM:
             if spec.get(key) != arm.get(key):
                 raise BadInput(f"control lock {control.path}: arm {name!r} has {key} {spec.get(key)!r}, not the "

@@ -165,3 +165,10 @@ def test_a_control_whose_parent_changed_or_whose_budget_differs_is_refused(proje
     refused = project.cli("verify", control, folder=folder)
     assert refused.code == 2, refused.output
     assert "its budget differs from its parent's" in refused.stderr
+    # nor one that replays another run than the one it names
+    edited.write_text(edited.read_text().replace("amount: 300.0", "amount: 150.0").replace(
+        "/agent/seed-1", "/agent/seed-2"))
+    project.ok("freeze", edited.name, "--force", folder=folder)
+    refused = project.cli("verify", control, folder=folder)
+    assert refused.code == 2, refused.output
+    assert "is not the run of arm 'agent' on seed 1 of its parent" in refused.stderr
