@@ -152,3 +152,15 @@ def test_the_verdict_points_at_the_controls():
                          "see controls)")
     assert "[post-hoc control, added after the fact, not pre-registered]" in verdict_pointer("v.", None, True)
     assert verdict_pointer("v.", {"schedule": None}) == "v."
+
+
+def test_a_pre_registered_protocol_resolves_without_a_control_key():
+    """The ``control`` key is a control lock's alone: every other lock's protocol (and digest) is as it was."""
+    from opalctl.protocol.freeze import resolved_protocol
+    from opalctl.protocol.schema import Protocol
+
+    protocol = Protocol.model_validate({
+        "name": "p", "task": {"entry": "opalctl.tasks.digits:Digits"}, "data": {"train": "t.npz"},
+        "parents": "p-{seed}.pt", "seeds": [1], "budget": {"clock": "updates", "amount": 10},
+        "training": {"batch_size": 4}, "arms": {"a": {"optimizer": {"name": "SGD", "lr": 0.1}}}})
+    assert "control" not in resolved_protocol(protocol)

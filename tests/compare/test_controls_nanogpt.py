@@ -172,3 +172,15 @@ def test_a_control_whose_parent_changed_or_whose_budget_differs_is_refused(proje
     refused = project.cli("verify", control, folder=folder)
     assert refused.code == 2, refused.output
     assert "is not the run of arm 'agent' on seed 1 of its parent" in refused.stderr
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("--arm", "adamw"), "--arm 'adamw' of baby.lock.json has no agent: a control replays an agent arm's decisions"),
+    (("--arm", "nope"), "--arm 'nope' is not an arm of baby.lock.json (adamw, agent)"),
+    (("--arm", "agent", "--from-seed", "7"), "--from-seed 7: arm 'agent' has no finished run on that seed"),
+])
+def test_a_control_that_cannot_be_made_is_one_sentence(project, args, said):
+    refused = project.cli("control", "baby.lock.json", *args)
+    assert refused.code == 2 and refused.stdout == "", refused.output
+    (line,) = refused.stderr.strip().splitlines()
+    assert said in line
