@@ -263,6 +263,32 @@ def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...
 
 
 @cli.command()
+@click.argument("lock", type=click.Path(dir_okay=False))
+@click.option("--arm", required=True, help="The agent arm whose decisions are replayed.")
+@click.option("--from-seed", "from_seed", default=None, type=int,
+              help="The seed whose decisions are replayed on the others (default: the first finished one).")
+@click.option("--force", is_flag=True, help="Replace a control protocol or lock that differs.")
+@runs_dir_option
+@json_option
+def control(lock: str, arm: str, from_seed: int | None, force: bool, runs_dir: str | None, json_mode: bool) -> None:
+    """Write a post-hoc control lock for an agent arm of LOCK: its decisions on one seed replayed on the others
+    (and the fixed arm its programs equal, when LOCK lacks one). Run it with `opalctl grid`; `compare LOCK` shows it."""
+    from opalctl import console
+    from opalctl.protocol.control import make_control
+
+    result = make_control(lock, arm, from_seed=from_seed, runs_dir=runs_dir, force=force)
+    if json_mode:
+        console.print_json(result)
+        return
+    console.pairs(f"opalctl control {lock} --arm {arm}", [
+        ("lock", result["lock"]), ("sha256", result["sha256"]), ("outcome", result["outcome"]),
+        ("parent", f"{result['parent']} ({result['parent_sha256'][:12]})"),
+        ("replays", f"seed {result['from_seed']} on seeds {', '.join(map(str, result['replayed_on']))}"),
+        ("arms", ", ".join(result["arms"]))])
+    console.message("marked post-hoc (added after the fact, not pre-registered); next: " + result["next"])
+
+
+@cli.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--reasons", is_flag=True, help="Print every refusal's reason in full under the stages.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
+from opalctl.compare.controls import lock_controls, verdict_pointer
 from opalctl.compare.flags import outside_cpu, outside_work_flag, run_flags, unconfined_note
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
@@ -135,10 +136,22 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     clock = lock.resolved["budget"]["clock"]
     seconds_key = clock_spec(clock).compare_seconds
     primary = next((m for m in directions if m != TRAIN_LOSS), None)
+    post_hoc = post_hoc_runs(lock, runs_dir, stage)  # the control locks' runs (opalctl control), marked post-hoc
+    controls = lock_controls(lock, base, finished, {n: a for c in post_hoc for n, a in c["arms"].items()})
+    for control in post_hoc:
+        for arm in control["finished"]:
+            finished[arm], unfinished[arm] = control["finished"][arm], control["unfinished"].get(arm, [])
+            values[arm] = control["values"][arm]
+            arms.append(arm)
+    base_of = {arm: control["base"] for control in post_hoc for arm in control["finished"]}
     rows = []
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
-        entry["flags"] = run_flags(finished[arm], _hung(base, arm, finished[arm]))
+        entry["post_hoc"] = base_of.get(arm) is not None
+        # a post-hoc arm's runs are its control lock's (the lock's own arms' are under "runs" of the result)
+        entry["runs"] = str(base_of[arm]) if entry["post_hoc"] else None
+        entry["controls"] = controls.get(arm)
+        entry["flags"] = run_flags(finished[arm], _hung(base_of.get(arm, base), arm, finished[arm]))
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
             entry["flags"].append(outside)
         for metric, higher in directions.items():
@@ -149,7 +162,8 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
                 theirs = {s: v[metric] for s, v in values[baseline].items() if v.get(metric) is not None}
                 figure = paired(theirs, mine, higher_is_better=higher, resamples=resamples,
                                 what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
-                figure["verdict"] = verdict(arm, baseline, metric, figure, entry["flags"])
+                figure["verdict"] = verdict_pointer(verdict(arm, baseline, metric, figure, entry["flags"]),
+                                                    controls.get(arm), entry["post_hoc"])
                 entry["paired"][metric] = figure
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
@@ -158,7 +172,27 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     return {"lock": str(lock.path), "lock_sha256": lock.sha256, "runs": str(base), "baseline": baseline,
             "clock": clock, "seconds_key": seconds_key, "stage": stage,
             "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
-            "primary": primary, "arms": rows}
+            "primary": primary, "arms": rows, "controls": list(controls.values()),
+            "control_locks": [{"lock": str(c["lock"].path), "lock_sha256": c["lock"].sha256, "runs": str(c["base"])}
+                              for c in post_hoc]}
+
+
+def post_hoc_runs(lock, runs_dir: Path, stage: str | int) -> list[dict[str, Any]]:
+    """The finished runs of every control lock of ``lock`` (``opalctl control``: beside it, naming its digest), each
+    arm's values as compare reads them; a control lock without finished runs yet adds nothing."""
+    from opalctl.protocol.control import control_locks
+
+    out = []
+    for control in control_locks(lock):
+        try:
+            base, finished, unfinished = collect(control, runs_dir)
+        except BadInput:  # no runs of it yet
+            continue
+        values = {arm: {seed: _run_values(base / arm / f"seed-{seed}", report, stage)
+                        for seed, report in finished[arm].items()} for arm in finished}
+        out.append({"lock": control, "base": base, "finished": finished, "unfinished": unfinished,
+                    "values": values, "arms": {arm: control.resolved["arms"][arm] for arm in control.resolved["arms"]}})
+    return out
 
 
 def _run_values(run_dir: Path, report: dict, stage: str | int) -> dict[str, Any]:

@@ -51,6 +51,8 @@ def render_compare(result: dict[str, Any], *, chosen: bool = False) -> None:
     if legend(labels):
         console.paragraph("legend: " + legend(labels) + "; ↑ higher is better, ↓ lower is better")
     _sentences(result, chosen)
+    for control in result.get("controls") or []:  # what each agent arm's programs amount to (compare/controls.py)
+        console.paragraph("controls: " + control["sentence"])
     for warning in concurrency_warnings(result):
         console.paragraph("warning: " + warning)
 
@@ -62,7 +64,7 @@ def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:
         reached = "-" if not tta else (f"{_mean_spread(tta['seconds'])} ({tta['reached']}/{tta['of']})"
                                        if tta["reached"] else f"never (0/{tta['of']})")
         rows.append([
-            arm["arm"] + (" (baseline)" if arm["baseline"] else ""),
+            _shown(arm) + (" (baseline)" if arm["baseline"] else ""),
             f"{len(arm['seeds'])}" + (f" (+{len(arm['unfinished_seeds'])} unfinished)" if arm["unfinished_seeds"] else ""),
             _mean_spread(arm["updates"], 0),
             _mean_spread(arm[result["seconds_key"]]),
@@ -98,7 +100,7 @@ def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:
         rows.append([f"{labels[metric]} {'↑' if direction == 'higher' else '↓'}",
                      *[_mean_spread(f, digits) for f in figures]])
     console.table(f"metrics of the {stage_words(result['stage'])}, mean ± sd over seeds",
-                  ["metric", *[arm["arm"] for arm in result["arms"]]], rows)
+                  ["metric", *[_shown(arm) for arm in result["arms"]]], rows)
 
 
 def _paired_table(result: dict[str, Any], labels: dict[str, str]) -> None:
@@ -115,7 +117,7 @@ def _paired_table(result: dict[str, Any], labels: dict[str, str]) -> None:
         for arm, metric, figure in figures:
             digits = _digits(arm["metrics"].get(metric))
             cells = ["-" for _ in part] if figure["n"] == 0 else [column.cell(figure, digits) for column in part]
-            rows.append([arm["arm"], labels[metric], *cells,
+            rows.append([_shown(arm), labels[metric], *cells,
                          *([f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""] if note else [])])
         console.table(title, ["arm", "metric", *[column.header for column in part], *(["note"] if note else [])],
                       rows)
@@ -136,6 +138,11 @@ def _sentences(result: dict[str, Any], chosen: bool) -> None:
             console.paragraph(f"flagged: {arm['arm']}: {flag}")
         if arm.get("unconfined_note"):
             console.paragraph("note: " + arm["unconfined_note"])
+
+
+def _shown(arm: dict[str, Any]) -> str:
+    """An arm's name as the tables show it: a control lock's arm (opalctl control) marked post-hoc."""
+    return arm["arm"] + (" (post-hoc)" if arm.get("post_hoc") else "")
 
 
 def _count(mean: float) -> str:

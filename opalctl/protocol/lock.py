@@ -93,6 +93,10 @@ class Lock:
         except ProtocolError as error:
             raise _refreeze(error) from None
         check_parents(protocol, self.path)  # its sentences name the lock: "LOCK: the parent of seed 1 ..."
+        if protocol.control is not None:  # a control lock (opalctl control): its parent, and equal compute
+            from opalctl.protocol.control import check_control
+
+            check_control(self, protocol)
         return protocol
 
     @property

@@ -182,6 +182,20 @@ def _plain_name(value: str) -> str:
 PlainName = Annotated[str, Field(pattern=NAME_PATTERN), AfterValidator(_plain_name)]
 
 
+class Control(Strict):
+    """``control``: this protocol is a control added after the fact (``opalctl control``), not pre-registered. It
+    names its parent lock (relative to this file's folder) and that lock's sha256, the agent arm it controls and the
+    run whose decisions it replays; ``verify`` and ``run`` refuse it unless the parent is that very lock and every
+    arm gets the parent arm's compute (opalctl/protocol/control.py)."""
+
+    post_hoc: Literal[True]
+    parent_lock: str
+    parent_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    arm: str
+    from_seed: Annotated[int, Field(ge=0, le=MAX_SEED)]
+    source_run: str
+
+
 class Protocol(Strict):
     name: PlainName
     task: TaskSpec
@@ -193,6 +207,7 @@ class Protocol(Strict):
     arms: Annotated[dict[PlainName, Arm], Field(min_length=1)]
     selection: Selection = Field(default_factory=Selection)
     limits: Limits = Field(default_factory=Limits)
+    control: Control | None = None  # only in a control lock's protocol (opalctl control)
 
     @field_validator("seeds")
     @classmethod

@@ -36,7 +36,7 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
 
     result = compare(lock_path, runs_dir=runs_dir)
     verification = verify(lock_path)
-    runs = [RunView.read(Path(result["runs"]) / row["arm"] / f"seed-{seed}")
+    runs = [RunView.read(Path(row.get("runs") or result["runs"]) / row["arm"] / f"seed-{seed}")
             for row in result["arms"] for seed in row["seeds"]]
     page = html.document(f"opalctl report: {Path(result['lock']).name}",
                          _identity(result, verification), _verdicts(result), _tables(result),
@@ -67,13 +67,15 @@ def _identity(result: dict[str, Any], verification: dict[str, Any]) -> str:
 def _verdicts(result: dict[str, Any]) -> str:
     sentences = [f["verdict"] for arm in result["arms"] for f in arm["paired"].values()]
     anchors = [arm["anchor_note"] for arm in result["arms"] if arm["anchor_note"]]
+    controls = ["Controls: " + c["sentence"] for c in result.get("controls") or []]  # compare/controls.py
     return html.section("Verdicts", html.paragraphs(sentences) or "<p>Only the baseline has runs.</p>",
-                        html.paragraphs(anchors, "muted"), anchor="verdicts")
+                        html.paragraphs(controls), html.paragraphs(anchors, "muted"), anchor="verdicts")
 
 
 def _tables(result: dict[str, Any]) -> str:
     arms = result["arms"]
-    overview = [[f"<td>{html.text(a['arm'])}{' (baseline)' if a['baseline'] else ''}</td>",
+    overview = [[f"<td>{html.text(a['arm'])}{' (baseline)' if a['baseline'] else ''}"
+                 f"{' (post-hoc)' if a.get('post_hoc') else ''}</td>",
                  html.number_cell(len(a["seeds"]), arm=a["arm"], field="seeds"),
                  html.number_cell(a["updates"]["mean"], arm=a["arm"], field="updates"),
                  html.number_cell(a[result["seconds_key"]]["mean"], arm=a["arm"], field=result["seconds_key"]),

@@ -141,7 +141,8 @@ def paired_table(result: dict[str, Any]) -> str:
                 else:
                     cells.append(html.number_cell(figure[key], arm=arm["arm"], metric=metric, field=key))
             note = f"n={figure['n']}" if figure["n"] < TEST_MIN_SEEDS else ""
-            rows.append([f"<td>{html.text(arm['arm'])}</td>", f"<td>{html.text(metric)}</td>", *cells,
+            shown = arm["arm"] + (" (post-hoc)" if arm.get("post_hoc") else "")
+            rows.append([f"<td>{html.text(shown)}</td>", f"<td>{html.text(metric)}</td>", *cells,
                          f"<td>{note}</td>"])
     words = [f"<dt>{html.text(header)}</dt><dd>{html.text(_words(FIELDS, key))}</dd>" for header, key in REPORT]
     words.append(f"<dt>note</dt><dd>n, the seeds paired, where it is below {TEST_MIN_SEEDS}: what so few seeds "
