@@ -115,29 +115,6 @@ class BudgetSchedule:
         self.initial = list(state["initial"])
 
 
-class StepLearningRates:
-    """The learning rate of each parameter group as the step of the arm's torch optimizer used it: the effective
-    learning rate, the one definition the steps records and the report use.
-
-    A hook of the torch optimizer (``register_step_pre_hook``) reads the groups' values just before each step, so
-    it sees what the budget schedule set and what an agent's program set for that step: the starting program
-    multiplies the groups' learning rates by its ``LR_SCALE`` and anneal only around the step and puts them back
-    after, where a reading after the update would miss it. The hook copies the groups' values into a list (Python
-    numbers, no device work); ``take`` hands over the last step's list and forgets it, so an update whose program
-    did not step the torch optimizer (an agent's own update rule) gives None rather than an earlier update's."""
-
-    def __init__(self, optimizer) -> None:
-        self.used: list | None = None
-        optimizer.register_step_pre_hook(self._before_step)  # for the optimizer's life: one run's loop
-
-    def _before_step(self, optimizer, _args, _kwargs) -> None:
-        self.used = [group["lr"] for group in optimizer.param_groups]
-
-    def take(self) -> list | None:
-        used, self.used = self.used, None
-        return used
-
-
 def make_update(task, model, optimizer, gradient_clip: float | None, pass_loss: bool = False):
     """One whole update as a function of the batch: ``update(batch)`` returns the loss tensor (not synchronised:
     the caller decides when to read it).

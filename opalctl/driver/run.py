@@ -404,7 +404,8 @@ class BudgetLoop:
     def _loop(self) -> None:
         import torch
 
-        from opalctl.driver.arm import StepLearningRates, make_update
+        from opalctl.driver.arm import make_update
+        from opalctl.opal.observer import StepLearningRates
 
         parts, meter, agent = self.parts, self.meter, self.agent
         # The loop body runs once per update, and everything it does between two updates costs several times what

@@ -1,7 +1,8 @@
 """The learning rate each update's step used, in every line of ``steps.jsonl.gz`` (``lrs``, one per parameter
 group): the budget schedule's for a fixed arm, the one an agent's program scaled it to for an agent arm (the
 starting program scales the groups only around the step, which a reading after the update would miss), and the
-``keep`` agent's the fixed arm's, bit for bit, as its weights are."""
+``keep`` agent's the fixed arm's, bit for bit, as its weights are. The agent's analysis sees the same learning
+rates (``obs["lrs"]``: one definition, ``opal.observer.StepLearningRates``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from opalctl.driver.arm import schedule_factor
 from opalctl.driver.records import read_steps
 
-AMOUNT = 40
+AMOUNT = 100  # the analysis runs every 25 updates: its reports at 25, 50, 75 and 100
 LR = 1.0e-3
 ADAMW = {"optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.01}}
 ARMS = {"adamw": ADAMW, "cosine": {**ADAMW, "schedule": "cosine"},
@@ -60,3 +61,14 @@ def test_an_agent_arms_lines_hold_the_learning_rate_its_program_scaled_for_the_s
     # the optimizer's own learning rate stays LR (the program scales it only around its step), so any other value
     # in a line is the program's scaling, seen only inside the step
     assert any(s["lrs"] != [LR] for s in lines[first:]), [s["lrs"] for s in lines[first:]]
+
+
+def test_the_agents_analysis_sees_the_learning_rate_the_step_used(project):
+    import json
+
+    lines = {s["update"]: s["lrs"] for s in steps(project, "agent")}
+    reports = [json.loads(line) for line in
+               (project.run_dir("agent", 1) / "training" / "opal" / "reports.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in reports] == [25, 50, 75, 100]
+    assert [r["report"]["lrs"] for r in reports] == [lines[r["update"]] for r in reports]
+    assert reports[-1]["report"]["lrs"][0] < LR, "annealed at the last analysis: the analysis sees the scaling"
