@@ -218,11 +218,12 @@ def stages_figure(series: dict[str, dict[str, list[list[float]]]], fractions: li
     for axis, (metric, arms) in zip(axes, series.items()):
         anchors = []
         for arm, seeds in arms.items():
+            index = list(colours).index(arm)
             anchors.extend(seed[0] for seed in seeds if seed)
             columns = [[seed[i + 1] for seed in seeds if i + 1 < len(seed)] for i in range(len(fractions))]
             keep = [i for i, column in enumerate(columns) if column]
             means = [sum(columns[i]) / len(columns[i]) for i in keep]
-            axis.plot([fractions[i] for i in keep], means, marker=".", linewidth=1.2, label=arm,
+            axis.plot([fractions[i] for i in keep], means, marker=".", linewidth=_line_width(index), label=arm,
                       color=colours[arm])
             if len(seeds) > 1:
                 axis.fill_between([fractions[i] for i in keep], [min(columns[i]) for i in keep],
