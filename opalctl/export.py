@@ -2,10 +2,12 @@
 who live in TensorBoard see the runs there.
 
 One folder per run (``DIR/<arm>/seed-<S>``, the name TensorBoard shows), holding: ``train/loss`` at every update
-(from the steps records), ``stage/<metric>`` at each stage's update and ``anchor/<metric>`` at update 0 (from the
-report), ``budget/used`` at each stage, and each agent decision as text under ``agent/decisions`` (stored as
-``agent/decisions/text_summary``) at the update it was answered. Every event's wall time is the run's training seconds at that update (the steps records' axis, as
-on the report page), not the moment of the export, so TensorBoard's "relative" axis reads training seconds and
+(from the steps records), ``train/lr/group-<G>`` at every update, the effective learning rate of parameter group G
+as that update's step used it (from the same records; none for a run recorded before opalctl kept it),
+``stage/<metric>`` at each stage's update and ``anchor/<metric>`` at update 0 (from the report), ``budget/used`` at
+each stage, and each agent decision as text under ``agent/decisions`` (stored as ``agent/decisions/text_summary``)
+at the update it was answered. Every event's wall time is the run's training seconds at that update (the steps
+records' axis), not the moment of the export, so TensorBoard's "relative" axis reads training seconds and
 exporting the same runs twice writes the same events. An export replaces the event files an earlier export
 left in a run's folder (TensorBoard would show both), and touches nothing else there.
 
@@ -115,8 +117,11 @@ def _writer_thread_failures() -> Iterator[list[OSError]]:
 def _add_events(writer, run_dir: Path, report: dict[str, Any], curve) -> None:
     from opalctl.driver.show import agent_decisions
 
-    for update, seconds, loss in zip(curve.updates, curve.seconds, curve.losses, strict=True):
+    for update, seconds, loss, lrs in zip(curve.updates, curve.seconds, curve.losses, curve.lrs, strict=True):
         writer.add_scalar("train/loss", loss, update, walltime=seconds)
+        for group, lr in enumerate(lrs or []):
+            if lr is not None:
+                writer.add_scalar(f"train/lr/group-{group}", lr, update, walltime=seconds)
     for metric, value in report["anchor_metrics"].items():
         writer.add_scalar(f"anchor/{metric}", value, 0, walltime=0.0)
     for stage in report["stages"]:

@@ -120,7 +120,9 @@ class StepRow(NamedTuple):
     """One update as the training loop keeps it until the steps helper writes it.
 
     ``loss`` is a number, or a detached scalar tensor read later with the others; ``ids`` are the batch's row
-    ids (an array that must not change until it is sent). The loop appends plain tuples in this order."""
+    ids (an array that must not change until it is sent); ``lrs`` the learning rate of each parameter group as the
+    update's step used it (``driver.arm.StepLearningRates``: the values the groups held, read at the flush) or None
+    when no step of the arm's torch optimizer ran. The loop appends plain tuples in this order."""
 
     update: int
     charge: float
@@ -128,27 +130,39 @@ class StepRow(NamedTuple):
     wall: float
     loss: Any
     ids: Any
+    lrs: Any = None
 
 
-STEP_LINE_KEYS = ("charge", "cpu", "loss", "rows", "seen", "update", "used", "wall")
+STEP_LINE_KEYS = ("charge", "cpu", "loss", "lrs", "rows", "seen", "update", "used", "wall")
 
 
 def step_line(update: int, charge: float, used: float, wall: float, loss: float, rows: str, seen: str,
-              cpu_charges: bool) -> str:
+              cpu_charges: bool, lrs: list[float | None] | None = None) -> str:
     """One line of ``steps.jsonl.gz`` (no newline): sorted keys, no spaces. ``cpu`` is the charge under the cpu
-    clock and null under the others. Formatted by hand, since the helper formats one per update; a non-finite
-    loss (rare) goes through ``step_line_plain``, which gives the same bytes for finite values (tested)."""
+    clock and null under the others; ``lrs`` the effective learning rate of each parameter group (null for the
+    whole list when the update's step did not step the arm's torch optimizer, for a group whose value is no
+    finite number; a line of an opalctl older than the field has no ``lrs``: read it with ``.get``). Formatted by
+    hand, since the helper formats one per update; a non-finite loss or learning rate (rare) goes through
+    ``step_line_plain``, which gives the same bytes for finite values (tested)."""
     if loss - loss != 0.0:
-        return step_line_plain(update, charge, used, wall, loss, rows, seen, cpu_charges)
+        return step_line_plain(update, charge, used, wall, loss, rows, seen, cpu_charges, lrs)
+    if lrs is None:
+        rates = "null"
+    else:
+        for lr in lrs:
+            if lr is None or lr - lr != 0.0:
+                return step_line_plain(update, charge, used, wall, loss, rows, seen, cpu_charges, lrs)
+        rates = f"[{','.join(map(repr, lrs))}]"
     return (f'{{"charge":{charge!r},"cpu":{repr(charge) if cpu_charges else "null"},"loss":{loss!r},'
-            f'"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},"wall":{wall!r}}}')
+            f'"lrs":{rates},"rows":"{rows}","seen":"{seen}","update":{update},"used":{used!r},"wall":{wall!r}}}')
 
 
 def step_line_plain(update: int, charge: float, used: float, wall: float, loss: float, rows: str, seen: str,
-                    cpu_charges: bool) -> str:
+                    cpu_charges: bool, lrs: list[float | None] | None = None) -> str:
     """The plain twin of ``step_line``: the same line through ``json.dumps``."""
-    return json.dumps({"charge": charge, "cpu": charge if cpu_charges else None, "loss": loss, "rows": rows,
-                       "seen": seen, "update": update, "used": used, "wall": wall},
+    rates = None if lrs is None else [lr if lr is not None and lr - lr == 0.0 else None for lr in lrs]
+    return json.dumps({"charge": charge, "cpu": charge if cpu_charges else None, "loss": loss, "lrs": rates,
+                       "rows": rows, "seen": seen, "update": update, "used": used, "wall": wall},
                       separators=(",", ":"), allow_nan=True, sort_keys=True)
 
 

@@ -43,8 +43,9 @@ SLOW_MODULES = frozenset({
     "driver/test_agent_arm.py", "driver/test_run_folder.py", "driver/test_evaluator.py", "grid/test_slurm_grid.py",
     "grid/test_local_grid.py", "grid/test_concurrent_grids.py", "grid/test_grid_ranks.py", "grid/test_readers_race.py",
     "distributed/test_ddp.py", "opal/test_anthropic.py", "opal/test_prompt_edit.py",
-    "report/test_page.py", "driver/test_diverging_run.py", "driver/test_task_failures.py",
-    "driver/test_evaluator_dies_with_its_run.py", "compare/test_controls_nanogpt.py"})
+    "report/test_page.py", "report/test_pictures.py", "driver/test_learning_rates.py",
+    "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
+    "compare/test_controls_nanogpt.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -46,9 +46,17 @@ def test_a_non_finite_loss_is_written_by_the_plain_twin_and_reads_back(loss):
 
 def test_the_steps_line_has_the_documented_keys_and_the_row_its_fields():
     line = json.loads(step_line(1, 1.0, 1.0, 0.5, 2.0, "r" * 16, "s" * 32, True))
-    assert list(line) == ["charge", "cpu", "loss", "rows", "seen", "update", "used", "wall"]
-    assert line["cpu"] == 1.0
-    assert StepRow._fields == ("update", "charge", "used", "wall", "loss", "ids")
+    assert list(line) == ["charge", "cpu", "loss", "lrs", "rows", "seen", "update", "used", "wall"]
+    assert line["cpu"] == 1.0 and line["lrs"] is None
+    assert StepRow._fields == ("update", "charge", "used", "wall", "loss", "ids", "lrs")
+
+
+@given(lrs=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.floats()), max_size=4)), loss=finite)
+def test_the_learning_rates_in_a_steps_line_are_the_bytes_of_json_dumps_and_read_back(lrs, loss):
+    fast = step_line(2, 1.0, 2.0, 0.1, loss, "a" * 16, "b" * 32, False, lrs)
+    assert fast == step_line_plain(2, 1.0, 2.0, 0.1, loss, "a" * 16, "b" * 32, False, lrs)
+    expected = None if lrs is None else [x if x is not None and math.isfinite(x) else None for x in lrs]
+    assert json.loads(fast)["lrs"] == expected
 
 
 def stage(**changes):

@@ -71,13 +71,14 @@ from opalctl.scalars import read_floats
 
 FLUSH_LINES = 512
 SEEN_START = "0" * 32
-# A frame: a header (kind, line count, id bytes) then, for kind L (lines), one column of 8-byte numbers per
-# StepRow field, in StepRow's order, then the ids of every line as int64. The ``ids`` column holds each line's
-# id bytes. Kinds: O open the file (first and once; its body, of the header's third number of bytes, is JSON:
+# A frame: a header (kind, line count, bytes after the columns) then, for kind L (lines), one column of 8-byte
+# numbers per StepRow field, in StepRow's order, then the ids of every line as int64, then the learning rates of
+# every line as doubles. The ``ids`` column holds each line's id bytes, the ``lrs`` column its number of learning
+# rates (-1: None), so the header's third number is the id bytes and the learning rates' bytes together. Kinds: O open the file (first and once; its body, of the header's third number of bytes, is JSON:
 # the offset to cut the file back to and the rows digest there), L lines, S make durable and reply, C the same,
 # then close. The layout follows StepRow: a field added there without its code here stops the import.
 _HEADER = struct.Struct("<cII")
-_FIELD_CODES = {"update": "q", "charge": "d", "used": "d", "wall": "d", "loss": "d", "ids": "q"}
+_FIELD_CODES = {"update": "q", "charge": "d", "used": "d", "wall": "d", "loss": "d", "ids": "q", "lrs": "q"}
 _CODES = tuple(_FIELD_CODES[name] for name in StepRow._fields)
 _READ_BYTES = 1 << 16  # how much of a steps file a reader decompresses at a time
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # they stop the run, which then ends the helper
@@ -91,11 +92,33 @@ def encode_lines(columns: dict[str, Any]) -> tuple[bytes, int]:
 
     ids = columns["ids"]
     blob = np.concatenate(ids).astype(np.int64, copy=False).tobytes()  # the digests are of int64 bytes
-    numbers = {**columns, "ids": [8 * len(rows) for rows in ids]}
-    parts = [_HEADER.pack(b"L", len(ids), len(blob))]
+    counts, rates = _learning_rates(columns.get("lrs") or [None] * len(ids))
+    numbers = {**columns, "ids": [8 * len(rows) for rows in ids], "lrs": counts}
+    parts = [_HEADER.pack(b"L", len(ids), len(blob) + 8 * len(rates))]
     parts += [array(code, numbers[name]).tobytes() for name, code in zip(StepRow._fields, _CODES)]
-    parts.append(blob)
+    parts += [blob, array("d", rates).tobytes()]
     return b"".join(parts), len(blob) // 8
+
+
+def _learning_rates(column) -> tuple[list[int], list[float]]:
+    """Each line's number of learning rates (-1: None) and all of them, one float each: a group's value that is
+    not a number of exact type (a program's object, whose conversion would run its code) is NaN, written null."""
+    counts: list[int] = []
+    rates: list[float] = []
+    for line in column:
+        if line is None:
+            counts.append(-1)
+            continue
+        counts.append(len(line))
+        for rate in line:
+            if type(rate) is float:
+                rates.append(rate)
+            else:
+                from opalctl.opal.plain import plain_number
+
+                number = plain_number(rate)
+                rates.append(float("nan") if number is None else number)
+    return counts, rates
 
 
 def decode_lines(count: int, body: bytes) -> tuple[dict[str, Any], list[bytes]]:
@@ -107,6 +130,12 @@ def decode_lines(count: int, body: bytes) -> tuple[dict[str, Any], list[bytes]]:
     for length in columns["ids"]:
         ids.append(body[start:start + length])
         start += length
+    rates = memoryview(body[start:]).cast("d")
+    lrs, at = [], 0
+    for number in columns["lrs"]:
+        lrs.append(None if number < 0 else [None if r != r else r for r in rates[at:at + number]])
+        at += max(number, 0)
+    columns = {**columns, "lrs": lrs}
     return columns, ids
 
 
@@ -129,11 +158,12 @@ def format_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: lis
     """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
     sha256 = hashlib.sha256
     lines = []
-    for update, charge, spent, wall, loss, rows_bytes in zip(columns["update"], columns["charge"], columns["used"],
-                                                             columns["wall"], columns["loss"], ids):
+    for update, charge, spent, wall, loss, rows_bytes, lrs in zip(columns["update"], columns["charge"],
+                                                                   columns["used"], columns["wall"], columns["loss"],
+                                                                   ids, columns["lrs"]):
         rows = sha256(rows_bytes).hexdigest()[:16]
         seen = sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
-        lines.append(step_line(update, charge, spent, wall, loss, rows, seen, cpu_charges))
+        lines.append(step_line(update, charge, spent, wall, loss, rows, seen, cpu_charges, lrs))
     return lines, seen
 
 
@@ -423,7 +453,7 @@ class StepsWriter:
         """The helper process (the fast path only)."""
         return self.channel.process
 
-    def add(self, update: int, charge: float, used: float, wall: float, loss, ids) -> None:
+    def add(self, update: int, charge: float, used: float, wall: float, loss, ids, lrs=None) -> None:
         """One update's line, kept as a ``StepRow`` tuple, sent every ``FLUSH_LINES``. ``loss`` is a number, or a
         scalar tensor read later with the others: only a detached one may be kept, since holding the loss itself
         would keep its autograd graph alive until the flush, moving the graph's teardown, a part of the update's
@@ -432,7 +462,7 @@ class StepsWriter:
 
         The run's loop appends the same tuple to ``pending`` itself and checks the length, without this call:
         there, a call costs more than its work (see the module docstring)."""
-        self.pending.append((update, charge, used, wall, loss, ids))
+        self.pending.append((update, charge, used, wall, loss, ids, lrs))
         if len(self.pending) >= FLUSH_LINES:
             self.flush()
 

@@ -408,6 +408,7 @@ class BudgetLoop:
         import torch
 
         from opalctl.driver.arm import make_update
+        from opalctl.opal.observer import StepLearningRates
 
         parts, meter, agent = self.parts, self.meter, self.agent
         # The loop body runs once per update, and everything it does between two updates costs several times what
@@ -420,8 +421,11 @@ class BudgetLoop:
         charge_meter = meter.charge
         # a formats.StepRow per update, appended as a plain tuple rather than through StepsWriter.add: the loss
         # as a number on the CPU, where reading it costs no synchronisation, and detached elsewhere; the batch's
-        # ids themselves when the sampler promises they stay as they are (Sampler.fresh_ids), else a copy
+        # ids themselves when the sampler promises they stay as they are (Sampler.fresh_ids), else a copy; and the
+        # learning rate of each group as the step of the arm's torch optimizer (the schedule's, which an agent's
+        # program steps) used it, a list of the groups' Python numbers read by a hook of that optimizer
         fresh_ids = bool(getattr(parts.sampler, "fresh_ids", False))
+        take_lrs = StepLearningRates(parts.schedule.optimizer).take
         kept = self.steps.pending
         keep_step, flush_lines, flush_steps = kept.append, FLUSH_LINES, self.steps.flush
         loss_value = torch.Tensor.item if self.protocol.training.device == "cpu" else torch.Tensor.detach
@@ -449,7 +453,7 @@ class BudgetLoop:
             # everything below is outside the timed interval; the update's figures are added to the ledger at the
             # next flush, and its line is digested and written by the steps helper (see records.py)
             keep_step((meter.updates, charge, meter.used, wall1 - wall0, loss_value(loss),
-                       batch.ids if fresh_ids else batch.ids.copy()))
+                       batch.ids if fresh_ids else batch.ids.copy(), take_lrs()))
             if len(kept) >= flush_lines:
                 flush_steps()
             if needs_boundary is not None and not meter.done and needs_boundary():

@@ -30,6 +30,31 @@ LOSS_BINS_KEPT = 4096  # more bins than this are merged in pairs
 ANALYSIS_SECONDS_KEPT = 64
 
 
+class StepLearningRates:
+    """The learning rate of each parameter group as the step of a torch optimizer used it: the effective learning
+    rate, the one definition the analysis (``obs["lrs"]``), the run's steps records and the report use.
+
+    A hook of the torch optimizer (``register_step_pre_hook``) reads the groups' values just before each step, so
+    it sees what the budget schedule set and what an agent's program set for that step: the starting program
+    multiplies the groups' learning rates by its ``LR_SCALE`` and anneal only around the step and puts them back
+    after, where a reading after the update would miss it. The hook copies the groups' values into a list (Python
+    numbers, no device work); ``take`` hands over the last step's list and forgets it, so an update whose program
+    did not step the torch optimizer (an agent's own update rule) gives None rather than an earlier update's. The
+    values are kept as the groups held them (a program may have put an object of its own there): a reader converts
+    them where converting is safe."""
+
+    def __init__(self, optimizer) -> None:
+        self.used: list | None = None
+        optimizer.register_step_pre_hook(self._before_step)  # for the optimizer's life
+
+    def _before_step(self, optimizer, _args, _kwargs) -> None:
+        self.used = [group["lr"] for group in optimizer.param_groups]
+
+    def take(self) -> list | None:
+        used, self.used = self.used, None
+        return used
+
+
 def _number(value: float | None) -> str:
     return "null" if value is None else repr(value)
 
@@ -176,11 +201,13 @@ class Observer:
         return self.good is None or t - self.good.update >= GOOD_EVERY * every
 
     def analyse(self, t: int, version: Version, *, progress: float, losses: list[float], params, before, grads,
-                optimizer, groups) -> tuple[str | None, str | None]:
-        """Run ``version``'s analysis after update ``t``; keep its report. Returns why it wakes the agent (None when
+                optimizer, groups, step_lrs: list | None = None) -> tuple[str | None, str | None]:
+        """Run ``version``'s analysis after update ``t``; keep its report. ``obs["lrs"]`` is ``step_lrs``, the
+        learning rates the update's step used (``StepLearningRates``), or the groups' values where no step of
+        the torch optimizer ran. Returns why it wakes the agent (None when
         it does not) and, when its report or wake-up reason is not plain data, why (the optimizer then reverts the
         version). Another failure is an error shown to the agent, and an ``analysis_failed`` event."""
-        seen = (t, progress, losses, params, before, grads, optimizer, groups)
+        seen = (t, progress, losses, params, before, grads, optimizer, groups, step_lrs)
         started = time.perf_counter()
         result, error = self.guard.call(version, "analyze()", self._analyze, version, seen)
         self.analysis_seconds.append(time.perf_counter() - started)
@@ -206,11 +233,12 @@ class Observer:
         """The program's ``analyze`` and everything read for it or of its result (inside the guarded call: the user's
         optimizer state and the groups may hold a program's objects, and the result is the program's): (why it
         wakes the agent or None, the report as JSON text or None)."""
-        t, progress, losses, params, before, grads, optimizer, groups = seen
+        t, progress, losses, params, before, grads, optimizer, groups, step_lrs = seen
         state = optimizer.state
         obs = {"update": t, "progress": progress, "losses": losses, "params": dict(params), "before": before,
                "grads": dict(grads.items()), "state": {name: state.get(p, {}) for name, p in params.items()},
-               "roles": self.roles, "lrs": [float(g["lr"]) for g in groups]}
+               "roles": self.roles,
+               "lrs": [float(lr) for lr in (step_lrs if step_lrs is not None else [g["lr"] for g in groups])]}
         with torch.no_grad():
             result = version.analysis.analyze(obs, self.memory)
         if type(result) is not dict:

@@ -71,7 +71,7 @@ from opalctl.opal.guard import (
 )
 from opalctl.opal.hangs import GuardFindings, Hangs
 from opalctl.opal.messages import prompt_text
-from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer
+from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLearningRates
 from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
@@ -148,6 +148,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.records = OpalRecords(run_dir, SecretRedaction(local_secrets) if local_secrets else Redaction())
         Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
         self.guard = StepGuard(step_time_limit, self.named)
+        self.step_rates = StepLearningRates(optimizer)  # what the analysis sees as obs["lrs"]
         self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
                                  self.guard)
         self.findings = GuardFindings(Hangs(run_dir), self.records, self.observer)
@@ -303,6 +304,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         before = {name: p.detach().clone() for name, p in self.named.items()} if probe else None
         in_trial = version.status == "trial"
         snapshot = slots.trial_snapshot(self.t)
+        self.step_rates.used = None  # the learning rates of this update's step, none of an earlier one
         _, error = contained(self._checked_step, version, ctx, in_trial)
         if error is not None:
             self._step_failed(version, error, snapshot, ctx)
@@ -389,7 +391,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         version = slots.current
         wake, refused = observer.analyse(t, version, progress=self.progress(), losses=losses, params=self.named,
                                          before=before, grads=self._grads, optimizer=self.spec.optimizer,
-                                         groups=self.param_groups)
+                                         groups=self.param_groups, step_lrs=self.step_rates.used)
         if refused is not None:
             self._output_refused(version, refused)
         elif wake is not None:

@@ -21,6 +21,7 @@ from opalctl.report.sections import (
     fractions,
     limitations_section,
     load_figures,
+    loss_and_lr_figures,
     paired_table,
     seconds_label,
     stage_series,
@@ -97,28 +98,43 @@ def _tables(result: dict[str, Any]) -> str:
         anchor="tables")
 
 
+def _forest_row(arm: dict[str, Any], figure: dict[str, Any]) -> dict[str, Any]:
+    """An arm's point on the forest plot: the mean paired difference and its t-interval, as the table gives them
+    (no interval where the t-test has none: one seed, or no spread)."""
+    mean = figure["mean_difference"]
+    low, high = figure.get("t_ci_low"), figure.get("t_ci_high")
+    return {"arm": arm["arm"] + (" (post-hoc)" if arm.get("post_hoc") else ""), "mean": mean,
+            "low": mean if low is None else low, "high": mean if high is None else high,
+            "reliable": figure["n"] >= TEST_MIN_SEEDS}
+
 def _figures(result: dict[str, Any], runs: list[RunView]) -> str:
     figures = load_figures()
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_arm.setdefault(run.arm, []).append(run.loss_input())
-    metrics = [m for m in result["metrics"] if m != TRAIN_LOSS]
-    forest = {m: [{"arm": a["arm"], "mean": a["paired"][m]["mean_difference"], "low": a["paired"][m]["ci_low"],
-                   "high": a["paired"][m]["ci_high"], "reliable": a["paired"][m]["interval_reliable"]}
-                  for a in result["arms"] if m in a["paired"]] for m in result["metrics"]}
+    directions = result["metrics"]
+    metrics = [m for m in directions if m != TRAIN_LOSS]
+    forest = {m: [_forest_row(a, a["paired"][m]) for a in result["arms"] if m in a["paired"]] for m in directions}
     forest = {m: rows for m, rows in forest.items() if rows}
-    parts = [html.figure(figures.loss_figure(by_arm, seconds_label(runs[0].curve.seconds_key)),
-                         "Training loss of every run; dotted lines: stages (a dot on top: promoted); ticks along "
-                         "the bottom: the agent's decisions (green applied, grey kept, red reverted, orange other)."),
-             html.figure(figures.stages_figure(stage_series(runs, metrics), fractions(runs)),
-                         "Each metric across stages per arm: the mean over seeds, the band from the lowest to the "
-                         "highest seed.")]
+    final = {m: {a["arm"]: list(a["values"][m].values()) for a in result["arms"] if a["values"].get(m)}
+             for m in directions}
+    final = {m: arms for m, arms in final.items() if arms}
+    parts = loss_and_lr_figures(figures, by_arm, result["clock"])
+    if final:
+        parts.append(html.figure(figures.final_figure(final, directions, result["stage"]),
+                                 f"Each metric of the {result['stage']} models on its own scale: a dot per seed, a "
+                                 f"bar at the arm's mean; the title says which way is better.", "final"))
+    parts.append(html.figure(figures.stages_figure(stage_series(runs, metrics), fractions(runs)),
+                             f"Each metric across stages per arm: the mean over seeds, the band from the lowest to the "
+                             f"highest seed ({figures.BAND}); the anchor's value is in each title.", "stages"))
     if forest:
-        parts.append(html.figure(figures.forest_figure(forest, result["baseline"]),
-                                 "Paired differences to the baseline with their 95 % bootstrap intervals; a hollow "
-                                 f"marker: fewer than {TEST_MIN_SEEDS} seeds, the interval is unreliable."))
+        parts.append(html.figure(figures.forest_figure(forest, result["baseline"], directions),
+                                 "Paired differences to the baseline with their 95 % t-intervals (the table's); the "
+                                 "arrow under each panel points to the better side; a hollow marker: fewer than "
+                                 f"{TEST_MIN_SEEDS} seeds, where the exact test that decides cannot reach p < 0.05.",
+                                 "forest"))
     parts.append(html.figure(figures.timeline_figure([run.timeline_input() for run in runs]),
-                             "Promotion timeline: every stage of every run and the model each run selected."))
+                             "Promotion timeline: every stage of every run and the model each run selected.", "timeline"))
     return html.section("Figures", *parts, anchor="figures")
 
 

@@ -16,12 +16,13 @@ POLICY = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; base-uri
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 1040px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; display: block; overflow-x: auto; }
 th, td { border: 1px solid #ddd; padding: 0.2em 0.5em; text-align: left; vertical-align: top; }
 td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .ok { color: #1b7f3b; } .bad { color: #c0392b; font-weight: bold; } .muted { color: #777; }
 pre { background: #f6f6f6; padding: 0.5em; white-space: pre-wrap; overflow-wrap: anywhere; font-size: 0.85em; }
 figure { margin: 0.8em 0; } figure svg { max-width: 100%; height: auto; }
+details.kept > summary { cursor: pointer; color: #555; margin: 0.4em 0; }
 """
 
 
@@ -60,8 +61,10 @@ def section(title: str, *parts: str, anchor: str = "") -> str:
     return f"<section{identity}><h2>{text(title)}</h2>{''.join(parts)}</section>"
 
 
-def figure(svg: str, caption: str) -> str:
-    return f"<figure>{svg}<figcaption class=\"muted\">{text(caption)}</figcaption></figure>"
+def figure(svg: str, caption: str, name: str = "") -> str:
+    """A figure with its caption; ``name`` (``data-figure``) says which one it is, for a reader's script."""
+    named = f' data-figure="{text(name)}"' if name else ""
+    return f"<figure{named}>{svg}<figcaption class=\"muted\">{text(caption)}</figcaption></figure>"
 
 
 def paragraphs(sentences: list[str], css: str = "") -> str:

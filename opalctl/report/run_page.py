@@ -8,7 +8,6 @@ A run folder does not say where its lock is, so the page names the lock's digest
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from opalctl.files import atomic_write_text, storage
 from opalctl.report import html
@@ -18,7 +17,7 @@ from opalctl.report.sections import (
     fractions,
     limitations_section,
     load_figures,
-    seconds_label,
+    loss_and_lr_figures,
     stage_series,
 )
 
@@ -52,18 +51,19 @@ def _stages(run: RunView, metrics: list[str]) -> str:
              *[html.number_cell(s["metrics"].get(m), metric=m, stage=s["stage"]) for m in metrics],
              f"<td>{'yes' if s['promoted'] else 'no'}</td>", f"<td>{html.text('; '.join(s['reasons']) or '-')}</td>"]
             for s in run.shown["stages"]]
-    return html.section("Stages", html.table(["stage", "fraction", "update", *metrics, "promoted", "reasons"], rows,
+    # a zero-width space after each dot lets a long metric name break there, so the reasons keep room to read
+    names = [m.replace(".", ".\u200b") for m in metrics]
+    return html.section("Stages", html.table(["stage", "fraction", "update", *names, "promoted", "reasons"], rows,
                                              cells_ready=True), anchor="stages")
 
 
 def _figures(run: RunView, metrics: list[str]) -> list[str]:
     figures = load_figures()
-    parts: list[Any] = [html.figure(figures.loss_figure({run.arm: [run.loss_input()]}, seconds_label(run.curve.seconds_key)),
-                                    "Training loss; dotted lines: stages (a dot on top: promoted); ticks along the "
-                                    "bottom: the agent's decisions (green applied, grey kept, red reverted).")]
+    parts = loss_and_lr_figures(figures, {run.arm: [run.loss_input()]}, run.shown["budget"]["clock"])
     if run.report:
         parts.append(html.figure(figures.stages_figure(stage_series([run], metrics), fractions([run])),
-                                 "Each metric at the anchor (0) and at every stage."))
+                                 "Each metric at every stage, on the stages' own scale; the anchor's value is in "
+                                 "each title.", "stages"))
         parts.append(html.figure(figures.timeline_figure([run.timeline_input()]),
-                                 "Promotion timeline: every stage and the model the run selected."))
+                                 "Promotion timeline: every stage and the model the run selected.", "timeline"))
     return parts

@@ -1,9 +1,11 @@
-"""What the report page reads of one run beyond its report: the loss curve from the steps records, against
-training seconds on the lock's clock, and the agent's decisions placed on that same axis.
+"""What the report page reads of one run beyond its report: the loss and the learning rates from the steps
+records, against updates and against the budget the protocol's clock charged, and the agent's decisions.
 
-The x axis is the running sum of each update's cpu charge where the steps records hold one (the ``cpu`` clock)
-and of its wall seconds otherwise; ``Curve.seconds_key`` names the stage records' field on the same axis
-(``train_cpu_seconds`` / ``train_wall_seconds``), so the stage marks line up with the curve.
+Each kept point has its update number, the budget used after it (``used``: the clock's charge summed, in the
+clock's unit: updates, cpu seconds, ...), its loss and the learning rate of each parameter group its step used
+(``lrs``; None in a steps file written before opalctl recorded them). ``seconds`` (the running sum of each
+update's cpu charge under the ``cpu`` clock, of its wall seconds otherwise; ``Curve.seconds_key`` names the stage
+records' field on that axis) is what TensorBoard's wall time reads.
 A long run's curve is thinned to at most ``CURVE_POINTS`` points by taking every k-th update, plus the last, so a
 20-run page stays small and renders in seconds; the thinning never averages (the points are updates that ran).
 """
@@ -30,10 +32,17 @@ class Curve:
     updates: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    used: list[float] = field(default_factory=list)
+    lrs: list[list[float | None] | None] = field(default_factory=list)
     _all_seconds: dict[int, float] = field(default_factory=dict)
+    _all_used: dict[int, float] = field(default_factory=dict)
 
     def seconds_at(self, update: int | None) -> float | None:
         return None if update is None else self._all_seconds.get(int(update))
+
+    def used_at(self, update: int | None) -> float | None:
+        """The budget used after update ``update``, in the clock's unit."""
+        return None if update is None else self._all_used.get(int(update))
 
 
 def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
@@ -64,12 +73,24 @@ def _curve(path: Path, every_update: bool) -> Curve:
     for index, line in enumerate(lines):
         total += (line.get("cpu") or 0.0) if on_cpu else line["wall"]
         curve._all_seconds[line["update"]] = total
+        curve._all_used[line["update"]] = float(line.get("used", line["update"]))
         loss = line["loss"]
         if (index % stride == 0 or index == len(lines) - 1) and isinstance(loss, (int, float)) and loss - loss == 0:
             curve.updates.append(line["update"])
             curve.seconds.append(total)
             curve.losses.append(float(loss))
+            curve.used.append(curve._all_used[line["update"]])
+            curve.lrs.append(_rates(line.get("lrs")))
     return curve
+
+
+def _rates(value: Any) -> list[float | None] | None:
+    """A line's learning rates as drawn: None for a line without them (an older opalctl's, or a step of no torch
+    optimizer), and None for a group whose value is not a finite number."""
+    if not isinstance(value, list):
+        return None
+    return [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v - v == 0 else None
+            for v in value]
 
 
 def program_diff(run_dir: Path, decision: int, version: int | None, files: list[str] | None) -> str:
@@ -119,14 +140,15 @@ def _program_text(path: Path) -> str | None:
 
 
 def decision_marks(decisions: list[dict[str, Any]] | None, curve: Curve) -> list[dict[str, Any]]:
-    """Each decision as a tick: its seconds on the curve's axis and what became of it (a reverted one twice:
+    """Each decision as a mark: its update, the budget used there and what became of it (a reverted one twice:
     applied when answered, reverted when rolled back)."""
     marks = []
     for decision in decisions or []:
-        if decision["outcome"] == "pending":
+        if decision["outcome"] == "pending" or decision.get("answered_at") is None:
             continue
         kind = decision["outcome"] if decision["outcome"] in (Event.APPLIED, Event.KEPT) else "other"
-        marks.append({"seconds": curve.seconds_at(decision.get("answered_at")), "kind": kind})
+        marks.append({"update": decision["answered_at"], "used": curve.used_at(decision["answered_at"]), "kind": kind})
         if decision.get("reverted_at") is not None:
-            marks.append({"seconds": curve.seconds_at(decision["reverted_at"]), "kind": Event.REVERTED})
-    return [m for m in marks if m["seconds"] is not None]
+            marks.append({"update": decision["reverted_at"], "used": curve.used_at(decision["reverted_at"]),
+                          "kind": Event.REVERTED})
+    return marks

@@ -178,7 +178,7 @@ def assert_same_agent_run(tools, got_dir, want_dir, resumes):
         assert opal_stream(got_dir, name) == opal_stream(want_dir, name), name
     assert decision_records(got_dir) == decision_records(want_dir)
 
-    step_keys = ("update", "charge", "used", "loss", "rows", "seen")
+    step_keys = ("update", "charge", "used", "loss", "rows", "seen", "lrs")
     got_steps, want_steps = list(read_steps(got_dir / "training" / "steps.jsonl.gz")), list(read_steps(want_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in got_steps] == list(range(1, AMOUNT + 1))
     assert [{k: s[k] for k in step_keys} for s in got_steps] == [{k: s[k] for k in step_keys} for s in want_steps]

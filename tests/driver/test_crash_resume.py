@@ -167,7 +167,7 @@ def finish(project, arm, run_dir, tries=3):
     assert (run_dir / "report.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
 
-STEP_KEYS = ("update", "charge", "used", "loss", "rows", "seen")
+STEP_KEYS = ("update", "charge", "used", "loss", "rows", "seen", "lrs")
 STAGE_KEYS = ("stage", "fraction", "update", "budget_used", "examples", "metrics", "decision", "promoted",
               "incumbent_before", "incumbent_after", "shared_state_with", "loss")
 

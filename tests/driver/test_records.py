@@ -249,3 +249,24 @@ def test_a_writer_closed_before_it_was_opened_ends_quietly_and_writes_nothing(tm
     assert writer.channel.ended and not (tmp_path / "steps.jsonl.gz").exists()
     if not in_process:
         assert writer.process.returncode == 0
+
+
+class _Rate(float):
+    """A program's number: converting it would run its code."""
+
+    def __float__(self):
+        raise AssertionError("the writer ran a program's __float__")
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["helper", "in-process"])
+def test_each_lines_learning_rates_are_written_as_kept_and_an_unknown_one_is_null(tmp_path, in_process):
+    writer = StepsWriter(tmp_path / "steps.jsonl.gz", in_process=in_process)
+    kept = [[1e-3, 2.5e-4], None, [0.1], [], [float("nan"), _Rate(0.5), torch.tensor(0.25), 3]]
+    for update, lrs in enumerate(kept, start=1):
+        writer.add(update, 1.0, float(update), 0.1, 0.5, np.arange(update), lrs)
+    writer.add(6, 1.0, 6.0, 0.1, 0.5, np.arange(2))  # as an older caller: no learning rates
+    writer.close()
+    lines = list(read_steps(tmp_path / "steps.jsonl.gz"))
+    assert [line["lrs"] for line in lines] == [[1e-3, 2.5e-4], None, [0.1], [], [None, None, 0.25, 3.0], None]
+    assert [line["rows"] for line in lines] == [hashlib.sha256(np.arange(u, dtype=np.int64).tobytes()).hexdigest()[:16]
+                                                for u in (1, 2, 3, 4, 5, 2)], "the ids still come through whole"

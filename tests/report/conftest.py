@@ -93,8 +93,9 @@ class Browser:
         while not any(e.get("method") == method for e in self.events):
             self.events.append(self._receive(deadline))
 
-    def load(self, url: str, width: int = 1100) -> dict[str, Any]:
-        """Open ``url``; (console messages, errors, requested urls, screenshot PNG bytes, DOM)."""
+    def load(self, url: str, width: int = 1100, measure: str | None = None) -> dict[str, Any]:
+        """Open ``url``; (console messages, errors, requested urls, screenshot PNG bytes, DOM, and the value of the
+        JavaScript expression ``measure`` evaluated in the loaded page, as JSON)."""
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
@@ -107,6 +108,8 @@ class Browser:
         shot = self.call("Page.captureScreenshot", session, format="png", captureBeyondViewport=True)
         dom = self.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
                         returnByValue=True)["result"]["value"]
+        measured = (self.call("Runtime.evaluate", session, expression=measure, returnByValue=True)["result"]
+                    .get("value") if measure else None)
         mine = [e for e in self.events if e.get("sessionId") == session]
         return {
             "console": [e["params"] for e in mine if e.get("method") == "Runtime.consoleAPICalled"],
@@ -115,6 +118,7 @@ class Browser:
             "requests": [e["params"]["request"]["url"] for e in mine if e.get("method") == "Network.requestWillBeSent"],
             "png": base64.b64decode(shot["data"]),
             "dom": dom,
+            "measured": measured,
         }
 
     def close(self) -> None:

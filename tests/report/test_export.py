@@ -47,6 +47,9 @@ def test_the_export_holds_each_runs_loss_stage_metrics_and_decisions(grid, tmp_p
         loss = accumulator.Scalars("train/loss")
         assert [e.step for e in loss] == [s["update"] for s in steps]
         assert [e.value for e in loss] == pytest.approx([s["loss"] for s in steps], rel=1e-6)
+        lrs = accumulator.Scalars("train/lr/group-0")
+        assert [(e.step, e.value) for e in lrs] == [(s["update"], pytest.approx(s["lrs"][0], rel=1e-6)) for s in steps]
+        assert not [tag for tag in accumulator.Tags()["scalars"] if tag.startswith("train/lr/group-1")], "one group"
         walls = [sum(s["wall"] for s in steps[:i + 1]) for i in range(len(steps))]
         assert [e.wall_time for e in loss] == pytest.approx(walls, rel=1e-9), "wall time is training seconds"
         report = json.loads((run_dir / "report.json").read_text())

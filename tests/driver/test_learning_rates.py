@@ -1,0 +1,74 @@
+"""The learning rate each update's step used, in every line of ``steps.jsonl.gz`` (``lrs``, one per parameter
+group): the budget schedule's for a fixed arm, the one an agent's program scaled it to for an agent arm (the
+starting program scales the groups only around the step, which a reading after the update would miss), and the
+``keep`` agent's the fixed arm's, bit for bit, as its weights are. The agent's analysis sees the same learning
+rates (``obs["lrs"]``: one definition, ``opal.observer.StepLearningRates``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opalctl.driver.arm import schedule_factor
+from opalctl.driver.records import read_steps
+
+AMOUNT = 100  # the analysis runs every 25 updates: its reports at 25, 50, 75 and 100
+LR = 1.0e-3
+ADAMW = {"optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.01}}
+ARMS = {"adamw": ADAMW, "cosine": {**ADAMW, "schedule": "cosine"},
+        "keep": {**ADAMW, "agent": {"backend": "keep", "decisions": 2}},
+        "agent": {**ADAMW, "agent": {"backend": "heuristic", "decisions": 4}}}
+
+
+@pytest.fixture(scope="module")
+def project(digits_template, tmp_path_factory, tools):
+    patch = pytest.MonkeyPatch()
+    made = tools.Project(digits_template, tmp_path_factory.mktemp("lrs") / "project", patch)
+    made.freeze(budget={"clock": "updates", "amount": AMOUNT}, arms=ARMS)
+    for arm in ARMS:
+        made.run(arm, 1)
+    yield made
+    patch.undo()
+
+
+def steps(project, arm):
+    return list(read_steps(project.run_dir(arm, 1) / "training" / "steps.jsonl.gz"))
+
+
+def test_a_fixed_arms_lines_hold_the_schedules_learning_rate_of_each_group(project):
+    assert [s["lrs"] for s in steps(project, "adamw")] == [[LR]] * AMOUNT
+    fractions = [(s["update"] - 1) / AMOUNT for s in steps(project, "cosine")]  # the budget used before the update
+    assert [s["lrs"] for s in steps(project, "cosine")] == [[LR * schedule_factor("cosine", f)] for f in fractions]
+
+
+def test_the_keep_agents_learning_rates_weights_and_lines_are_the_fixed_arms(project, tools):
+    keep, fixed = steps(project, "keep"), steps(project, "adamw")
+    assert [{k: v for k, v in s.items() if k != "wall"} for s in keep] == \
+        [{k: v for k, v in s.items() if k != "wall"} for s in fixed]
+    assert tools.read(project.run_dir("keep", 1) / "report.json")["final_model_sha256"] == \
+        tools.read(project.run_dir("adamw", 1) / "report.json")["final_model_sha256"]
+
+
+def test_an_agent_arms_lines_hold_the_learning_rate_its_program_scaled_for_the_step(project, tools):
+    import json
+
+    events = [json.loads(line) for line in
+              (project.run_dir("agent", 1) / "training" / "opal" / "events.jsonl").read_text().splitlines()]
+    applied = [e for e in events if e["kind"] == "applied"]
+    assert applied, "the heuristic agent changes the program in this protocol"
+    lines = steps(project, "agent")
+    first = applied[0]["update"]
+    assert [s["lrs"] for s in lines[:first]] == [[LR]] * first, "the starting program: the optimizer's own"
+    # the optimizer's own learning rate stays LR (the program scales it only around its step), so any other value
+    # in a line is the program's scaling, seen only inside the step
+    assert any(s["lrs"] != [LR] for s in lines[first:]), [s["lrs"] for s in lines[first:]]
+
+
+def test_the_agents_analysis_sees_the_learning_rate_the_step_used(project):
+    import json
+
+    lines = {s["update"]: s["lrs"] for s in steps(project, "agent")}
+    reports = [json.loads(line) for line in
+               (project.run_dir("agent", 1) / "training" / "opal" / "reports.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in reports] == [25, 50, 75, 100]
+    assert [r["report"]["lrs"] for r in reports] == [lines[r["update"]] for r in reports]
+    assert reports[-1]["report"]["lrs"][0] < LR, "annealed at the last analysis: the analysis sees the scaling"
