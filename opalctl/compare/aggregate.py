@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
+from opalctl.compare.decisions import arm_decisions
 from opalctl.compare.flags import outside_cpu, outside_work_flag, run_flags, unconfined_note
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
@@ -138,6 +139,11 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
     rows = []
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
+        # an agent arm's decisions, read from its run folders: a seed whose agent never answered is left out of its
+        # paired figures, and an arm that acted on no seed gets no verdict (compare/decisions.py)
+        decided = arm_decisions(arm, lock.resolved["arms"][arm], {s: base / arm / f"seed-{s}" for s in finished[arm]})
+        entry["decisions"] = None if decided is None else decided.to_json()
+        left_out = set(decided.left_out_seeds) if decided is not None and arm != baseline else set()
         entry["flags"] = run_flags(finished[arm], _hung(base, arm, finished[arm]))
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
             entry["flags"].append(outside)
@@ -147,9 +153,10 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
             entry["values"][metric] = {str(s): mine[s] for s in sorted(mine)}
             if arm != baseline:
                 theirs = {s: v[metric] for s, v in values[baseline].items() if v.get(metric) is not None}
-                figure = paired(theirs, mine, higher_is_better=higher, resamples=resamples,
+                acted = {s: value for s, value in mine.items() if s not in left_out}
+                figure = paired(theirs, acted, higher_is_better=higher, resamples=resamples,
                                 what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
-                figure["verdict"] = verdict(arm, baseline, metric, figure, entry["flags"])
+                figure["verdict"] = verdict(arm, baseline, metric, figure, entry["flags"], decided)
                 entry["paired"][metric] = figure
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,

@@ -76,15 +76,22 @@ def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:
 
 
 def _agent_table(result: dict[str, Any]) -> None:
-    """The agent arms' decisions, waiting and cost, mean over seeds; nothing when no arm has an agent."""
-    rows = [[arm["arm"], *[_count(arm["agent"][key]["mean"]) for key in
-                           ("decisions_asked", "decisions_applied", "decisions_reverted")],
+    """The agent arms' decisions (counted over all their seeds, from the run folders: compare/decisions.py), the
+    seeds they acted on, then waiting, cost and code seconds (mean over seeds); nothing when no arm has an agent:
+    a fixed arm has no row, not a row of zeros."""
+    from opalctl.compare.decisions import COUNTS, LEGEND
+
+    rows = [[arm["arm"], *[str(arm["decisions"]["total"][key]) for key in COUNTS],
+             f"{len(arm['decisions']['acted_seeds'])}/{len(arm['seeds'])}",
              f"{arm['agent']['waiting_seconds']['mean']:.1f}", f"{arm['agent']['cost_usd']['mean']:.2f}",
              _mean_spread(arm["agent"].get("code_outside_cpu_seconds"), 2)]
-            for arm in result["arms"] if arm["agent"]]
+            for arm in result["arms"] if arm.get("decisions") and arm["agent"]]
     if rows:
-        console.table("agent decisions, mean over seeds", ["arm", "asked", "applied", "reverted", "waiting s",
-                                                           "cost $", "code cpu s outside"], rows)
+        console.table("agent decisions, summed over seeds (seconds and cost: mean over seeds)",
+                      ["arm", *[key.replace("_", " ") for key in COUNTS], "acted on", "waiting s", "cost $",
+                       "code cpu s outside"], rows)
+        console.paragraph("decisions: " + "; ".join(f"{key.replace('_', ' ')}: {LEGEND[key]}" for key in COUNTS)
+                          + "; acted on: the seeds where at least one decision was applied")
 
 
 def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:
@@ -138,7 +145,3 @@ def _sentences(result: dict[str, Any], chosen: bool) -> None:
         if arm.get("unconfined_note"):
             console.paragraph("note: " + arm["unconfined_note"])
 
-
-def _count(mean: float) -> str:
-    """A mean count over seeds: whole when it is (8), else with one decimal (1.3 applied of 8 asked, not 1)."""
-    return f"{mean:.0f}" if abs(mean - round(mean)) < 1e-9 else f"{mean:.1f}"
