@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED, EXIT_OK
+from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED, EXIT_OK, OpalctlError
 from opalctl.formats import Event
 
 COUNTS = ("asked", "applied", "rolled_back", "kept", "failed", "timed_out")
@@ -208,11 +208,8 @@ class ArmDecisions:
         if self.declined_seeds:
             said.append(f"on seed{_plural(self.declined_seeds)} {_seeds(self.declined_seeds)} the agent answered but "
                         f"changed nothing ({_tallies(self, self.declined_seeds)}); counted, as the agent's choice")
-        return (" " + "; ".join(said)[0].upper() + "; ".join(said)[1:] + ".") if said else ""
-
-    @property
-    def run_warning(self) -> str | None:
-        return self.instead_of_verdict or (self.note.strip() or None)
+        text = "; ".join(said)
+        return f" {text[0].upper()}{text[1:]}." if said else ""
 
     def to_json(self) -> dict[str, Any]:
         return {"seeds": {str(s): t.to_json() for s, t in sorted(self.seeds.items())},
@@ -264,7 +261,11 @@ class RunEnding:
     def of(cls, arm: str, seed: int, arm_config: dict[str, Any], run_dir: str | Path) -> RunEnding:
         if not arm_config.get("agent"):
             return cls(None, None, EXIT_OK)
-        tally = DecisionTally.read(run_dir) or DecisionTally()
+        try:
+            tally = DecisionTally.read(run_dir) or DecisionTally()
+        except OpalctlError as error:  # the run is finished whatever its records say; `opalctl verify` tells more
+            return cls(None, f"the decisions of arm {arm} on seed {seed} could not be counted: {error.message}",
+                       EXIT_OK)
         if tally.acted:
             return cls(tally, None, EXIT_OK)
         base = base_words(arm_config)

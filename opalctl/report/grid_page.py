@@ -65,7 +65,8 @@ def _identity(result: dict[str, Any], verification: dict[str, Any]) -> str:
 
 
 def _verdicts(result: dict[str, Any]) -> str:
-    sentences = [f["verdict"] for arm in result["arms"] for f in arm["paired"].values()]
+    # each sentence once: an agent arm that never acted has the same one in place of every metric's verdict
+    sentences = list(dict.fromkeys(f["verdict"] for arm in result["arms"] for f in arm["paired"].values()))
     anchors = [arm["anchor_note"] for arm in result["arms"] if arm["anchor_note"]]
     return html.section("Verdicts", html.paragraphs(sentences) or "<p>Only the baseline has runs.</p>",
                         html.paragraphs(anchors, "muted"), anchor="verdicts")

@@ -86,3 +86,21 @@ def test_a_fixed_arm_ends_its_run_with_nothing_to_say(tmp_path):
     ending = RunEnding.of("adamw", 1, {"optimizer": {"name": "AdamW"}}, tmp_path)
     assert (ending.decisions, ending.warning, ending.exit_code) == (None, None, 0)
     assert EXIT_AGENT_NEVER_ANSWERED == 5
+
+
+def test_the_demo_says_the_sentence_in_place_of_an_agent_arms_verdict():
+    from opalctl import demo
+    from opalctl.compare.statistics import paired
+
+    base = {1: 50.0, 2: 52.0, 3: 51.0}
+    figure = paired(base, dict(base), resamples=200)
+    never = arm(s1=[REFUSED], s2=[REFUSED], s3=[REFUSED]).to_json()
+    mixed = arm(s1=[APPLIED], s2=[APPLIED], s3=[SLOW]).to_json()
+    moved = paired(base, {1: 51.0, 2: 53.0}, resamples=200)
+    comparison = {"primary": "selection.correct", "baseline": "hot", "arms": [
+        {"arm": "hot", "paired": {}, "decisions": None},
+        {"arm": "agent", "paired": {"selection.correct": figure}, "decisions": never},
+        {"arm": "mixed", "paired": {"selection.correct": moved}, "decisions": mixed}]}
+    sentences = demo.verdict(comparison)
+    assert sentences[0] == never["no_verdict"] and "no difference" not in " ".join(sentences)
+    assert sentences[1].startswith("mixed: better than hot by 1") and sentences[1].endswith(mixed["note"])
