@@ -219,9 +219,20 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, run
                             say=say, confine=(click.get_current_context().obj or {}).get("own_process", False))
     if not prints_here():
         return
+    acted = report["agent_acted"]  # whether its agent acted: a warning and exit 5 (compare/decisions.py)
     if json_mode:
         console.print_json(report)
-        return
+    else:
+        _run_summary(arm, seed, report)
+    if acted["warning"]:
+        console.message("warning: " + acted["warning"])
+    sys.exit(acted["exit_code"])
+
+
+def _run_summary(arm: str, seed: int, report: dict) -> None:
+    from opalctl import console
+    from opalctl.compare.decisions import COUNTS
+
     budget = report["budget"]
     selected = report["selected"]
     console.pairs(f"opalctl run {arm} seed {seed}", [
@@ -233,6 +244,8 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, run
         ("promoted stages", ", ".join(map(str, report["promoted_stages"])) or "none"),
         ("selected", f"stage {selected['stage']}" if selected["source"] == "stage" else "the anchor (flagged: no "
                                                                                       "stage qualified)"),
+        *([("agent decisions", ", ".join(f"{counts[key]} {key.replace('_', ' ')}" for key in COUNTS))]
+          if (counts := report["agent_acted"]["decisions"]) else []),
     ])
 
 
@@ -386,7 +399,7 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
                       runs_dir=runs_dir, display=live_display(json_mode), settings=settings)
     comparison, note = closing_compare(result)
     print_json_end(result, comparison, note) if json_mode else render_end(result, comparison, note)
-    sys.exit(exit_code(result))
+    sys.exit(exit_code(result, comparison))
 
 
 @cli.command(help=f"One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "

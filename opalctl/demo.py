@@ -152,7 +152,8 @@ def verdict(comparison: dict[str, Any]) -> list[str]:
     """One sentence per arm against the baseline on the primary metric: the mean paired difference, how many seeds
     went which way, whether it is larger than the seeds' spread (the standard deviation of the paired differences
     over seeds: a difference that large is not one seed's luck), then what the exact test can say with this many
-    seeds."""
+    seeds; for an agent arm that acted on no seed, the sentence saying so instead, and for one that did not act on
+    every seed, which seeds (compare/decisions.py)."""
     import statistics
 
     from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
@@ -161,6 +162,10 @@ def verdict(comparison: dict[str, Any]) -> list[str]:
     metric, baseline = comparison["primary"], comparison["baseline"]
     sentences = []
     for row in comparison["arms"]:
+        decisions = row.get("decisions") or {}
+        if decisions.get("no_verdict"):  # an agent that never acted: its runs are the base optimizer's
+            sentences.append(decisions["no_verdict"])
+            continue
         figure = row["paired"].get(metric)
         if figure is None or not figure["n"]:
             continue
@@ -175,7 +180,8 @@ def verdict(comparison: dict[str, Any]) -> list[str]:
                                    if figure["n"] < TEST_MIN_SEEDS else "")
         sentences.append(f"{arm}: {'better' if better else 'worse'} than {baseline} by {abs(mean):.4g} on {metric} "
                          f"({figure['wins']} of {figure['n']} seeds better, {figure['losses']} worse), {size} "
-                         f"(sd {spread:.3g} of the paired differences); {tested}.")
+                         f"(sd {spread:.3g} of the paired differences); {tested}." + (
+                             f" {decisions['note']}" if decisions.get("note") else ""))
     return sentences
 
 

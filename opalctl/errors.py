@@ -8,8 +8,10 @@ The exit codes: 0 done; 1 a failure while working (``OpalctlError``) or a bug; 2
 frozen input changed (``InputChanged``); 4 an agent's program hung (``EXIT_PROGRAM_HUNG``): a program call ran past
 its time limit and did not stop when interrupted, so the watchdog recorded it (an event and ``training/opal/hung.jsonl``
 naming the version and the call) and ended the process; ``opalctl run ... --resume`` continues from the last
-resume checkpoint with that version marked failed (it never runs again); 129, 130 and 143 a run stopped by SIGHUP,
-SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops once the update in
+resume checkpoint with that version marked failed (it never runs again); 5 a run that finished (its folder
+complete, it verifies) but whose agent never answered (``EXIT_AGENT_NEVER_ANSWERED``: every decision failed or
+timed out, so the run is its base optimizer's alone; compare/decisions.py), and a grid with such a run; 129, 130
+and 143 a run stopped by SIGHUP, SIGINT (Ctrl-C) or SIGTERM (``Interrupted``, 128 plus the signal's number): the run stops once the update in
 progress ends, with a resume checkpoint there (or, past a bound, where it is, saying how many updates the resume
 trains again: driver/run.py ``StopSignals``), keeps what it wrote and prints the command that continues it,
 ``opalctl run LOCK --arm A --seed S --resume``.
@@ -30,6 +32,7 @@ EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_CHANGED = 3
 EXIT_PROGRAM_HUNG = 4  # ended by the agent optimizer's watchdog, see the docstring
+EXIT_AGENT_NEVER_ANSWERED = 5  # a finished run whose agent never answered, see the docstring
 EXIT_SIGNALLED = 128  # plus the signal's number: 129 SIGHUP, 130 SIGINT, 143 SIGTERM
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from opalctl.choices import known_only
 from opalctl.compare.controls import lock_controls, verdict_pointer
+from opalctl.compare.decisions import arm_decisions
 from opalctl.compare.flags import outside_cpu, outside_work_flag, run_flags, unconfined_note
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
@@ -144,6 +145,7 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
             values[arm] = control["values"][arm]
             arms.append(arm)
     base_of = {arm: control["base"] for control in post_hoc for arm in control["finished"]}
+    arm_specs = {**{n: a for c in post_hoc for n, a in c["arms"].items()}, **lock.resolved["arms"]}
     rows = []
     for arm in arms:
         entry = _arm_row(arm, baseline, finished, unfinished)
@@ -151,7 +153,13 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
         # a post-hoc arm's runs are its control lock's (the lock's own arms' are under "runs" of the result)
         entry["runs"] = str(base_of[arm]) if entry["post_hoc"] else None
         entry["controls"] = controls.get(arm)
-        entry["flags"] = run_flags(finished[arm], _hung(base_of.get(arm, base), arm, finished[arm]))
+        arm_base = base_of.get(arm, base)
+        # an agent arm's decisions, read from its run folders: a seed whose agent never answered is left out of its
+        # paired figures, and an arm that acted on no seed gets no verdict (compare/decisions.py)
+        decided = arm_decisions(arm, arm_specs[arm], {s: arm_base / arm / f"seed-{s}" for s in finished[arm]})
+        entry["decisions"] = None if decided is None else decided.to_json()
+        left_out = set(decided.left_out_seeds) if decided is not None and arm != baseline else set()
+        entry["flags"] = run_flags(finished[arm], _hung(arm_base, arm, finished[arm]))
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
             entry["flags"].append(outside)
         for metric, higher in directions.items():
@@ -160,9 +168,10 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
             entry["values"][metric] = {str(s): mine[s] for s in sorted(mine)}
             if arm != baseline:
                 theirs = {s: v[metric] for s, v in values[baseline].items() if v.get(metric) is not None}
-                figure = paired(theirs, mine, higher_is_better=higher, resamples=resamples,
+                acted = {s: value for s, value in mine.items() if s not in left_out}
+                figure = paired(theirs, acted, higher_is_better=higher, resamples=resamples,
                                 what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
-                figure["verdict"] = verdict_pointer(verdict(arm, baseline, metric, figure, entry["flags"]),
+                figure["verdict"] = verdict_pointer(verdict(arm, baseline, metric, figure, entry["flags"], decided),
                                                     controls.get(arm), entry["post_hoc"])
                 entry["paired"][metric] = figure
         if primary is not None:

@@ -1,7 +1,8 @@
 """``opalctl compare --csv``: one row per arm and metric, every figure of the table and of both paired tests, for a
 spreadsheet or a plotting script. The paired columns are empty on the baseline's rows, and each is defined in
-``columns.FIELDS``; columns added later come after the older ones, so a script that reads them by position still
-reads what it did."""
+``columns.FIELDS``; the decision columns (``decisions_*``, summed over the arm's seeds, and ``acted_seeds``:
+compare/decisions.py) are empty on a fixed arm's. Columns added later come after the older ones, so a script that
+reads them by position still reads what it did."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import csv
 import sys
 from typing import Any
 
+from opalctl.compare.decisions import COUNTS
+
 SUMMARY_COLUMNS = ("n", "mean", "std", "min", "max")
 PAIRED_COLUMNS = ("mean_difference", "ci_low", "ci_high", "interval_reliable", "wins", "ties", "losses", "p_value",
                   "p_exact", "detectable_effect", "seeds_needed", "note", "verdict", "sd_difference", "d_z",
                   "t_statistic", "t_df", "t_p_value", "t_ci_low", "t_ci_high", "t_seeds_needed", "t_note")
-COLUMNS = ("arm", "baseline", "stage", "metric", "direction", *SUMMARY_COLUMNS, "seed_values", *PAIRED_COLUMNS)
+DECISION_COLUMNS = (*(f"decisions_{key}" for key in COUNTS), "acted_seeds")
+COLUMNS = ("arm", "baseline", "stage", "metric", "direction", *SUMMARY_COLUMNS, "seed_values", *PAIRED_COLUMNS,
+           *DECISION_COLUMNS)
 
 
 def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -25,9 +30,16 @@ def csv_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             row = {"arm": arm["arm"], "baseline": result["baseline"], "stage": result["stage"], "metric": metric,
                    "direction": direction, **{key: figure[key] for key in SUMMARY_COLUMNS},
                    "seed_values": " ".join(f"{s}:{v!r}" for s, v in arm["values"][metric].items()),
-                   **{key: pair.get(key) for key in PAIRED_COLUMNS}}
+                   **{key: pair.get(key) for key in PAIRED_COLUMNS}, **_decision_cells(arm.get("decisions"))}
             rows.append(row)
     return rows
+
+
+def _decision_cells(decisions: dict[str, Any] | None) -> dict[str, Any]:
+    if decisions is None:  # a fixed arm: no decisions, not zero of them
+        return dict.fromkeys(DECISION_COLUMNS)
+    return {**{f"decisions_{key}": decisions["total"][key] for key in COUNTS},
+            "acted_seeds": " ".join(map(str, decisions["acted_seeds"])) or "none"}
 
 
 def write_csv(result: dict[str, Any], stream=None) -> None:

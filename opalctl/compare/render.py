@@ -81,15 +81,24 @@ def _arms_table(result: dict[str, Any], labels: dict[str, str]) -> None:
 
 
 def _agent_table(result: dict[str, Any]) -> None:
-    """The agent arms' decisions, waiting and cost, mean over seeds; nothing when no arm has an agent."""
-    rows = [[arm["arm"], *[_count(arm["agent"][key]["mean"]) for key in
-                           ("decisions_asked", "decisions_applied", "decisions_reverted")],
-             f"{arm['agent']['waiting_seconds']['mean']:.1f}", f"{arm['agent']['cost_usd']['mean']:.2f}",
-             _mean_spread(arm["agent"].get("code_outside_cpu_seconds"), 2)]
-            for arm in result["arms"] if arm["agent"]]
-    if rows:
-        console.table("agent decisions, mean over seeds", ["arm", "asked", "applied", "reverted", "waiting s",
-                                                           "cost $", "code cpu s outside"], rows)
+    """The agent arms' decisions (counted over all their seeds, from the run folders: compare/decisions.py) and the
+    seeds they acted on, then their waiting, cost and code seconds (mean over seeds); nothing when no arm has an
+    agent: a fixed arm has no row, not a row of zeros."""
+    from opalctl.compare.decisions import COUNTS, LEGEND
+
+    arms = [arm for arm in result["arms"] if arm.get("decisions") and arm["agent"]]
+    if not arms:
+        return
+    console.table("agent decisions, summed over seeds",
+                  ["arm", *[key.replace("_", " ") for key in COUNTS], "acted on"],
+                  [[arm["arm"], *[str(arm["decisions"]["total"][key]) for key in COUNTS],
+                    f"{len(arm['decisions']['acted_seeds'])}/{len(arm['seeds'])}"] for arm in arms])
+    console.paragraph("decisions: " + "; ".join(f"{key.replace('_', ' ')}: {LEGEND[key]}" for key in COUNTS)
+                      + "; acted on: the seeds where at least one decision was applied")
+    console.table("agent waiting and cost, mean over seeds", ["arm", "waiting s", "cost $", "code cpu s outside"],
+                  [[arm["arm"], f"{arm['agent']['waiting_seconds']['mean']:.1f}",
+                    f"{arm['agent']['cost_usd']['mean']:.2f}",
+                    _mean_spread(arm["agent"].get("code_outside_cpu_seconds"), 2)] for arm in arms])
 
 
 def _metrics_table(result: dict[str, Any], labels: dict[str, str]) -> None:

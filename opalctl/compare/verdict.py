@@ -25,10 +25,16 @@ def p_text(figure: dict[str, Any]) -> str:
     return ("exact p = " if figure["p_exact"] else "p ≈ ") + f"{figure['p_value']:.2g}"
 
 
-def verdict(arm: str, baseline: str, metric: str, figure: dict[str, Any], flags: list[str] | None = None) -> str:
+def verdict(arm: str, baseline: str, metric: str, figure: dict[str, Any], flags: list[str] | None = None,
+            decisions=None) -> str:
     """The sentence for ``figure``, a result of ``statistics.paired``, followed by what the arm's runs flag
-    (compare/flags.py): no verdict is read without it."""
-    said = _verdict(arm, baseline, metric, figure)
+    (compare/flags.py): no verdict is read without it. An agent arm that acted on no seed gets, in its place, the
+    sentence saying so; one that did not act on every seed, the verdict and which seeds (``decisions``, an
+    ``ArmDecisions`` of compare/decisions.py)."""
+    if decisions is not None and decisions.instead_of_verdict:
+        said = decisions.instead_of_verdict
+    else:
+        said = _verdict(arm, baseline, metric, figure) + (decisions.note if decisions is not None else "")
     if flags:
         said += f" Flagged: {'; '.join(flags)}."
     return said

@@ -930,6 +930,7 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
         clock_factory=None, progress=None, say=None, confine: bool = False) -> dict[str, Any]:
     """One formal run (the module docstring); a stop signal or a storage fault ends it in one sentence that says
     what continues it (``told``)."""
+    from opalctl.compare.decisions import RunEnding
     from opalctl.protocol.lock import read_lock
 
     command = RunCommand(str(lock_path), arm, seed, None if runs_dir is None else str(runs_dir))
@@ -951,6 +952,8 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
                     raise
                 raise saying from None
     report["run_dir"] = str(formal.layout.root)
+    # whether its agent acted, from the folder's records: the CLI warns and picks the exit code by it
+    report["agent_acted"] = RunEnding.of(arm, seed, lock.resolved["arms"][arm], formal.layout.root).to_json()
     return report
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from opalctl import console
+from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED
 from opalctl.grid.records import FINAL
 
 
@@ -57,6 +58,8 @@ def row(change: dict[str, Any]) -> list[str]:
     """One run's line of the live table: run, state, progress, updates, ETA."""
     fraction, eta = change.get("fraction"), change.get("eta_seconds")
     state = change["state"] + (" (resume)" if change.get("resumed") and change["state"] not in FINAL else "")
+    if change["state"] in FINAL and change.get("exit_code") == EXIT_AGENT_NEVER_ANSWERED:
+        state += " (its agent never answered)"  # a finished folder with no agent in it (compare/decisions.py)
     return [f"{change['arm']} seed {change['seed']}", state,
             "-" if fraction is None else f"{100 * fraction:5.1f} %",
             "-" if change.get("updates") is None else str(change["updates"]),

@@ -4,7 +4,8 @@ runs the Slurm executor submitted, from Slurm itself).
 A run is ``finished`` (its report), ``running`` (a process holds its folder's lock: the run, or its evaluator
 and steps helper while they end), ``interrupted`` (a resume
 checkpoint, nobody running it: the grid resumes it), ``failed`` (its last start ended without leaving anything to
-resume; its log says why) or ``not started``. Nothing is written.
+resume; its log says why) or ``not started``. A finished run of an agent arm says what its agent did (``agent``:
+acted, only kept, never answered; compare/decisions.py). Nothing is written.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run_status(run: GridRun) -> dict[str, Any]:
     entry: dict[str, Any] = {"arm": run.arm, "seed": run.seed, "run_dir": str(run.run_dir),
                              "log": str(run.log) if run.log.exists() else None}
     if state == FINISHED:
-        return {**entry, "state": "finished", "fraction": 1.0}
+        return {**entry, "state": "finished", "fraction": 1.0, "agent": _agent_word(run)}
     if state == RUNNING:
         shown = "running"
     elif state == NEW:
@@ -50,13 +51,26 @@ def run_status(run: GridRun) -> dict[str, Any]:
     return {**entry, "state": shown, "fraction": figures.get("fraction"), "updates": figures.get("updates")}
 
 
+def _agent_word(run: GridRun) -> str | None:
+    """What the agent of a finished run did (compare/decisions.py): None for a fixed arm's run."""
+    from opalctl.compare.decisions import DecisionTally
+    from opalctl.errors import OpalctlError
+
+    try:
+        tally = DecisionTally.read(run.run_dir)
+    except OpalctlError:  # a damaged record: `opalctl verify` names it
+        return "records unreadable"
+    return None if tally is None else tally.word
+
+
 def render_status(result: dict[str, Any]) -> None:
     rows = []
     for entry in result["runs"]:
         fraction = entry.get("fraction")
         slurm = entry.get("slurm") or {}
         job = f"{slurm.get('job_id', '')} {slurm.get('state', '')}".strip()
-        rows.append([entry["arm"], entry["seed"], entry["state"],
+        agent = entry.get("agent")
+        rows.append([entry["arm"], entry["seed"], entry["state"] + (f" (agent {agent})" if agent else ""),
                      "-" if fraction is None else f"{100 * fraction:.1f} %", entry.get("updates"), job or "-"])
     console.table(f"opalctl grid {result['lock']} --status", ["arm", "seed", "state", "progress", "updates",
                                                               "slurm job"], rows)

@@ -7,7 +7,8 @@ import sys
 from typing import Any
 
 from opalctl import console
-from opalctl.errors import EXIT_FAILURE, OpalctlError
+from opalctl.compare.decisions import agent_warnings, never_answered
+from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED, EXIT_FAILURE, OpalctlError
 from opalctl.grid.records import DONE, FAILED, FINAL, INTERRUPTED, GridResult, resume_hint
 
 
@@ -21,10 +22,11 @@ def closing_compare(result: GridResult) -> tuple[dict[str, Any] | None, str | No
         return None, error.message
 
 
-def exit_code(result: GridResult) -> int:
-    """0 when every run finished; 128 + the signal when the grid was stopped (as a run's own); else 1."""
+def exit_code(result: GridResult, comparison: dict[str, Any] | None = None) -> int:
+    """0 when every run finished; 5 when they all finished but the agent of one never answered (as that run's own
+    exit, compare/decisions.py); 128 + the signal when the grid was stopped (as a run's own); else 1."""
     if result.ok:
-        return 0
+        return EXIT_AGENT_NEVER_ANSWERED if never_answered(comparison) else 0
     if result.stopped_by is not None:
         return 128 + signal.Signals[result.stopped_by]
     return EXIT_FAILURE
@@ -45,11 +47,14 @@ def render_end(result: GridResult, comparison: dict[str, Any] | None, note: str 
         render_compare(comparison)
     elif note:
         console.message(f"no comparison yet: {note}")
-    advise(result)
+    advise(result, comparison)
 
 
-def advise(result: GridResult) -> None:
-    """What to do next, on stderr: which runs failed and where their output is, how to continue."""
+def advise(result: GridResult, comparison: dict[str, Any] | None = None) -> None:
+    """What to do next, on stderr: which agent arms did not act, which runs failed and where their output is, how
+    to continue."""
+    for warning in agent_warnings(comparison):
+        console.message("warning: " + warning)
     failed = [o for o in result.outcomes if o.state == FAILED]
     for outcome in failed:
         console.message(f"failed: {outcome.arm} seed {outcome.seed} (exit {outcome.exit_code}); its output is "
@@ -68,7 +73,7 @@ def print_json_end(result: GridResult, comparison: dict[str, Any] | None, note: 
     """The last JSON line of ``--json``: the grid's result and its comparison."""
     import json
 
-    sys.stdout.write(json.dumps({"event": "grid", **result.to_json(), "compare": comparison, "compare_note": note},
-                                sort_keys=True, default=str) + "\n")
+    sys.stdout.write(json.dumps({"event": "grid", **result.to_json(), "compare": comparison, "compare_note": note,
+                                 "agent_warnings": agent_warnings(comparison)}, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
-    advise(result)
+    advise(result, comparison)

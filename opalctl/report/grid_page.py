@@ -41,6 +41,7 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
             for row in result["arms"] for seed in row["seeds"]]
     page = html.document(f"opalctl report: {Path(result['lock']).name}",
                          _identity(result, verification), _verdicts(result), _tables(result),
+                         _decision_counts(result),
                          _figures(result, runs), decisions_section(runs),
                          limitations_section(runs, _notes(result)))
     path = (Path(out) if out is not None else Path(result["runs"])) / PAGE_NAME
@@ -66,7 +67,8 @@ def _identity(result: dict[str, Any], verification: dict[str, Any]) -> str:
 
 
 def _verdicts(result: dict[str, Any]) -> str:
-    sentences = [f["verdict"] for arm in result["arms"] for f in arm["paired"].values()]
+    # each sentence once: an agent arm that never acted has the same one in place of every metric's verdict
+    sentences = list(dict.fromkeys(f["verdict"] for arm in result["arms"] for f in arm["paired"].values()))
     anchors = [arm["anchor_note"] for arm in result["arms"] if arm["anchor_note"]]
     controls = ["Controls: " + c["sentence"] for c in result.get("controls") or []]  # compare/controls.py
     return html.section("Verdicts", html.paragraphs(sentences) or "<p>Only the baseline has runs.</p>",
@@ -106,6 +108,30 @@ def _forest_row(arm: dict[str, Any], figure: dict[str, Any]) -> dict[str, Any]:
     return {"arm": arm["arm"] + (" (post-hoc)" if arm.get("post_hoc") else ""), "mean": mean,
             "low": mean if low is None else low, "high": mean if high is None else high,
             "reliable": figure["n"] >= TEST_MIN_SEEDS}
+
+
+def _decision_counts(result: dict[str, Any]) -> str:
+    """The agent arms' decisions counted from their run folders (compare/decisions.py), summed over seeds, with
+    each count defined; a fixed arm has no row (no decisions, not zero of them)."""
+    from opalctl.compare.decisions import COUNTS, LEGEND
+
+    arms = [a for a in result["arms"] if a.get("decisions")]
+    if not arms:
+        return ""
+    rows = [[f"<td>{html.text(a['arm'])}</td>",
+             *[html.number_cell(a["decisions"]["total"][key], arm=a["arm"], field=f"decisions_{key}")
+               for key in COUNTS],
+             f"<td>{len(a['decisions']['acted_seeds'])} of {len(a['seeds'])}</td>",
+             f"<td>{html.text(a['decisions']['no_verdict'] or a['decisions']['note'] or '')}</td>"] for a in arms]
+    legend = "".join(f"<li><b>{key.replace('_', ' ')}</b>: {html.text(LEGEND[key])}</li>" for key in COUNTS)
+    return html.section(
+        "Did the agent act?",
+        html.table(["arm", *[key.replace("_", " ") for key in COUNTS], "seeds acted on", "what follows"], rows,
+                   cells_ready=True),
+        f"<ul class=\"muted\">{legend}<li><b>seeds acted on</b>: seeds where at least one decision was applied; an "
+        f"arm that acted on none gets no verdict, and a seed whose agent never answered is left out of the paired "
+        f"figures</li></ul>", anchor="acted")
+
 
 def _figures(result: dict[str, Any], runs: list[RunView]) -> str:
     figures = load_figures()
