@@ -149,40 +149,11 @@ def agent_rules(comparison: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 
 def verdict(comparison: dict[str, Any]) -> list[str]:
-    """One sentence per arm against the baseline on the primary metric: the mean paired difference, how many seeds
-    went which way, whether it is larger than the seeds' spread (the standard deviation of the paired differences
-    over seeds: a difference that large is not one seed's luck), then what the exact test can say with this many
-    seeds; for an agent arm that acted on no seed, the sentence saying so instead, and for one that did not act on
-    every seed, which seeds (compare/decisions.py)."""
-    import statistics
-
-    from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
-    from opalctl.compare.verdict import p_text
-
-    metric, baseline = comparison["primary"], comparison["baseline"]
-    sentences = []
-    for row in comparison["arms"]:
-        decisions = row.get("decisions") or {}
-        if decisions.get("no_verdict"):  # an agent that never acted: its runs are the base optimizer's
-            sentences.append(decisions["no_verdict"])
-            continue
-        figure = row["paired"].get(metric)
-        if figure is None or not figure["n"]:
-            continue
-        arm, differences, mean = row["arm"], figure["differences"], figure["mean_difference"]
-        if all(d == 0 for d in differences):
-            sentences.append(f"{arm}: the same {metric} as {baseline} on all {figure['n']} seeds (no difference).")
-            continue
-        spread = statistics.stdev(differences) if len(differences) > 1 else 0.0
-        size = "larger than the seeds' spread" if abs(mean) > spread else "within the seeds' spread"
-        better = (mean > 0) == figure["higher_is_better"]
-        tested = p_text(figure) + (f", and no result of {figure['n']} seeds can reach p < {ALPHA:g}"
-                                   if figure["n"] < TEST_MIN_SEEDS else "")
-        sentences.append(f"{arm}: {'better' if better else 'worse'} than {baseline} by {abs(mean):.4g} on {metric} "
-                         f"({figure['wins']} of {figure['n']} seeds better, {figure['losses']} worse), {size} "
-                         f"(sd {spread:.3g} of the paired differences); {tested}." + (
-                             f" {decisions['note']}" if decisions.get("note") else ""))
-    return sentences
+    """Compare's verdict on the primary metric for each arm against the baseline, as ``opalctl compare`` words it
+    (compare/verdict.py: a difference claimed only on the exact test, the paired t-test beside it; for an agent arm
+    that acted on no seed, the sentence saying so instead; its flags and controls at the end)."""
+    metric = comparison["primary"]
+    return [row["paired"][metric]["verdict"] for row in comparison["arms"] if metric in row["paired"]]
 
 
 class StateLines:

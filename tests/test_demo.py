@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from opalctl import demo
-from opalctl.compare.statistics import paired, summary
+from opalctl.compare.statistics import paired
+from opalctl.compare.verdict import verdict as compare_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,32 +59,19 @@ def test_the_demo_never_overwrites_a_protocol_with_other_contents(tmp_path):
     assert (tmp_path / "demo.yaml").read_text() == "name: mine\n"
 
 
-def _comparison(values: dict[str, dict[int, float]]) -> dict:
-    """What ``compare`` returns, for the one metric the verdict reads, built by compare's own statistics."""
-    base = values["hot"]
-    arms = []
-    for arm, mine in values.items():
-        row = {"arm": arm, "metrics": {"selection.correct": summary(mine.values())}, "paired": {}}
-        if arm != "hot":
-            row["paired"]["selection.correct"] = paired(base, mine, resamples=200)
-        arms.append(row)
-    return {"primary": "selection.correct", "baseline": "hot", "arms": arms}
-
-
-def test_the_verdict_says_whether_a_difference_is_larger_than_the_seeds_spread():
-    sentences = demo.verdict(_comparison({
-        "hot": {1: 50, 2: 52, 3: 49},
-        "tuned": {1: 290, 2: 293, 3: 291},     # far apart on every seed
-        "noisy": {1: 80, 2: 20, 3: 55},        # better on average, but the seeds disagree
-        "same": {1: 50, 2: 52, 3: 49},
-    }))
-    tuned, noisy, same = sentences
-    assert tuned.startswith("tuned: better than hot by 241 on selection.correct (3 of 3 seeds better, 0 worse), "
-                            "larger than the seeds' spread")
-    assert "no result of 3 seeds can reach p < 0.05" in tuned
-    assert noisy.startswith("noisy: better than hot by") and "within the seeds' spread" in noisy
-    assert "1 worse" in noisy
-    assert same == "same: the same selection.correct as hot on all 3 seeds (no difference)."
+def test_the_demo_says_compares_verdict_on_the_primary_metric():
+    """One wording of a verdict: the demo prints compare's, not sentences of its own (which once called an arm
+    "better" on 3 seeds from the sign of its mean)."""
+    values = {"hot": {1: 50, 2: 52, 3: 49}, "tuned": {1: 290, 2: 293, 3: 291}, "same": {1: 50, 2: 52, 3: 49}}
+    arms = [{"arm": "hot", "paired": {}}]
+    for arm in ("tuned", "same"):
+        figure = paired(values["hot"], values[arm], resamples=200)
+        figure["verdict"] = compare_verdict(arm, "hot", "selection.correct", figure)
+        arms.append({"arm": arm, "paired": {"selection.correct": figure, "development.loss": {"verdict": "other"}}})
+    tuned, same = demo.verdict({"primary": "selection.correct", "baseline": "hot", "arms": arms})
+    assert tuned.startswith("tuned vs hot on selection.correct: +241 (3 of 3 seeds better), exact p = 0.25")
+    assert "the exact test cannot decide with 3 seeds" in tuned and "paired t p = " in tuned
+    assert same == "same vs hot on selection.correct: identical on all 3 seeds: no difference at all."
 
 
 def test_the_progress_lines_say_each_run_once_it_ends():
