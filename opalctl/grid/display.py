@@ -2,8 +2,8 @@
 
 Both take the grid's events (grid/records.py). The table redraws at most every ``console.REDRAW_SECONDS`` (the
 grid process trains nothing, so drawing costs no run any budget) and stays on the screen when the grid ends; the
-JSON lines are one canonical object each (sorted keys), printed when a run's state changes, not at every
-progress figure.
+JSON lines are one canonical object each (sorted keys), printed when a run's state changes and when a running run
+passes the next tenth of its budget, not at every progress figure.
 """
 
 from __future__ import annotations
@@ -41,16 +41,31 @@ class RunStates:
 
 
 class JsonLines:
-    """One JSON line per state change of a run on ``stream``."""
+    """One JSON line per state change of a run on ``stream`` (``"event": "run"``), and one each time a running
+    run passes the next tenth of its budget (``"event": "progress"``, with its fraction, updates and ETA), so a
+    script reading the pipe sees a long run move without a line per progress figure."""
+
+    STEPS = 10  # progress lines per run: at 10 %, 20 %, ... of its budget
 
     def __init__(self, stream):
         self.stream = stream
         self.runs = RunStates()
+        self.passed: dict[tuple[str, int], int] = {}  # the tenths of its budget each run was last said to pass
 
     def __call__(self, change: dict[str, Any]) -> None:
-        if not self.runs.changed(change):
+        if self.runs.changed(change):
+            self._write({"event": "run", **change})
             return
-        self.stream.write(json.dumps({"event": "run", **change}, sort_keys=True, default=str) + "\n")
+        fraction, key = change.get("fraction"), (change["arm"], change["seed"])
+        if change["state"] != "running" or fraction is None:
+            return
+        tenths = int(fraction * self.STEPS)
+        if tenths > self.passed.get(key, 0):
+            self.passed[key] = tenths
+            self._write({"event": "progress", **change})
+
+    def _write(self, line: dict[str, Any]) -> None:
+        self.stream.write(json.dumps(line, sort_keys=True, default=str) + "\n")
         self.stream.flush()
 
 

@@ -51,14 +51,21 @@ def test_the_time_limit_is_the_projection_times_the_margin_plus_the_work_outside
     assert time_limit_minutes(1.0, 2.0) == MIN_TIME_LIMIT_MINUTES, "never the few minutes of submitit's default"
 
 
-def test_json_lines_print_one_line_per_state_change_and_none_per_progress_figure():
+def test_json_lines_print_each_state_change_and_each_tenth_of_the_budget_a_running_run_passes():
+    """Piped, a running run's fraction and ETA reach the pipe as it trains (before, every line until it finished
+    said "fraction": null), yet not one line per progress figure."""
     stream = io.StringIO()
     show = JsonLines(stream)
     show(event("adamw", 1, "running"))
-    show(event("adamw", 1, "running", fraction=0.5, updates=10, eta_seconds=3.0))
+    for fraction in (0.04, 0.12, 0.15, 0.19, 0.5, 0.51):
+        show(event("adamw", 1, "running", fraction=fraction, updates=int(100 * fraction), eta_seconds=3.0))
+    show(event("adamw", 2, "running", fraction=0.3, updates=30, eta_seconds=7.0))
     show(event("adamw", 1, "finished", fraction=1.0))
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert [(line["event"], line["state"]) for line in lines] == [("run", "running"), ("run", "finished")]
+    assert [(line["event"], line["seed"], line["state"], line["fraction"]) for line in lines] == [
+        ("run", 1, "running", None), ("progress", 1, "running", 0.12), ("progress", 1, "running", 0.5),
+        ("run", 2, "running", 0.3), ("run", 1, "finished", 1.0)]
+    assert lines[1]["eta_seconds"] == 3.0 and lines[1]["updates"] == 12
 
 
 def test_the_live_table_shows_run_state_progress_updates_and_eta():
