@@ -171,8 +171,10 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
                 acted = {s: value for s, value in mine.items() if s not in left_out}
                 figure = paired(theirs, acted, higher_is_better=higher, resamples=resamples,
                                 what=f"{stage} {metric} (arm {arm}, baseline {baseline})")
+                # an agent that never acted has no verdict to point at its controls from
+                pointed = None if decided is not None and decided.instead_of_verdict else controls.get(arm)
                 figure["verdict"] = verdict_pointer(verdict(arm, baseline, metric, figure, entry["flags"], decided),
-                                                    controls.get(arm), entry["post_hoc"])
+                                                    pointed, entry["post_hoc"])
                 entry["paired"][metric] = figure
         if primary is not None:
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
