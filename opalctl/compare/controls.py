@@ -345,7 +345,7 @@ def verdict_pointer(sentence: str, controls: dict[str, Any] | None, post_hoc: bo
         sentence = f"{sentence} [{POST_HOC}]"
     if controls and controls.get("schedule") is not None:
         control = controls.get("control_arm")
-        sentence += (f" (but its applied programs equal the fixed schedule `{controls['schedule']}`"
-                     + (f": compare the control arm `{control}`" if control else ": no control arm ran it")
-                     + "; see controls)")
+        sentence += (f" But its applied programs equal the fixed schedule `{controls['schedule']}`"
+                     + (f": compare it with the control arm `{control}`" if control else ", and no control arm ran it")
+                     + " (see controls).")
     return sentence

@@ -148,8 +148,8 @@ def test_a_reverted_program_is_not_reducible(tmp_path):
 def test_the_verdict_points_at_the_controls():
     schedule = {"schedule": "anneal-end", "control_arm": None}
     said = verdict_pointer("verdict words.", schedule)
-    assert said.endswith("(but its applied programs equal the fixed schedule `anneal-end`: no control arm ran it; "
-                         "see controls)")
+    assert said.endswith(" But its applied programs equal the fixed schedule `anneal-end`, and no control arm ran "
+                         "it (see controls).")
     assert "[post-hoc control, added after the fact, not pre-registered]" in verdict_pointer("v.", None, True)
     assert verdict_pointer("v.", {"schedule": None}) == "v."
 

@@ -85,7 +85,7 @@ def test_compare_names_the_agents_programs_as_the_anneal_end_schedule_and_the_mi
         "one, or run the post-hoc control (`opalctl control LOCK --arm agent`)")
     agent = next(a for a in project.before["arms"] if a["arm"] == "agent")
     assert agent["paired"]["val.loss"]["verdict"].endswith(
-        "(but its applied programs equal the fixed schedule `anneal-end`: no control arm ran it; see controls)")
+        " But its applied programs equal the fixed schedule `anneal-end`, and no control arm ran it (see controls).")
 
 
 def test_the_control_lock_names_its_parent_and_is_marked_post_hoc(project):
