@@ -299,7 +299,8 @@ def arm_controls(arm_name: str, runs: list[RunEquivalence], arms: dict[str, dict
         every = f"all {len(runs)} seeds" if len(runs) > 1 else "its one seed"
         if present is not None:
             result.update(control_arm=present, control_in="lock")
-            tail = f"control arm `{present}` present in the lock (compare it)"
+            tail = (f"control arm `{present}` present in the lock (`opalctl compare LOCK --baseline {present}` pairs "
+                    f"the agent with it)")
         elif later is not None:
             result.update(control_arm=later, control_in="post-hoc")
             tail = f"control arm `{later}` added after the fact (post-hoc, in the control lock; compare it)"

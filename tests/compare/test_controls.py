@@ -113,7 +113,8 @@ def test_the_arm_sentence_names_the_control_arm_present_missing_or_post_hoc():
     present = arm_controls("agent", runs, {"agent": AGENT, "adamw": ADAMW,
                                            "adamw-anneal-end": {**ADAMW, "schedule": "anneal-end"}})
     assert present["sentence"] == ("agent's applied programs equal fixed schedule `anneal-end` on all 3 seeds; "
-                                   "control arm `adamw-anneal-end` present in the lock (compare it)")
+                                   "control arm `adamw-anneal-end` present in the lock (`opalctl compare LOCK --baseline "
+                                   "adamw-anneal-end` pairs the agent with it)")
     missing = arm_controls("agent", runs, {"agent": AGENT, "adamw": ADAMW})
     assert missing["control_arm"] is None and missing["missing_arm"]["name"] == "adamw-anneal-end"
     assert "no such arm in this lock: add one, or run the post-hoc control" in missing["sentence"]
