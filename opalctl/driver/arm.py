@@ -8,6 +8,7 @@ will spend.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from opalctl.protocol.schema import Arm
@@ -76,17 +77,69 @@ def build_optimizer(arm: Arm, parameters) -> Any:
 
 
 def schedule_factor(name: str, fraction: float) -> float:
-    """The learning-rate multiplier at ``fraction`` of the arm's budget (0 at the start, 1 at the end)."""
-    fraction = min(max(fraction, 0.0), 1.0)
-    if name == "constant":
-        return 1.0
-    if name == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * fraction))
-    if name == "linear":
-        return 1.0 - fraction
-    if name == "anneal-end":  # constant for 80 % of the budget, then linear to zero
-        return 1.0 if fraction <= 0.8 else max(0.0, (1.0 - fraction) / 0.2)
-    raise ValueError(f"unknown schedule {name!r}")
+    """The learning-rate multiplier at ``fraction`` of the arm's budget (0 at the start, 1 at the end) of a
+    schedule written as a name."""
+    return Schedule(name).factor(fraction)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An arm's learning-rate schedule (``arms.NAME.schedule``: a name, or the mapping of
+    ``protocol.schema.ScheduleSpec``) as the multiplier of each group's learning rate at a fraction of the arm's
+    budget. With no warm-up and no floor, each named schedule gives exactly the factors it always gave."""
+
+    name: str = "constant"
+    warmup: float = 0.0
+    min_lr: float = 0.0
+    decay: float = 0.2  # wsd: the last part of the budget after the warm-up that decays
+    decay_shape: str = "linear"  # wsd: linear, cosine or sqrt
+
+    @classmethod
+    def of(cls, value: Any) -> Schedule:
+        """The schedule of a protocol's value: a name, a ``ScheduleSpec``, or its resolved JSON (a lock's)."""
+        if isinstance(value, str):
+            return cls(value)
+        return cls(**(value if isinstance(value, dict) else value.model_dump()))
+
+    @property
+    def constant(self) -> bool:
+        """Whether the factor is 1 throughout (a run then sets the learning rate once, not at every update)."""
+        return self.name == "constant" and self.warmup == 0.0
+
+    def factor(self, fraction: float) -> float:
+        fraction = min(max(fraction, 0.0), 1.0)
+        if fraction < self.warmup:  # linear from 0 at the start to the peak at the end of the warm-up
+            return fraction / self.warmup
+        if self.warmup:  # the schedule runs over what the warm-up leaves
+            fraction = (fraction - self.warmup) / (1.0 - self.warmup)
+        shape = self._shape(fraction)
+        return shape if self.min_lr == 0.0 else self.min_lr + (1.0 - self.min_lr) * shape
+
+    def _shape(self, fraction: float) -> float:
+        if self.name == "constant":
+            return 1.0
+        if self.name == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * fraction))
+        if self.name == "linear":
+            return 1.0 - fraction
+        if self.name == "anneal-end":  # constant for 80 % of the budget, then linear to zero
+            return 1.0 if fraction <= 0.8 else max(0.0, (1.0 - fraction) / 0.2)
+        if self.name == "wsd":  # stable, then a decay over the last `decay` of the budget
+            into = (fraction - (1.0 - self.decay)) / self.decay
+            if into <= 0.0:
+                return 1.0
+            into = min(into, 1.0)
+            return {"linear": 1.0 - into, "cosine": 0.5 * (1.0 + math.cos(math.pi * into)),
+                    "sqrt": 1.0 - math.sqrt(into)}[self.decay_shape]
+        raise ValueError(f"unknown schedule {self.name!r}")
+
+    def words(self) -> str:
+        """``cosine``, or ``cosine (warm-up 0.05, floor 0.1)``: what a table or a sentence calls it."""
+        extras = [f"warm-up {self.warmup:g}"] if self.warmup else []
+        extras += [f"floor {self.min_lr:g}"] if self.min_lr else []
+        if self.name == "wsd":
+            extras += [f"decay {self.decay:g} {self.decay_shape}"]
+        return self.name + (f" ({', '.join(extras)})" if extras else "")
 
 
 class BudgetSchedule:
@@ -96,13 +149,14 @@ class BudgetSchedule:
     fraction (measured before each update), not an update count.
     """
 
-    def __init__(self, optimizer, name: str):
+    def __init__(self, optimizer, name):
         self.optimizer = optimizer
-        self.name = name
+        self.name = name  # the protocol's value: a name, or a schedule's mapping (what the resume state keeps)
+        self.schedule = Schedule.of(name)
         self.initial = [group["lr"] for group in optimizer.param_groups]
 
     def apply(self, fraction: float) -> float:
-        factor = schedule_factor(self.name, fraction)
+        factor = self.schedule.factor(fraction)
         for group, lr in zip(self.optimizer.param_groups, self.initial):
             group["lr"] = lr * factor
         return factor
@@ -112,6 +166,7 @@ class BudgetSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.name = state["name"]
+        self.schedule = Schedule.of(self.name)
         self.initial = list(state["initial"])
 
 

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
+from opalctl.driver.arm import Schedule
 from opalctl.driver.budget import ChargingClock, PendingCharge
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.evaluation import rng_state, set_rng_state
@@ -432,7 +433,7 @@ class BudgetLoop:
         needs_boundary = agent.needs_boundary if agent is not None else None
         if agent is not None:
             self._take_agent_code()  # what a resume's load_state_dict ran
-        apply_schedule = parts.schedule.apply if self.arm.schedule != "constant" else None  # constant: set once
+        apply_schedule = None if Schedule.of(self.arm.schedule).constant else parts.schedule.apply  # constant: set once
         perf_counter, progress = time.perf_counter, self.progress
         asked = self.stop_asked  # a stop signal's, read after each update (StopSignals)
         last_progress = 0.0

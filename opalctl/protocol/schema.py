@@ -13,7 +13,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from opalctl.driver.budget import CLOCKS
 from opalctl.errors import BadInput
@@ -115,9 +125,42 @@ class AgentSpec(*registry.option_models(), AgentCommon):
     may name any of them whatever its backend, as it always could), with each default where its backend states it."""
 
 
+WSD_ONLY = ("decay", "decay_shape")
+
+
+class ScheduleSpec(Strict):
+    """``arms.NAME.schedule`` written as a mapping, for the recipes a name alone cannot say: a linear warm-up over
+    the first ``warmup`` of the arm's budget, then the named schedule over the rest, falling to ``min_lr`` (a ratio
+    of the peak learning rate) rather than to zero; ``wsd`` (warm-up, stable, decay) holds the peak and decays over
+    the last ``decay`` of the budget after the warm-up, with the shape ``decay_shape``. The factor at each budget
+    fraction is ``opalctl.driver.arm.Schedule.factor``."""
+
+    name: Literal["constant", "cosine", "linear", "anneal-end", "wsd"]
+    warmup: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    min_lr: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    decay: Annotated[float, Field(gt=0, le=1)] = 0.2
+    decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
+
+    @model_validator(mode="after")
+    def _meaningful(self) -> ScheduleSpec:
+        # (a lock resolves every key, so a wsd key at its default is what any other schedule's lock holds)
+        if self.name != "wsd" and (given := [key for key in WSD_ONLY
+                                             if getattr(self, key) != type(self).model_fields[key].default]):
+            raise ValueError(f"{' and '.join(given)} belong{'s' if len(given) == 1 else ''} to the wsd schedule; "
+                             f"remove {'it' if len(given) == 1 else 'them'} or write name: wsd")
+        if self.name == "constant" and self.min_lr:
+            raise ValueError("a constant schedule never falls, so min_lr has nothing to floor; remove it")
+        return self
+
+
 class Arm(Strict):
     optimizer: OptimizerSpec
-    schedule: Literal["constant", "cosine", "linear", "anneal-end"] = "constant"
+    # a name (as every protocol before warm-up and floors wrote it, and resolves as it always did) or a mapping
+    # (the tags name the two forms; an error's key path leaves them out, as it does every tag with a "[")
+    schedule: Annotated[Annotated[Literal["constant", "cosine", "linear", "anneal-end", "wsd"], Tag("[name]")]
+                        | Annotated[ScheduleSpec, Tag("[mapping]")],
+                        Discriminator(lambda value: "[mapping]" if isinstance(value, dict | ScheduleSpec) else "[name]")] \
+        = "constant"
     budget_multiplier: Annotated[float, Field(gt=0, le=100)] = 1.0
     model: dict[str, Any] = Field(default_factory=dict)  # task-specific settings handed to Task.build
     agent: AgentSpec | None = None
