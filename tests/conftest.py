@@ -44,7 +44,7 @@ SLOW_MODULES = frozenset({
     "grid/test_local_grid.py", "grid/test_concurrent_grids.py", "grid/test_grid_ranks.py", "grid/test_readers_race.py",
     "distributed/test_ddp.py", "opal/test_anthropic.py", "opal/test_prompt_edit.py",
     "report/test_page.py", "driver/test_diverging_run.py", "driver/test_task_failures.py",
-    "driver/test_evaluator_dies_with_its_run.py"})
+    "driver/test_evaluator_dies_with_its_run.py", "report/test_export_trackers.py"})
 
 
 def pytest_collection_modifyitems(config, items):
