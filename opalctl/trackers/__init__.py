@@ -88,11 +88,8 @@ def _tracked(lock, run) -> TrackedRun:
                  "protocol_sha256": lock.data["protocol_sha256"]}})
     curve = loss_curve(run.folder, every_update=True)
     tracked.loss = list(zip(curve.updates, curve.seconds, curve.losses, strict=True))
-    for update, rates in _learning_rates(layout.steps):
-        seconds = curve.seconds_at(update) or 0.0
-        for group, rate in enumerate(rates):
-            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate - rate == 0:
-                tracked.learning_rates.setdefault(group, []).append((update, seconds, float(rate)))
+    for update, group, rate in learning_rates(layout.steps):
+        tracked.learning_rates.setdefault(group, []).append((update, curve.seconds_at(update) or 0.0, rate))
     for stage in run.report["stages"]:
         metrics = {name: value for name, value in stage["metrics"].items() if value is not None}  # None: not finite
         if "budget_used" in stage:
@@ -108,15 +105,19 @@ def _tracked(lock, run) -> TrackedRun:
     return tracked
 
 
-def _learning_rates(steps: Path) -> Iterator[tuple[int, list[Any]]]:
-    """Each update's learning rates per parameter group (the steps records' ``lrs``), where a line has them."""
+def learning_rates(steps: Path) -> Iterator[tuple[int, int, float]]:
+    """Each (update, parameter group, learning rate) of a steps file's ``lrs``: none from a line without them (an
+    opalctl older than the field, or an update that stepped no torch optimizer: null), none for a group whose value
+    is no finite number."""
     from opalctl.driver.records import read_steps
 
     if not steps.is_file():
         return
     for line in read_steps(steps):
-        if isinstance(line.get("lrs"), list):
-            yield line["update"], line["lrs"]
+        rates = line.get("lrs")
+        for group, rate in enumerate(rates if isinstance(rates, list) else []):
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate - rate == 0:
+                yield line["update"], group, float(rate)
 
 
 def stage_metric_name(metric: str) -> str:

@@ -111,15 +111,21 @@ def _refusals(target: Path) -> Iterator[None]:
                            f"own, then {AGAIN}") from None
 
 
+# the experiment's kind, as `mlflow ui`'s own selector ("Model training") sets it: without it the ui guesses, and may
+# show the runs as a GenAI project's evaluations
+KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def _experiment(client, lock, artifacts: Path) -> str:
     name = f"{lock.name}-{lock.sha12}"
     found = client.get_experiment_by_name(name)
     if found is not None:
         if found.lifecycle_stage != "active":
             client.restore_experiment(found.experiment_id)
+        client.set_experiment_tag(found.experiment_id, *KIND)
         return found.experiment_id
-    return client.create_experiment(name, artifact_location=artifacts.as_uri(),
-                                    tags={"opalctl.lock_sha256": lock.sha256, "opalctl.lock": lock.path.name})
+    return client.create_experiment(name, artifact_location=artifacts.as_uri(), tags={
+        "opalctl.lock_sha256": lock.sha256, "opalctl.lock": lock.path.name, KIND[0]: KIND[1]})
 
 
 def _write_run(client, experiment: str, lock, run: TrackedRun) -> str:

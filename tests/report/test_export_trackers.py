@@ -389,3 +389,41 @@ def test_a_file_where_the_folder_goes_is_refused(grid, cli_inprocess, tmp_path, 
     result = _export(cli_inprocess, grid, flag, tmp_path / "out")
     assert (result.code, result.stdout) == (2, "") and "is a file; give a folder" in result.stderr
     assert (tmp_path / "out").read_text() == "mine"
+
+
+# -- the learning rate per parameter group -----------------------------------------------------------------------
+
+def test_the_learning_rates_are_read_from_the_steps_lines_that_have_them(tmp_path):
+    from opalctl.trackers import learning_rates
+
+    path = tmp_path / "steps.jsonl.gz"
+    lines = [{"update": 1, "loss": 2.0}, {"update": 2, "loss": 1.9, "lrs": None},
+             {"update": 3, "loss": 1.8, "lrs": [0.001, 0.0005]}, {"update": 4, "loss": 1.7, "lrs": [0.002, None]}]
+    with gzip.open(path, "wt") as handle:
+        handle.write("".join(json.dumps(line) + "\n" for line in lines) + '{"update":5,"loss":1.6,"lrs":[NaN,1e-4]}\n')
+    assert list(learning_rates(path)) == [(3, 0, 0.001), (3, 1, 0.0005), (4, 0, 0.002), (5, 1, 1e-4)]
+    assert list(learning_rates(tmp_path / "absent.jsonl.gz")) == []
+
+
+def test_the_learning_rates_reach_both_trackers(grid, tmp_path):
+    """The steps of the session's runs may have no learning rates (an opalctl older than the field): the rates of
+    two groups are put on a run as its steps would give them, and each tracker's writer is read back."""
+    from opalctl.protocol.lock import read_lock
+    from opalctl.trackers import mlflow_store, tracked_runs, wandb_offline
+
+    lock, runs = tracked_runs(grid["lock"], grid["runs"])
+    run = next(run for run in runs if run.arm == "agent")
+    run.learning_rates = {0: [(update, seconds, 1e-3 * update) for update, seconds, _loss in run.loss],
+                          1: [(update, seconds, 0.0) for update, seconds, _loss in run.loss[::2]]}
+    expected = {f"train/lr/group-{group}": [(u, pytest.approx(r, rel=1e-12)) for u, _s, r in points]
+                for group, points in run.learning_rates.items()}
+    with wandb_offline.IsolatedWandb() as imported:
+        folder = wandb_offline._write_run(imported, lock, run, tmp_path / "wandb-out")
+    offline = OfflineRun(folder)
+    assert {key: offline.series(key) for key in expected} == expected
+    with mlflow_store._quiet_mlflow() as client_class:
+        client = client_class(tracking_uri=mlflow_store.store_uri(tmp_path / "mlflow-out"))
+        experiment = mlflow_store._experiment(client, read_lock(grid["lock"]), tmp_path / "mlflow-out" / "artifacts")
+        run_id = mlflow_store._write_run(client, experiment, lock, run)
+        assert {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+                for key in expected} == expected
