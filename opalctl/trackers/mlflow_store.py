@@ -70,7 +70,8 @@ def export_mlflow(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -
         uri = store_uri(target)
         client = client_class(tracking_uri=uri)
         experiment = _experiment(client, lock, target.resolve() / ARTIFACTS)
-        written = {run.name: _write_run(client, experiment, lock, run) for run in runs}
+        with storage(target / ARTIFACTS, then=AGAIN):  # names a file where the runs' folder must be
+            written = {run.name: _write_run(client, experiment, lock, run) for run in runs}
     return {"lock": str(lock.path), "mlflow": str(target), "tracking_uri": uri,
             "experiment": f"{lock.name}-{lock.sha12}", "experiment_id": experiment, "runs": written,
             "open": f"mlflow ui --backend-store-uri {uri}"}
@@ -102,11 +103,13 @@ def _quiet_mlflow() -> Iterator[Any]:
 def _refusals(target: Path) -> Iterator[None]:
     """MLflow's refusal (a store it cannot open or write) as one sentence naming the store."""
     from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
 
     try:
         yield
-    except MlflowException as error:
-        first = (str(error.message).strip().splitlines() or [type(error).__name__])[0]
+    except (MlflowException, SQLAlchemyError) as error:
+        said = getattr(error, "orig", None) or getattr(error, "message", None) or error
+        first = (str(said).strip().splitlines() or [type(error).__name__])[0]
         raise OpalctlError(f"MLflow refused the store {target / DATABASE} ({first}); give --mlflow a folder of its "
                            f"own, then {AGAIN}") from None
 

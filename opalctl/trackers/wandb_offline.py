@@ -28,10 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import BadInput
+from opalctl.errors import BadInput, OpalctlError
 from opalctl.trackers import DECISION_COLUMNS, TrackedRun, environment, missing_package, stage_metric_name
 
 STAGING = "wandb-staging"
+AGAIN = "run `opalctl export` again (or give --wandb a folder that can be written)"
 
 
 def export_wandb(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
@@ -44,12 +45,12 @@ def export_wandb(lock_path: str | Path, folder: str | Path, *, runs_dir=None) ->
         raise BadInput(f"--wandb {target} is a file; give a folder for the offline W&B runs")
     lock, runs = tracked_runs(lock_path, runs_dir)  # every folder verified before anything is written
     written = []
-    with IsolatedWandb() as wandb, \
-            storage(target, then="run `opalctl export` again (or give --wandb a folder that can be written)"):
+    with IsolatedWandb() as wandb, storage(target, then=AGAIN):
         target.mkdir(parents=True, exist_ok=True)
         target = target.resolve()
-        for run in runs:
-            written.append(str(_write_run(wandb, lock, run, target)))
+        with storage(target / "wandb", then=AGAIN):  # names a file where W&B's folder must be
+            for run in runs:
+                written.append(str(_write_run(wandb, lock, run, target)))
     return {"lock": str(lock.path), "wandb": str(target), "runs": written,
             "upload": f"wandb sync {target / 'wandb'}/offline-run-*"}
 
@@ -114,10 +115,17 @@ def _write_run(wandb, lock, run: TrackedRun, target: Path) -> Path:
             _log(wandb, tracked, run)
         finally:
             tracked.finish()
-    except BaseException:
+    except BaseException as error:
         if written is not None and written not in earlier:
             shutil.rmtree(written, ignore_errors=True)
         shutil.rmtree(staged, ignore_errors=True)
+        for empty in (staging, staging.parent):
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+        if isinstance(error, wandb.Error):  # W&B's refusal (its service could not start or write): one sentence
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise OpalctlError(f"W&B could not write the offline run {run.name} in {target} ({first}); "
+                               f"{AGAIN}") from None
         raise
     for path in earlier - {written}:
         shutil.rmtree(path, ignore_errors=True)
