@@ -344,21 +344,45 @@ def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool
 
 @cli.command()
 @click.argument("lock", type=click.Path(dir_okay=False))
-@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(),
+@click.option("--tensorboard", "tensorboard_dir", default=None, type=click.Path(),
               help="Folder for TensorBoard event files, one subfolder per run.")
+@click.option("--wandb", "wandb_dir", default=None, type=click.Path(),
+              help="Folder for offline W&B runs (DIR/wandb/offline-run-*), for `wandb sync` to upload.")
+@click.option("--mlflow", "mlflow_dir", default=None, type=click.Path(),
+              help="Folder for an MLflow store (DIR/mlflow.db and DIR/artifacts) that `mlflow ui` opens.")
 @runs_dir_option
 @json_option
-def export(lock: str, tensorboard_dir: str, runs_dir: str | None, json_mode: bool) -> None:
-    """Write LOCK's finished runs as TensorBoard scalars (loss, stage metrics) and text (agent decisions)."""
+def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow_dir: str | None,
+           runs_dir: str | None, json_mode: bool) -> None:
+    """Write LOCK's finished runs for a tracker: TensorBoard, W&B (offline) or MLflow (a local store)."""
     from opalctl import console
-    from opalctl.export import export_tensorboard
 
-    result = export_tensorboard(lock, tensorboard_dir, runs_dir=runs_dir)
+    chosen = [(flag, folder) for flag, folder in
+              (("--tensorboard", tensorboard_dir), ("--wandb", wandb_dir), ("--mlflow", mlflow_dir)) if folder]
+    if len(chosen) != 1:
+        raise click.UsageError("give one of --tensorboard DIR, --wandb DIR or --mlflow DIR (one tracker per export)")
+    if tensorboard_dir:
+        from opalctl.export import export_tensorboard
+
+        result = export_tensorboard(lock, tensorboard_dir, runs_dir=runs_dir)
+        next_step = f"tensorboard --logdir {result['tensorboard']}"
+        lines = result["runs"]
+    elif wandb_dir:
+        from opalctl.trackers.wandb_offline import export_wandb
+
+        result = export_wandb(lock, wandb_dir, runs_dir=runs_dir)
+        next_step, lines = result["upload"], result["runs"]
+    else:
+        from opalctl.trackers.mlflow_store import export_mlflow
+
+        result = export_mlflow(lock, mlflow_dir, runs_dir=runs_dir)
+        next_step = result["open"]
+        lines = [f"{name} {run_id}" for name, run_id in result["runs"].items()]
     if json_mode:
         console.print_json(result)
         return
-    sys.stdout.write("".join(f"{folder}\n" for folder in result["runs"]))
-    console.message(f"next: tensorboard --logdir {result['tensorboard']}")
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
+    console.message(f"next: {next_step}")
 
 
 @cli.command()

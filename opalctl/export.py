@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,19 @@ from opalctl.errors import BadInput, OpalctlError
 from opalctl.layout import RunLayout
 
 
-def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
-    """Write the event files; returns the folders written, one per run."""
+@dataclass(frozen=True)
+class FinishedRun:
+    """One finished run of a lock, its folder's chain of digests checked: what every export writes out."""
+
+    arm: str
+    seed: int
+    folder: Path
+    report: dict[str, Any]
+
+
+def verified_runs(lock_path: str | Path, runs_dir=None) -> tuple[Any, list[FinishedRun]]:
+    """The lock and its finished runs (by arm, then seed), every folder checked as ``show`` checks it, so a caller
+    that writes only after this returns writes nothing when one folder does not verify."""
     from opalctl.compare.aggregate import collect
     from opalctl.layout import runs_dir_default
     from opalctl.protocol.lock import read_lock
@@ -38,16 +50,23 @@ def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=No
 
     lock = read_lock(Path(lock_path))
     base, finished, _unfinished = collect(lock, runs_dir_default(runs_dir))
+    runs = [FinishedRun(arm, seed, base / arm / f"seed-{seed}", finished[arm][seed])
+            for arm in finished for seed in sorted(finished[arm])]
+    for run in runs:
+        checked_run_folder(run.folder)
+    return lock, runs
+
+
+def export_tensorboard(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
+    """Write the event files; returns the folders written, one per run."""
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise BadInput(f"--tensorboard {target} is a file; give a folder for the event files")
-    chosen = [(arm, seed) for arm in finished for seed in sorted(finished[arm])]
-    for arm, seed in chosen:  # every folder checked before any event file is written or replaced
-        checked_run_folder(base / arm / f"seed-{seed}")
+    lock, runs = verified_runs(lock_path, runs_dir)  # every folder checked before any event file is written
     written = []
-    for arm, seed in chosen:
-        run_folder = target / arm / f"seed-{seed}"
-        _write_run(base / arm / f"seed-{seed}", finished[arm][seed], run_folder)
+    for run in runs:
+        run_folder = target / run.arm / f"seed-{run.seed}"
+        _write_run(run.folder, run.report, run_folder)
         written.append(str(run_folder))
     return {"lock": str(lock.path), "tensorboard": str(target), "runs": written}
 
