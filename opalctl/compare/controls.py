@@ -27,6 +27,7 @@ analysis, a revert) is "not reducible to a fixed schedule", said with the reason
 from __future__ import annotations
 
 import ast
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,10 +104,17 @@ def setting_factor(settings: dict[str, float | None], progress: float) -> float:
     return factor
 
 
-def schedule_factor(name: str, fraction: float) -> float:
-    from opalctl.driver.arm import schedule_factor as built_in
+def schedule_factor(schedule: str | dict[str, Any], fraction: float) -> float:
+    """The factor of a lock's schedule (a name, or a mapping with a warm-up, a floor, wsd) at ``fraction``."""
+    from opalctl.driver.arm import Schedule
 
-    return built_in(name, fraction)
+    return Schedule.of(schedule).factor(fraction)
+
+
+def schedule_words(schedule: str | dict[str, Any]) -> str:
+    from opalctl.driver.arm import Schedule
+
+    return Schedule.of(schedule).words()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -138,12 +146,14 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(abs(a), abs(b))
 
 
-def fixed_equivalent(factors: Sequence[float], fractions: Sequence[float]) -> tuple[str, float] | None:
-    """``(schedule, scale)``: the first built-in schedule that, times a constant, gives ``factors`` at every update
-    (within ``TOLERANCE``); None when none does."""
+def fixed_equivalent(factors: Sequence[float], fractions: Sequence[float],
+                     own: str | dict[str, Any] | None = None) -> tuple[str | dict[str, Any], float] | None:
+    """``(schedule, scale)``: the first built-in schedule, or else the arm's own when it is a mapping (a warm-up,
+    a floor, wsd), that, times a constant, gives ``factors`` at every update (within ``TOLERANCE``); None when
+    none does."""
     if not factors:
         return None
-    for name in BUILT_IN_SCHEDULES:
+    for name in BUILT_IN_SCHEDULES + ((own,) if isinstance(own, dict) else ()):
         shape = [schedule_factor(name, f) for f in fractions]
         anchor = next((i for i, s in enumerate(shape) if s != 0.0), None)
         if anchor is None:
@@ -163,7 +173,7 @@ class RunEquivalence:
     ``reason`` (why not)."""
 
     seed: int
-    schedule: str | None = None
+    schedule: str | dict[str, Any] | None = None  # a name, or the arm's own mapping
     scale: float = 1.0
     reason: str | None = None
     applied: int = 0  # versions applied after the starting one
@@ -171,7 +181,8 @@ class RunEquivalence:
     def words(self) -> str:
         if self.schedule is None:
             return f"not reducible to a fixed schedule ({self.reason})"
-        return f"fixed schedule `{self.schedule}`" + ("" if self.scale == 1.0 else f" with the learning rate x{self.scale:.6g}")
+        return f"fixed schedule `{schedule_words(self.schedule)}`" + (
+            "" if self.scale == 1.0 else f" with the learning rate x{self.scale:.6g}")
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "schedule": self.schedule, "scale": self.scale, "reason": self.reason,
@@ -183,7 +194,7 @@ def starting_programs() -> dict[str, str]:
     return {name: (folder / name).read_text(encoding="utf-8") for name in ("updater.py", "analysis.py")}
 
 
-def run_equivalence(run_dir: Path, seed: int, arm_schedule: str, total: float,
+def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any], total: float,
                     starting: dict[str, str] | None = None) -> RunEquivalence:
     """Read one agent run's records (its events, program versions and steps) and decide."""
     from opalctl.driver.records import read_steps
@@ -231,7 +242,7 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str, total: float,
         return found
     fractions = [u / total for u in used[:-1]]  # the fraction used before each update, as the meter divides it
     factors = effective_factors(switches, fractions, arm_schedule)
-    match = fixed_equivalent(factors, fractions)
+    match = fixed_equivalent(factors, fractions, arm_schedule)
     if match is None:
         found.reason = _why_not(switches[1:], fractions)
         return found
@@ -252,7 +263,7 @@ def _why_not(changed: list[Switch], fractions: Sequence[float]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # an arm: every seed, and the control arm it names
 
-def fixed_arm(arm: dict[str, Any], schedule: str, scale: float) -> dict[str, Any]:
+def fixed_arm(arm: dict[str, Any], schedule: str | dict[str, Any], scale: float) -> dict[str, Any]:
     """The resolved fixed arm that is ``schedule`` times ``scale`` on the agent arm's optimizer (no agent)."""
     optimizer = dict(arm["optimizer"])
     if scale != 1.0:
@@ -275,9 +286,10 @@ def same_arm(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
-def fixed_arm_name(arm_name: str, arm: dict[str, Any], schedule: str, scale: float) -> str:
+def fixed_arm_name(arm_name: str, arm: dict[str, Any], schedule: str | dict[str, Any], scale: float) -> str:
     """A name for the missing control arm: the optimizer's, lower case, then the schedule (``adamw-anneal-end``)."""
-    name = f"{arm['optimizer']['name'].lower()}-{schedule}"
+    shown = schedule if isinstance(schedule, str) else f"{schedule['name']}-recipe"
+    name = f"{arm['optimizer']['name'].lower()}-{shown}"
     return name if scale == 1.0 else f"{name}-x{scale:.3g}".replace(".", "p")
 
 
@@ -286,7 +298,7 @@ def arm_controls(arm_name: str, runs: list[RunEquivalence], arms: dict[str, dict
     """The result for one agent arm: each seed's equivalence, the fixed schedule they share (if all do), the
     control arm in the lock (or None, with the name it would take) and one sentence."""
     runs = sorted(runs, key=lambda r: r.seed)
-    shared = {(r.schedule, r.scale) for r in runs}
+    shared = {(json.dumps(r.schedule, sort_keys=True), r.scale) for r in runs}  # a mapping is no set member
     result: dict[str, Any] = {"arm": arm_name, "seeds": [r.to_json() for r in runs], "schedule": None, "scale": None,
                               "control_arm": None, "control_in": None, "missing_arm": None}
     if runs and len(shared) == 1 and runs[0].schedule is not None:
@@ -346,7 +358,7 @@ def verdict_pointer(sentence: str, controls: dict[str, Any] | None, post_hoc: bo
         sentence = f"{sentence} [{POST_HOC}]"
     if controls and controls.get("schedule") is not None:
         control = controls.get("control_arm")
-        sentence += (f" But its applied programs equal the fixed schedule `{controls['schedule']}`"
+        sentence += (f" But its applied programs equal the fixed schedule `{schedule_words(controls['schedule'])}`"
                      + (f": compare it with the control arm `{control}`" if control else ", and no control arm ran it")
                      + " (see controls).")
     return sentence

@@ -6,6 +6,8 @@ rates (``obs["lrs"]``: one definition, ``opal.observer.StepLearningRates``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from opalctl.driver.arm import schedule_factor
@@ -14,9 +16,15 @@ from opalctl.driver.records import read_steps
 AMOUNT = 100  # the analysis runs every 25 updates: its reports at 25, 50, 75 and 100
 LR = 1.0e-3
 ADAMW = {"optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.01}}
+# nanoGPT's recipe: a linear warm-up (here a tenth of the budget), then cosine down to a tenth of the peak
+RECIPE = {"name": "cosine", "warmup": 0.1, "min_lr": 0.1}
+WSD = {"name": "wsd", "warmup": 0.05, "decay": 0.3, "decay_shape": "sqrt"}
 ARMS = {"adamw": ADAMW, "cosine": {**ADAMW, "schedule": "cosine"},
         "keep": {**ADAMW, "agent": {"backend": "keep", "decisions": 2}},
-        "agent": {**ADAMW, "agent": {"backend": "heuristic", "decisions": 4}}}
+        "agent": {**ADAMW, "agent": {"backend": "heuristic", "decisions": 4}},
+        "recipe": {**ADAMW, "schedule": RECIPE},
+        "recipe-keep": {**ADAMW, "schedule": RECIPE, "agent": {"backend": "keep", "decisions": 2}},
+        "wsd": {**ADAMW, "schedule": WSD}}
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +80,34 @@ def test_the_agents_analysis_sees_the_learning_rate_the_step_used(project):
     assert [r["update"] for r in reports] == [25, 50, 75, 100]
     assert [r["report"]["lrs"] for r in reports] == [lines[r["update"]] for r in reports]
     assert reports[-1]["report"]["lrs"][0] < LR, "annealed at the last analysis: the analysis sees the scaling"
+
+
+def _recipe_by_hand(fraction: float) -> float:
+    if fraction < 0.1:
+        return fraction / 0.1
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * (fraction - 0.1) / 0.9))
+
+
+def _wsd_by_hand(fraction: float) -> float:
+    if fraction < 0.05:
+        return fraction / 0.05
+    into = ((fraction - 0.05) / 0.95 - 0.7) / 0.3
+    return 1.0 if into <= 0 else 1.0 - math.sqrt(min(into, 1.0))
+
+
+@pytest.mark.parametrize(("arm", "by_hand"), [("recipe", _recipe_by_hand), ("wsd", _wsd_by_hand)])
+def test_a_warm_up_a_floor_and_wsd_give_each_update_the_learning_rate_of_their_formula(project, arm, by_hand):
+    lines = steps(project, arm)
+    assert len(lines) == AMOUNT
+    for line in lines:
+        expected = LR * by_hand((line["update"] - 1) / AMOUNT)
+        assert line["lrs"] == [pytest.approx(expected, rel=1e-12, abs=1e-18)], line
+    assert lines[0]["lrs"] == [0.0] and max(line["lrs"][0] for line in lines) == pytest.approx(LR)
+
+
+def test_the_keep_agent_keeps_a_recipes_schedule_bit_for_bit(project, tools):
+    keep, fixed = steps(project, "recipe-keep"), steps(project, "recipe")
+    assert [{k: v for k, v in s.items() if k != "wall"} for s in keep] == \
+        [{k: v for k, v in s.items() if k != "wall"} for s in fixed]
+    assert tools.read(project.run_dir("recipe-keep", 1) / "report.json")["final_model_sha256"] == \
+        tools.read(project.run_dir("recipe", 1) / "report.json")["final_model_sha256"]
