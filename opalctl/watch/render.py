@@ -206,7 +206,7 @@ def event_line(change: dict[str, Any]) -> str | None:
         return f"{where}: {'promoted, ' if change['promoted'] else 'refused '}{stage_why(change)}"
     if event == "decision":
         return f"decision {change['decision']} at update {change.get('asked_at')}: {change['outcome']}: " \
-               f"{change['said']}"
+               f"{_without_outcome(change['said'])}"
     return None
 
 
