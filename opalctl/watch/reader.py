@@ -2,7 +2,8 @@
 decisions.
 
 Every figure comes from a reader that already exists: the state from the folder (``RunLayout.state``, worded as
-``grid --status`` words it: grid/status.py ``state_word``), the budget used and the ETA from the steps file read
+``grid --status`` words it: grid/status.py ``state_word``, but ``starting`` for a run whose log holds only the
+grid's header: spawned, its folder not taken yet, not failed), the budget used and the ETA from the steps file read
 incrementally (grid/progress.py ``RunProgress``, which also keeps the last lines for the loss curve), each stage
 from its record (formats.py ``StageRecord``, told as ``show`` tells it: driver/show.py ``stage_row``) and each
 decision as ``show`` reads it (driver/show.py ``agent_decisions``: the training process's events and the agent

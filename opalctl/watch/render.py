@@ -202,7 +202,7 @@ def event_line(change: dict[str, Any]) -> str | None:
     if event == "state":
         return f"now {change['state']}"
     if event == "stage":
-        where = f"stage {change['stage']} ({100 * change['fraction']:.0f} %, update {change['update']})"
+        where = f"stage {change['stage']} ({100 * change['fraction']:.0f} %)"
         return f"{where}: {'promoted, ' if change['promoted'] else 'refused '}{stage_why(change)}"
     if event == "decision":
         return f"decision {change['decision']} at update {change.get('asked_at')}: {change['outcome']}: " \
