@@ -45,3 +45,27 @@ def test_the_sparkline_falls_with_a_falling_loss_and_is_flat_for_a_constant_one(
     assert sparkline([4.0, 3.0, 2.0, 1.0]) == "█▆▃▁"
     assert len(sparkline([float(n) for n in range(100)], width=16)) == 16
     assert sparkline([2.0] * 5) == "▅▅▅▅▅" and sparkline([None, None]) == ""
+
+
+def test_a_posix_lock_held_by_another_process_reads_as_running_and_is_only_asked_about(tmp_path):
+    """What an NFS client makes of a run's flock held on another node: a POSIX lock, which /proc/locks here does
+    not tie to the run; the watch asks about it (F_GETLK) and never takes it."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "arm" / "seed-1"
+    folder.mkdir(parents=True)
+    layout = RunLayout.of(folder)
+    layout.folder_lock.write_bytes(b"")
+    (folder / "start.json").write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); fcntl.lockf(f, fcntl.LOCK_EX); print('held', "
+        "flush=True); time.sleep(60)"), str(layout.folder_lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert observed_state(layout) == "running"
+        assert holder.poll() is None, "asking took nothing from the holder"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert observed_state(layout) == "interrupted"

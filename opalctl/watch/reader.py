@@ -8,8 +8,9 @@ incrementally (grid/progress.py ``RunProgress``, which also keeps the last lines
 from its record (formats.py ``StageRecord``, told as ``show`` tells it: driver/show.py ``stage_row``) and each
 decision as ``show`` reads it (driver/show.py ``agent_decisions``: the training process's events and the agent
 host's record of each answer). Nothing is written, and the folder's lock is never taken: whether a process holds
-it is read from ``/proc/locks`` (``RunLayout.lock_holders``), and only where the system does not say is it tried
-without waiting (``RunLayout.held``), as ``live_state`` does.
+it is read from ``/proc/locks`` (``RunLayout.lock_holders``), then asked of the file system as a POSIX lock
+(``posix_lock_seen``: what NFS makes of a run's flock held on another node), and only where ``/proc/locks`` does
+not say is it tried without waiting (``RunLayout.held``), as ``live_state`` does.
 
 A record that cannot be read yet (a stage record being written, an events line cut short) is simply read again
 at the next look; one that stays unreadable is named in ``problem`` and the rest of the view goes on.
@@ -17,8 +18,10 @@ at the next look; one that stays unreadable is named in ``problem`` and the rest
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +40,29 @@ def observed_state(layout: RunLayout) -> str:
 
     holders = layout.lock_holders()
     held = bool(holders) if holders is not None else layout.held()
+    held = held or posix_lock_seen(layout.folder_lock)
     word = state_word(layout, RUNNING if held else layout.state)
     if word == "failed" and _only_the_grids_header(layout.grid_log):
         return "starting"  # the grid has spawned it and it has not taken its folder yet: not a failure
     return word
+
+
+def posix_lock_seen(path: Path) -> bool:
+    """Whether a process holds a POSIX lock on ``path``, asked without taking one (``F_GETLK``). An NFS client
+    makes a run's flock a POSIX lock on the server, which ``/proc/locks`` here does not list when the run holds it
+    from another node (a Slurm job on a shared file system); on a local file system no run takes one."""
+    flock = struct.Struct("hhqqi4x")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        return flock.unpack(answer)[0] != fcntl.F_UNLCK
+    except OSError:  # not a file a lock can be asked about: no run holds it
+        return False
+    finally:
+        os.close(fd)
 
 
 def _only_the_grids_header(log: Path) -> bool:
