@@ -426,6 +426,24 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
     sys.exit(exit_code(result, comparison))
 
 
+@cli.command()
+@click.argument("target", type=click.Path())
+@click.option("--interval", default=1.5, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds between two looks at the run folders.")
+@click.option("--once", is_flag=True, help="Print the view as it stands and exit (with --json: one JSON document).")
+@runs_dir_option
+@click.option("--json", "json_mode", is_flag=True, help="One JSON line per change (with --once: one document).")
+def watch(target: str, interval: float, once: bool, runs_dir: str | None, json_mode: bool) -> None:
+    """A live view of one run (TARGET a run folder) or every run of a lock (TARGET a lock), read from the run
+    folders alone: state, budget, ETA, loss, learning rate, stages as judged, decisions as made."""
+    from opalctl import console
+    from opalctl.watch import watch as run_watch
+
+    result = run_watch(target, runs_dir=runs_dir, interval=interval, once=once, json_mode=json_mode)
+    if result is not None:
+        console.print_json(result)
+
+
 @cli.command(help=f"One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
                   f"its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
                   f"verdict and the report page (about {DEMO_MINUTES} minutes on 2 cores).")

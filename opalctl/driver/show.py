@@ -42,14 +42,15 @@ def show(run_dir: str | Path) -> dict[str, Any]:
         "lock_sha256": start.lock_sha256,
         "budget": start.budget,
         "status": "finished" if read.report.sha256 is not None else "unfinished",
-        "stages": [_stage_row(stage) for stage in stages],
+        "stages": [stage_row(stage) for stage in stages],
         "selected": read.selected.value,
         "report": read.report.value,
         "decisions": agent_decisions(RunLayout.of(folder).opal / "events.jsonl", RunLayout.of(folder).decisions),
     }
 
 
-def _stage_row(stage: StageRecord) -> dict[str, Any]:
+def stage_row(stage: StageRecord) -> dict[str, Any]:
+    """A stage as show (and watch) tell it: its figures, promoted or not, the reasons and the rules that refused."""
     return {"stage": stage.stage, "fraction": stage.fraction, "update": stage.update,
             "budget_used": stage.budget_used, "metrics": stage.metrics, "promoted": stage.promoted,
             "incumbent_after": stage.incumbent_after, "reasons": list(stage.decision.get("reasons") or []),

@@ -78,10 +78,11 @@ def row(change: dict[str, Any]) -> list[str]:
     return [f"{change['arm']} seed {change['seed']}", state,
             "-" if fraction is None else f"{100 * fraction:5.1f} %",
             "-" if change.get("updates") is None else str(change["updates"]),
-            "-" if eta is None or change["state"] in FINAL else _duration(eta)]
+            "-" if eta is None or change["state"] in FINAL else duration(eta)]
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour: an ETA as the live tables show it."""
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

@@ -36,6 +36,8 @@ PROGRESS_SECONDS = 1.0  # how often it reads a running run's progress from its f
 GRACE_SECONDS = 60.0  # how long a child stopped with SIGTERM may take before it is killed (still resumable)
 HELPERS_SECONDS = 60.0  # how long the grid waits for an ended child's evaluator and steps helper to let go
 
+LOG_HEADER = "--- opalctl grid"  # the line the grid writes into a run's log before each start of it
+
 
 def child_environment(threads: int, wave_size: int, executor: str, base: dict[str, str] | None = None) -> dict:
     """The environment of one run: its threads fixed, and what the run's machine watch reads of the grid
@@ -59,7 +61,7 @@ def spawn_run(run: GridRun, lock_path, runs_dir, resumed: bool, env: dict[str, s
 
     with open(run.log, "ab") as log:
         shown = " ".join(args[2:]).replace("torch.distributed.run", "torchrun", 1)  # after `python -m`
-        log.write(f"--- opalctl grid {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {shown}\n".encode())
+        log.write(f"{LOG_HEADER} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {shown}\n".encode())
         log.flush()
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,

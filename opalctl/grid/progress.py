@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from collections import deque
 from pathlib import Path
 
 from opalctl.files import open_plain, read_plain
@@ -22,10 +23,12 @@ from opalctl.layout import RunLayout
 
 
 class StepsTail:
-    """The last complete line of a growing ``steps.jsonl.gz``, decompressing only what was added."""
+    """The last complete line of a growing ``steps.jsonl.gz``, decompressing only what was added; with ``keep``,
+    also the last ``keep`` lines in order (``recent``: a watcher's loss curve)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep: int = 0):
         self.path = path
+        self.keep = keep
         self._restart()
 
     def _restart(self) -> None:
@@ -33,6 +36,7 @@ class StepsTail:
         self.inflater = zlib.decompressobj(wbits=31)
         self.partial = b""
         self.last: dict | None = None
+        self.recent: deque[dict] = deque(maxlen=self.keep)
 
     def read(self) -> dict | None:
         try:
@@ -64,6 +68,9 @@ class StepsTail:
     def _lines(self, text: bytes) -> None:
         chunks = (self.partial + text).split(b"\n")
         self.partial = chunks.pop()
+        if self.keep:
+            self._keep(chunks[-self.keep:])
+            return
         for chunk in reversed(chunks):
             if chunk.strip():
                 try:
@@ -73,13 +80,23 @@ class StepsTail:
                 return
 
 
+    def _keep(self, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            if chunk.strip():
+                try:
+                    self.last = json.loads(chunk)
+                except ValueError:
+                    continue
+                self.recent.append(self.last)
+
+
 class RunProgress:
     """The fraction of the budget a run has used, its update, and an estimate of the seconds left."""
 
-    def __init__(self, run_dir: Path, clock=time.monotonic):
+    def __init__(self, run_dir: Path, clock=time.monotonic, keep: int = 0):
         self.run_dir = run_dir
         self.layout = RunLayout.of(run_dir)
-        self.tail = StepsTail(self.layout.steps)
+        self.tail = StepsTail(self.layout.steps, keep)
         self.clock = clock
         self.total: float | None = None
         self.first: tuple[float, float] | None = None  # (time, fraction) when this session first saw progress

@@ -16,7 +16,7 @@ from typing import Any
 from opalctl import console
 from opalctl.grid.plan import GridRun, plan_grid
 from opalctl.grid.progress import RunProgress
-from opalctl.layout import FINISHED, NEW, RUNNING
+from opalctl.layout import FINISHED, NEW, RUNNING, RunLayout
 
 
 def grid_status(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
@@ -41,14 +41,21 @@ def run_status(run: GridRun) -> dict[str, Any]:
                              "log": str(run.log) if run.log.exists() else None}
     if state == FINISHED:
         return {**entry, "state": "finished", "fraction": 1.0, "agent": _agent_word(run)}
-    if state == RUNNING:
-        shown = "running"
-    elif state == NEW:
-        shown = "failed" if run.log.exists() else "not started"
-    else:
-        shown = "interrupted"
+    shown = state_word(run.layout, state)
     figures = RunProgress(run.run_dir).read() if state != NEW else {}
     return {**entry, "state": shown, "fraction": figures.get("fraction"), "updates": figures.get("updates")}
+
+
+def state_word(layout: RunLayout, live_state: str) -> str:
+    """``live_state`` of the run in ``layout`` as the grid says it: finished, running, interrupted, failed (a grid
+    started it and nothing came of it: its log and no start record) or not started (module docstring)."""
+    if live_state == FINISHED:
+        return "finished"
+    if live_state == RUNNING:
+        return "running"
+    if live_state == NEW:
+        return "failed" if layout.grid_log.exists() else "not started"
+    return "interrupted"
 
 
 def _agent_word(run: GridRun) -> str | None:
