@@ -69,3 +69,20 @@ def test_a_posix_lock_held_by_another_process_reads_as_running_and_is_only_asked
         holder.kill()
         holder.wait()
     assert observed_state(layout) == "interrupted"
+
+
+def test_grid_status_says_starting_for_a_run_spawned_but_not_yet_in_its_folder(tmp_path):
+    """grid --status words a run as watch does (one ``state_word``): before, a run the grid had just spawned read
+    as failed until it took its folder's lock."""
+    from opalctl.grid.local import LOG_HEADER
+    from opalctl.grid.status import state_word
+    from opalctl.layout import NEW, RunLayout
+
+    layout = RunLayout.of(tmp_path / "runs" / "digits-0123456789ab" / "adamw" / "seed-1")
+    assert state_word(layout, NEW) == "not started"
+    layout.root.mkdir(parents=True)
+    layout.grid_log.write_text(f"{LOG_HEADER} 2026-12-03 15:00:00: opalctl run x --arm adamw --seed 1\n")
+    assert state_word(layout, NEW) == "starting"
+    with layout.grid_log.open("a") as log:
+        log.write("opalctl: error: arm adamw: something refused\n")
+    assert state_word(layout, NEW) == "failed"

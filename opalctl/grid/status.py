@@ -4,13 +4,15 @@ runs the Slurm executor submitted, from Slurm itself).
 A run is ``finished`` (its report), ``running`` (a process holds its folder's lock: the run, or its evaluator
 and steps helper while they end), ``interrupted`` (a resume
 checkpoint, nobody running it: the grid resumes it), ``failed`` (its last start ended without leaving anything to
-resume; its log says why) or ``not started``. A finished run of an agent arm says what its agent did (``agent``:
+resume; its log says why), ``starting`` (a grid spawned it, its log holds only the grid's header, and it has not
+taken its folder yet: for a second or two, not a failure) or ``not started``. A finished run of an agent arm says what its agent did (``agent``:
 acted, only kept, never answered; compare/decisions.py). Nothing is written.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from opalctl import console
@@ -46,16 +48,35 @@ def run_status(run: GridRun) -> dict[str, Any]:
     return {**entry, "state": shown, "fraction": figures.get("fraction"), "updates": figures.get("updates")}
 
 
+LOG_LIMIT = 1 << 16  # a run's log read to tell a run the grid is starting from one that failed
+
+
 def state_word(layout: RunLayout, live_state: str) -> str:
     """``live_state`` of the run in ``layout`` as the grid says it: finished, running, interrupted, failed (a grid
-    started it and nothing came of it: its log and no start record) or not started (module docstring)."""
+    started it and nothing came of it: its log and no start record), starting (its log holds only the grid's header:
+    spawned, not yet holding its folder) or not started (module docstring)."""
     if live_state == FINISHED:
         return "finished"
     if live_state == RUNNING:
         return "running"
     if live_state == NEW:
-        return "failed" if layout.grid_log.exists() else "not started"
+        if not layout.grid_log.exists():
+            return "not started"
+        return "starting" if _only_the_grids_header(layout.grid_log) else "failed"
     return "interrupted"
+
+
+def _only_the_grids_header(log: Path) -> bool:
+    """Whether the run's log holds nothing but the lines the grid writes before each start (no word of the run's
+    own yet: a run that fails before its start record says why there)."""
+    from opalctl.files import read_plain
+    from opalctl.grid.local import LOG_HEADER
+
+    try:
+        text = read_plain(log, LOG_LIMIT).decode(errors="replace")
+    except OSError:  # gone, or grown past the limit: more than headers
+        return False
+    return all(line.startswith(LOG_HEADER) for line in text.splitlines() if line.strip())
 
 
 def _agent_word(run: GridRun) -> str | None:

@@ -2,7 +2,7 @@
 decisions.
 
 Every figure comes from a reader that already exists: the state from the folder (``RunLayout.state``, worded as
-``grid --status`` words it: grid/status.py ``state_word``, but ``starting`` for a run whose log holds only the
+``grid --status`` words it: grid/status.py ``state_word``, ``starting`` for a run whose log holds only the
 grid's header: spawned, its folder not taken yet, not failed), the budget used and the ETA from the steps file read
 incrementally (grid/progress.py ``RunProgress``, which also keeps the last lines for the loss curve), each stage
 from its record (formats.py ``StageRecord``, told as ``show`` tells it: driver/show.py ``stage_row``) and each
@@ -30,8 +30,7 @@ from opalctl.layout import RUNNING, RunLayout
 
 KEPT_LINES = 400  # the steps lines kept for the loss curve: the recent training, not the whole run
 PROGRESS_STEPS = 10  # a progress change each time a running run passes the next tenth of its budget
-FINAL = ("finished", "failed")
-LOG_LIMIT = 1 << 16  # a run's log read to tell a run the grid is starting from one that failed  # the states a run does not leave by itself (interrupted may be resumed)
+FINAL = ("finished", "failed")  # the states a run does not leave by itself (interrupted may be resumed)
 
 
 def observed_state(layout: RunLayout) -> str:
@@ -41,10 +40,7 @@ def observed_state(layout: RunLayout) -> str:
     holders = layout.lock_holders()
     held = bool(holders) if holders is not None else layout.held()
     held = held or posix_lock_seen(layout.folder_lock)
-    word = state_word(layout, RUNNING if held else layout.state)
-    if word == "failed" and _only_the_grids_header(layout.grid_log):
-        return "starting"  # the grid has spawned it and it has not taken its folder yet: not a failure
-    return word
+    return state_word(layout, RUNNING if held else layout.state)
 
 
 def posix_lock_seen(path: Path) -> bool:
@@ -63,19 +59,6 @@ def posix_lock_seen(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _only_the_grids_header(log: Path) -> bool:
-    """Whether the run's log holds nothing but the lines the grid writes before each start (no word of the run's
-    own yet: a run that fails before its start record says why there)."""
-    from opalctl.files import read_plain
-    from opalctl.grid.local import LOG_HEADER
-
-    try:
-        text = read_plain(log, LOG_LIMIT).decode(errors="replace")
-    except OSError:  # gone, or grown past the limit: more than headers
-        return False
-    return all(line.startswith(LOG_HEADER) for line in text.splitlines() if line.strip())
 
 
 class RunWatch:
