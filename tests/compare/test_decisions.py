@@ -89,18 +89,21 @@ def test_a_fixed_arm_ends_its_run_with_nothing_to_say(tmp_path):
 
 
 def test_the_demo_says_the_sentence_in_place_of_an_agent_arms_verdict():
+    """The demo prints compare's verdicts (compare/aggregate.py words them with each arm's decisions)."""
     from opalctl import demo
     from opalctl.compare.statistics import paired
+    from opalctl.compare.verdict import verdict
 
     base = {1: 50.0, 2: 52.0, 3: 51.0}
     figure = paired(base, dict(base), resamples=200)
-    never = arm(s1=[REFUSED], s2=[REFUSED], s3=[REFUSED]).to_json()
-    mixed = arm(s1=[APPLIED], s2=[APPLIED], s3=[SLOW]).to_json()
+    never, mixed = arm(s1=[REFUSED], s2=[REFUSED], s3=[REFUSED]), arm(s1=[APPLIED], s2=[APPLIED], s3=[SLOW])
     moved = paired(base, {1: 51.0, 2: 53.0}, resamples=200)
+    figure["verdict"] = verdict("agent", "hot", "selection.correct", figure, None, never)
+    moved["verdict"] = verdict("mixed", "hot", "selection.correct", moved, None, mixed)
     comparison = {"primary": "selection.correct", "baseline": "hot", "arms": [
         {"arm": "hot", "paired": {}, "decisions": None},
-        {"arm": "agent", "paired": {"selection.correct": figure}, "decisions": never},
-        {"arm": "mixed", "paired": {"selection.correct": moved}, "decisions": mixed}]}
+        {"arm": "agent", "paired": {"selection.correct": figure}, "decisions": never.to_json()},
+        {"arm": "mixed", "paired": {"selection.correct": moved}, "decisions": mixed.to_json()}]}
     sentences = demo.verdict(comparison)
-    assert sentences[0] == never["no_verdict"] and "no difference" not in " ".join(sentences)
-    assert sentences[1].startswith("mixed: better than hot by 1") and sentences[1].endswith(mixed["note"])
+    assert sentences[0] == never.to_json()["no_verdict"] and "no difference" not in " ".join(sentences)
+    assert sentences[1].startswith("mixed vs hot on selection.correct: +1 ") and mixed.to_json()["note"] in sentences[1]
