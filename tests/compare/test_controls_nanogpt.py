@@ -51,9 +51,16 @@ class Project:
         assert done.code == 0, done.output
         return done
 
+    def runs_of(self, lock_name: str) -> Path:
+        """The runs folder of the lock named ``lock_name`` (NAME-SHA12): by the name's whole form, since "baby-*"
+        matches the control lock's folder (baby-control-...) too."""
+        found = [p for p in (self.folder / "runs").iterdir()
+                 if p.name.rpartition("-")[0] == lock_name and len(p.name.rpartition("-")[2]) == 12]
+        assert len(found) == 1, found
+        return found[0]
+
     def report(self, lock_name: str, arm: str, seed: int) -> dict:
-        runs = next((self.folder / "runs").glob(f"{lock_name}-*"))
-        return json.loads((runs / arm / f"seed-{seed}" / "report.json").read_text())
+        return json.loads((self.runs_of(lock_name) / arm / f"seed-{seed}" / "report.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +135,7 @@ def test_the_fixed_arm_the_replay_and_the_agent_end_with_the_same_weights(projec
 def test_a_scale_applied_mid_run_is_not_reducible(project, tmp_path):
     """The agent's own records with its applied version's LR_SCALE set to 0.5: a constant scale only from the
     update it was applied, which no fixed schedule is."""
-    runs = next((project.folder / "runs").glob("baby-*"))
+    runs = project.runs_of("baby")
     copy = tmp_path / "seed-1"
     shutil.copytree(runs / "agent" / "seed-1", copy)
     program = copy / "training" / "opal" / "programs" / "v001" / "updater.py"
