@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.arm import Schedule
 from opalctl.errors import OpalctlError
 
 SETTINGS = ("LR_SCALE", "CLIP", "ANNEAL_START")
@@ -104,19 +105,6 @@ def setting_factor(settings: dict[str, float | None], progress: float) -> float:
     return factor
 
 
-def schedule_factor(schedule: str | dict[str, Any], fraction: float) -> float:
-    """The factor of a lock's schedule (a name, or a mapping with a warm-up, a floor, wsd) at ``fraction``."""
-    from opalctl.driver.arm import Schedule
-
-    return Schedule.of(schedule).factor(fraction)
-
-
-def schedule_words(schedule: str | dict[str, Any]) -> str:
-    from opalctl.driver.arm import Schedule
-
-    return Schedule.of(schedule).words()
-
-
 # --------------------------------------------------------------------------------------------------------------
 # the factor at every update, and the fixed schedule it equals
 
@@ -138,7 +126,7 @@ def effective_factors(switches: Sequence[Switch], fractions: Sequence[float], ar
             current = ordered[index].settings
             index += 1
         program = 1.0 if current is None else setting_factor(current, fraction)
-        factors.append(schedule_factor(arm_schedule, fraction) * program)
+        factors.append(Schedule.of(arm_schedule).factor(fraction) * program)
     return factors
 
 
@@ -154,7 +142,7 @@ def fixed_equivalent(factors: Sequence[float], fractions: Sequence[float],
     if not factors:
         return None
     for name in BUILT_IN_SCHEDULES + ((own,) if isinstance(own, dict) else ()):
-        shape = [schedule_factor(name, f) for f in fractions]
+        shape = [Schedule.of(name).factor(f) for f in fractions]
         anchor = next((i for i, s in enumerate(shape) if s != 0.0), None)
         if anchor is None:
             continue
@@ -181,7 +169,7 @@ class RunEquivalence:
     def words(self) -> str:
         if self.schedule is None:
             return f"not reducible to a fixed schedule ({self.reason})"
-        return f"fixed schedule `{schedule_words(self.schedule)}`" + (
+        return f"fixed schedule `{Schedule.of(self.schedule).words()}`" + (
             "" if self.scale == 1.0 else f" with the learning rate x{self.scale:.6g}")
 
     def to_json(self) -> dict[str, Any]:
@@ -358,7 +346,7 @@ def verdict_pointer(sentence: str, controls: dict[str, Any] | None, post_hoc: bo
         sentence = f"{sentence} [{POST_HOC}]"
     if controls and controls.get("schedule") is not None:
         control = controls.get("control_arm")
-        sentence += (f" But its applied programs equal the fixed schedule `{schedule_words(controls['schedule'])}`"
+        sentence += (f" But its applied programs equal the fixed schedule `{Schedule.of(controls['schedule']).words()}`"
                      + (f": compare it with the control arm `{control}`" if control else ", and no control arm ran it")
                      + " (see controls).")
     return sentence

@@ -12,7 +12,6 @@ import types
 
 import pytest
 
-from opalctl.compare import controls
 from opalctl.compare.controls import (
     RunEquivalence,
     Switch,
@@ -25,6 +24,7 @@ from opalctl.compare.controls import (
     updater_settings,
     verdict_pointer,
 )
+from opalctl.driver.arm import Schedule
 from opalctl.opal.agents.heuristic import write_settings
 
 STARTING = starting_programs()["updater.py"]
@@ -79,7 +79,7 @@ def test_the_anneal_applied_before_eighty_percent_is_the_anneal_end_schedule():
     switches = [Switch(0, NONE), Switch(93, {**NONE, "ANNEAL_START": 0.8})]
     assert fixed_equivalent(effective_factors(switches, f, "constant"), f) == ("anneal-end", 1.0)
     # the factors differ from the built-in's only by rounding (1 - 0.8 is not 0.2 in binary): within TOLERANCE
-    built_in = [controls.schedule_factor("anneal-end", x) for x in f]
+    built_in = [Schedule("anneal-end").factor(x) for x in f]
     ours = effective_factors(switches, f, "constant")
     assert max(abs(a - b) for a, b in zip(ours, built_in)) < 1e-15
 

@@ -48,12 +48,16 @@ def test_a_fixed_arms_lines_hold_the_schedules_learning_rate_of_each_group(proje
     assert [s["lrs"] for s in steps(project, "cosine")] == [[LR * schedule_factor("cosine", f)] for f in fractions]
 
 
+def assert_same_run(project, tools, arm: str, fixed: str) -> None:
+    """``arm``'s steps lines (but their wall times) and final weights are ``fixed``'s, bit for bit."""
+    assert [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, arm)] == \
+        [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, fixed)]
+    assert tools.read(project.run_dir(arm, 1) / "report.json")["final_model_sha256"] == \
+        tools.read(project.run_dir(fixed, 1) / "report.json")["final_model_sha256"]
+
+
 def test_the_keep_agents_learning_rates_weights_and_lines_are_the_fixed_arms(project, tools):
-    keep, fixed = steps(project, "keep"), steps(project, "adamw")
-    assert [{k: v for k, v in s.items() if k != "wall"} for s in keep] == \
-        [{k: v for k, v in s.items() if k != "wall"} for s in fixed]
-    assert tools.read(project.run_dir("keep", 1) / "report.json")["final_model_sha256"] == \
-        tools.read(project.run_dir("adamw", 1) / "report.json")["final_model_sha256"]
+    assert_same_run(project, tools, "keep", "adamw")
 
 
 def test_an_agent_arms_lines_hold_the_learning_rate_its_program_scaled_for_the_step(project, tools):
@@ -106,8 +110,4 @@ def test_a_warm_up_a_floor_and_wsd_give_each_update_the_learning_rate_of_their_f
 
 
 def test_the_keep_agent_keeps_a_recipes_schedule_bit_for_bit(project, tools):
-    keep, fixed = steps(project, "recipe-keep"), steps(project, "recipe")
-    assert [{k: v for k, v in s.items() if k != "wall"} for s in keep] == \
-        [{k: v for k, v in s.items() if k != "wall"} for s in fixed]
-    assert tools.read(project.run_dir("recipe-keep", 1) / "report.json")["final_model_sha256"] == \
-        tools.read(project.run_dir("recipe", 1) / "report.json")["final_model_sha256"]
+    assert_same_run(project, tools, "recipe-keep", "recipe")
