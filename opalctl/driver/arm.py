@@ -69,11 +69,18 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
     return wrapped
 
 
-def build_optimizer(arm: Arm, parameters) -> Any:
+def build_optimizer(arm: Arm, model, where: str = "arms") -> Any:
+    """The arm's torch optimizer over ``model``'s parameters: one group, as every arm had before groups, or the
+    arm's ``groups`` (driver/groups.py), each with its own weight decay and learning rate. ``where`` opens a
+    refusal of a group (``lock x.json: arms.NAME``)."""
     import torch
 
     cls = getattr(torch.optim, arm.optimizer.name)
-    return cls(parameters, **arm.optimizer.arguments())
+    if arm.groups is None:
+        return cls(model.parameters(), **arm.optimizer.arguments())
+    from opalctl.driver.groups import assign, build_grouped
+
+    return build_grouped(cls, arm.optimizer.arguments(), assign(arm.groups, model, where))
 
 
 def schedule_factor(name: str, fraction: float) -> float:

@@ -75,7 +75,8 @@ def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str,
     model = built.model
     model.train()
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    optimizer = build_optimizer(arm, model.parameters())
+    arm_name = next((name for name, value in protocol.arms.items() if value is arm), "?")  # for a refusal's key
+    optimizer = build_optimizer(arm, model, f"arms.{arm_name}")
     schedule = BudgetSchedule(optimizer, arm.schedule if isinstance(arm.schedule, str) else arm.schedule.model_dump())
     sampler = task.sampler(splits["train"], rank_seed(seed, rank), protocol.training.batch_size, device)
     return ArmParts(task=task, splits=splits, built=built, model=model, shapes=shapes, optimizer=optimizer,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import opalctl
+from opalctl.driver.groups import check_groups
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import (
     NotAPlainFile,
@@ -99,6 +100,8 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
     if resolved.get("control") is None:  # a pre-registered protocol's lock is as it always was
         resolved.pop("control", None)
     for arm in resolved["arms"].values():
+        if arm.get("groups") is None:  # an arm without parameter groups resolves as it always did
+            arm.pop("groups", None)
         options = arm["optimizer"]
         arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
         if arm.get("agent"):
@@ -276,13 +279,15 @@ def freeze(protocol_path: str | Path, *, force: bool = False) -> dict[str, Any]:
     protocol = load_protocol(protocol_path)
     lock_path = lock_path_for(protocol, protocol_path)
     resolved = resolved_protocol(protocol)
+    inputs = records(protocol, protocol_path, lock_path.parent)
+    check_groups(protocol, protocol_path)  # builds a grouped arm's model: after the parents are known to open
     lock = {
         "format": FORMAT,
         "status": "frozen",
         "name": protocol.name,
         "protocol": resolved,
         "protocol_sha256": protocol_digest(resolved),
-        "records": records(protocol, protocol_path, lock_path.parent),
+        "records": inputs,
         "environment": environment(protocol, protocol_path.parent.resolve()),
     }
     text = canonical_json(lock)

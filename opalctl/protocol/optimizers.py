@@ -95,6 +95,17 @@ def check_optimizer(name: str, arguments: dict[str, Any], device: str = "cpu") -
     return None
 
 
+def group_weight_decay_problem(name: str) -> str | None:
+    """None when optimizer ``name`` reads a parameter group's ``weight_decay``, else why a group may not set one
+    (torch keeps a key its optimizer does not read, so the group would decay as the rest do, silently)."""
+    cls, reason = _optimizer_class(name)
+    if reason:
+        return None  # said at the optimizer's name
+    if "weight_decay" not in inspect.signature(cls.__init__).parameters:
+        return f"{name} has no weight decay, so a group cannot set one; remove this key"
+    return None
+
+
 def _trial_step(cls, arguments: dict[str, Any]) -> str | None:
     """Build ``cls`` with ``arguments``, step it twice and round-trip its state; the first line of what failed."""
     import torch

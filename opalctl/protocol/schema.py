@@ -31,7 +31,7 @@ from opalctl.layout import NAME_PATTERN, name_problem
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.anthropic import Prices
 from opalctl.opal.agents.options import Strict
-from opalctl.protocol.optimizers import check_optimizer
+from opalctl.protocol.optimizers import check_optimizer, group_weight_decay_problem
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 
 MAX_PATH = 1024  # characters of a data or parent path: room for any real project, far below what the OS refuses
@@ -153,6 +153,36 @@ class ScheduleSpec(Strict):
         return self
 
 
+GROUP_RULES = ("bias", "norm", "ndim<2")  # what each selects: opalctl.driver.groups
+# a name pattern: the characters of a parameter's qualified name (``block.0.norm1.weight``) and fnmatch's
+NAME_PATTERN_CHARS = re.compile(r"^[\w.*?\[\]!-]+$")
+
+
+def _selector(value: str) -> str:
+    if value in GROUP_RULES or NAME_PATTERN_CHARS.fullmatch(value):
+        return value
+    raise ValueError(f"{value!r} is neither a rule ({', '.join(GROUP_RULES)}) nor a pattern of parameter names "
+                     f"(such as 'head.*' or '*.embed*')")
+
+
+class GroupSpec(Strict):
+    """One of ``arms.NAME.groups``: the parameters it takes (``match``: rules and name patterns, any of which
+    selects a parameter; a parameter an earlier group took stays there) and what they get instead of the
+    optimizer's own settings: their own ``weight_decay``, and ``lr_scale`` times the optimizer's learning rate
+    (so the schedule, and an agent's scaling, move every group's learning rate by the same factor)."""
+
+    match: Annotated[list[Annotated[str, AfterValidator(_selector)]], Field(min_length=1, max_length=64)]
+    weight_decay: Annotated[float, Field(ge=0)] | None = None  # None: the optimizer's
+    lr_scale: Annotated[float, Field(gt=0, le=1000)] = 1.0
+
+    @model_validator(mode="after")
+    def _changes_something(self) -> GroupSpec:
+        if self.weight_decay is None and self.lr_scale == 1.0:
+            raise ValueError("this group sets neither weight_decay nor lr_scale, so its parameters would train as "
+                             "the rest do; give one, or remove the group")
+        return self
+
+
 class Arm(Strict):
     optimizer: OptimizerSpec
     # a name (as every protocol before warm-up and floors wrote it, and resolves as it always did) or a mapping
@@ -164,6 +194,9 @@ class Arm(Strict):
     budget_multiplier: Annotated[float, Field(gt=0, le=100)] = 1.0
     model: dict[str, Any] = Field(default_factory=dict)  # task-specific settings handed to Task.build
     agent: AgentSpec | None = None
+    # parameter groups with their own weight decay and learning-rate multiplier (GroupSpec); None, as every protocol
+    # before groups, resolves without the key, so no lock's digest moves
+    groups: Annotated[list[GroupSpec], Field(min_length=1, max_length=64)] | None = None
 
 
 class Selection(Strict):
@@ -381,6 +414,8 @@ def _known_keys_for(path: tuple) -> list[str] | None:
         return sorted(table[parent].model_fields)
     if len(parent) == 2 and parent[0] == "arms":
         return sorted(Arm.model_fields)
+    if len(parent) == 4 and parent[0] == "arms" and parent[2] == "groups":
+        return sorted(GroupSpec.model_fields)
     if len(parent) == 3 and parent[0] == "arms" and parent[2] == "agent":
         return sorted(AgentSpec.model_fields)
     if len(parent) == 4 and parent[0] == "arms" and parent[2] == "agent" and parent[3] == "prices":
@@ -448,6 +483,9 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     for arm_name, arm in protocol.arms.items():
         if reason := check_optimizer(arm.optimizer.name, arm.optimizer.arguments(), protocol.training.device):
             problem(("arms", arm_name, "optimizer", "name"), reason)
+        for index, group in enumerate(arm.groups or []):
+            if group.weight_decay is not None and (reason := group_weight_decay_problem(arm.optimizer.name)):
+                problem(("arms", arm_name, "groups", index, "weight_decay"), reason)
         if arm.agent is not None:
             for key, text in registry.problems(arm.agent, f"arms.{arm_name}.agent"):
                 problem(("arms", arm_name, "agent", key), text)
