@@ -466,11 +466,17 @@ class StartRecord(_Record):
     host: str | None = None
     format: int = FORMAT_VERSION
     ranks: int = 1  # its torchrun world (driver/ranks.py); written only when above 1
+    # an arm with parameter groups (arms.NAME.groups): each torch group in order (the order of a steps line's
+    # ``lrs``), with its parameters' names, its learning rate before any schedule and its weight decay; written only
+    # for such an arm (driver/groups.group_records)
+    groups: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         if data["ranks"] == 1:
             del data["ranks"]
+        if data["groups"] is None:
+            del data["groups"]
         return data
 
 

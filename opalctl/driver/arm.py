@@ -69,18 +69,21 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
     return wrapped
 
 
-def build_optimizer(arm: Arm, model, where: str = "arms") -> Any:
+def build_optimizer(arm: Arm, model, where: str = "arms") -> tuple[Any, list[dict] | None]:
     """The arm's torch optimizer over ``model``'s parameters: one group, as every arm had before groups, or the
-    arm's ``groups`` (driver/groups.py), each with its own weight decay and learning rate. ``where`` opens a
-    refusal of a group (``lock x.json: arms.NAME``)."""
+    arm's ``groups`` (driver/groups.py), each with its own weight decay and learning rate; and, for the latter,
+    what each group holds (``groups.GroupRecord``, for the run's start record), else None. ``where`` opens a
+    refusal of a group (``arms.NAME``)."""
     import torch
 
     cls = getattr(torch.optim, arm.optimizer.name)
     if arm.groups is None:
-        return cls(model.parameters(), **arm.optimizer.arguments())
-    from opalctl.driver.groups import assign, build_grouped
+        return cls(model.parameters(), **arm.optimizer.arguments()), None
+    from opalctl.driver.groups import assign, build_grouped, group_records
 
-    return build_grouped(cls, arm.optimizer.arguments(), assign(arm.groups, model, where))
+    groups = assign(arm.groups, model, where)
+    optimizer = build_grouped(cls, arm.optimizer.arguments(), groups)
+    return optimizer, group_records(optimizer, groups)
 
 
 def schedule_factor(name: str, fraction: float) -> float:

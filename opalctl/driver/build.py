@@ -42,7 +42,8 @@ def check_device(protocol, *, advice: str, clock_needs_device: bool = True) -> N
 @dataclass
 class ArmParts:
     """What trains: the task and its data, the model built from the parent, the optimizer, the schedule, the
-    sampler and the gradient clipping the update applies (None when the optimizer clips, as an agent does)."""
+    sampler and the gradient clipping the update applies (None when the optimizer clips, as an agent does), and
+    for an arm with parameter groups, which parameters each group holds."""
 
     task: Any
     splits: dict[str, Any]
@@ -53,6 +54,7 @@ class ArmParts:
     schedule: Any
     sampler: Any
     clip: float | None
+    groups: list[dict] | None = None  # an arm with parameter groups: what each holds (driver/groups.py)
 
 
 def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str, Path], rank: int = 0) -> ArmParts:
@@ -76,11 +78,11 @@ def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str,
     model.train()
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     arm_name = next((name for name, value in protocol.arms.items() if value is arm), "?")  # for a refusal's key
-    optimizer = build_optimizer(arm, model, f"arms.{arm_name}")
+    optimizer, groups = build_optimizer(arm, model, f"arms.{arm_name}")
     schedule = BudgetSchedule(optimizer, arm.schedule if isinstance(arm.schedule, str) else arm.schedule.model_dump())
     sampler = task.sampler(splits["train"], rank_seed(seed, rank), protocol.training.batch_size, device)
     return ArmParts(task=task, splits=splits, built=built, model=model, shapes=shapes, optimizer=optimizer,
-                    schedule=schedule, sampler=sampler, clip=protocol.training.gradient_clip)
+                    schedule=schedule, sampler=sampler, clip=protocol.training.gradient_clip, groups=groups)
 
 
 def peak_memory_bytes() -> int:

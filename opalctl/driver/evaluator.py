@@ -61,8 +61,9 @@ class Message:
     """The kinds of request, in the order a run sends them (``START`` once, ``CARRIED`` only on a resume).
 
     - ``OPEN``: body ``Opening``; answered once the anchor is evaluated or its record checked: ``{}``.
-    - ``START``: body ``{"confinement", "initial", "inherited", "initialised", "host"}``, sent before any agent
-      program can have run (``initial`` None on a resume); answer ``{}``. A new run's ``start.json`` is written.
+    - ``START``: body ``{"confinement", "initial", "inherited", "initialised", "groups", "host"}``, sent before any
+      agent program can have run (``initial`` None on a resume); answer ``{}``. A new run's ``start.json`` is
+      written.
     - ``CARRIED``: body ``{"stages": k, "update": u}``, the stages a resume checkpoint has passed; answer ``{}``.
     - ``STAGE``: body ``{"saved": [{"index", "sha256", "model_sha256", "bytes"}], "facts": StageFacts}``; answer
       ``{"stages": [{"stage": n, "said": text | None}]}``, ``said`` the outcome in words for an arm without agent.
@@ -422,7 +423,8 @@ def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
         anchor={"folder": os.path.relpath(layout.anchor.folder, layout.root),
                 "model_sha256": evaluator.anchor["model_sha256"]},
         arm_config=lock.resolved["arms"][evaluator.arm_name], training=lock.resolved["training"],
-        inherited=body.get("inherited"), initialised=body.get("initialised"), confinement=evaluator.confinement,
+        inherited=body.get("inherited"), initialised=body.get("initialised"), groups=body.get("groups"),
+        confinement=evaluator.confinement,
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         host=body.get("host") or _platform.node(), ranks=protocol.training.ranks)
     atomic_write_json(layout.start, start.to_json())

@@ -117,6 +117,14 @@ def build_grouped(cls, arguments: dict[str, Any], groups: list[ParameterGroup]):
     return optimizer
 
 
+def group_records(optimizer, groups: list[ParameterGroup]) -> list[dict[str, Any]]:
+    """What each group of the built optimizer holds, for the run's start record (``formats.StartRecord.groups``):
+    its parameters' names, and the learning rate and weight decay the torch group holds before any schedule."""
+    return [{"parameters": list(group.names), "lr": float(torch_group["lr"]),
+             "weight_decay": None if torch_group.get("weight_decay") is None else float(torch_group["weight_decay"])}
+            for torch_group, group in zip(optimizer.param_groups, groups)]
+
+
 def check_groups(protocol, protocol_path: Path) -> None:
     """Build each grouped arm's model once (on the CPU, from the first seed's parent) and assign its groups, so a
     pattern that matches nothing is refused at ``freeze``, not in a run."""

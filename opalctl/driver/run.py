@@ -715,6 +715,7 @@ class FormalRun:
             evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
                                           "inherited": None if resuming else parts.built.inherited,
                                           "initialised": None if resuming else parts.built.initialised,
+                                          "groups": None if resuming else parts.groups,
                                           "host": platform.node()})
             if resuming:
                 evaluator.advice = "resume the run with --resume"

@@ -149,9 +149,17 @@ def test_the_optimizer_gets_each_groups_settings_and_the_schedule_moves_each_gro
                               "schedule": {"name": "cosine", "warmup": 0.1, "min_lr": 0.1},
                               "groups": [{"match": ["embed.*"], "lr_scale": 0.25},
                                          {"match": ["ndim<2"], "weight_decay": 0.0}]})
-    optimizer = build_optimizer(arm, pylm_model(), "arms.a")
+    model = pylm_model()
+    optimizer, record = build_optimizer(arm, model, "arms.a")
     assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [
         (0.25e-3, 0.1), (1.0e-3, 0.0), (1.0e-3, 0.1)]
+    named = [name for name, _ in model.named_parameters()]
+    vectors = [name for name, p in model.named_parameters() if p.dim() < 2]
+    assert record == [  # what the run's start record says of its groups
+        {"parameters": ["embed.weight"], "lr": 0.25e-3, "weight_decay": 0.1},
+        {"parameters": vectors, "lr": 1.0e-3, "weight_decay": 0.0},
+        {"parameters": [n for n in named if n not in vectors and n != "embed.weight"], "lr": 1.0e-3,
+         "weight_decay": 0.1}]
     schedule = BudgetSchedule(optimizer, arm.schedule.model_dump())
     factor = schedule.apply(0.5)
     assert factor == Schedule.of(arm.schedule).factor(0.5)
@@ -165,7 +173,7 @@ def test_an_optimizer_whose_protocol_leaves_lr_out_scales_its_own_default():
 
     arm = Arm.model_validate({"optimizer": {"name": "SGD", "momentum": 0.9},
                               "groups": [{"match": ["head.*"], "lr_scale": 0.5}]})
-    optimizer = build_optimizer(arm, pylm_model(), "arms.a")
+    optimizer, _ = build_optimizer(arm, pylm_model(), "arms.a")
     assert [g["lr"] for g in optimizer.param_groups] == [optimizer.defaults["lr"] * 0.5, optimizer.defaults["lr"]]
 
 

@@ -1,7 +1,8 @@
 """The learning rate each update's step used, in every line of ``steps.jsonl.gz`` (``lrs``, one per parameter
 group): the budget schedule's for a fixed arm, the one an agent's program scaled it to for an agent arm (the
 starting program scales the groups only around the step, which a reading after the update would miss), and the
-``keep`` agent's the fixed arm's, bit for bit, as its weights are. The agent's analysis sees the same learning
+``keep`` agent's the fixed arm's, bit for bit, as its weights are, with a schedule and with parameter groups (each
+group's own learning rate times the schedule's factor; an agent's program scales every group alike). The agent's analysis sees the same learning
 rates (``obs["lrs"]``: one definition, ``opal.observer.StepLearningRates``)."""
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ ADAMW = {"optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.01}}
 # nanoGPT's recipe: a linear warm-up (here a tenth of the budget), then cosine down to a tenth of the peak
 RECIPE = {"name": "cosine", "warmup": 0.1, "min_lr": 0.1}
 WSD = {"name": "wsd", "warmup": 0.05, "decay": 0.3, "decay_shape": "sqrt"}
+# the digits model is Linear(64, h), ReLU, Linear(h, 10): the last layer at half the learning rate, the first
+# layer's bias without weight decay, the first layer's weights (the rest) as the optimizer says
+GROUPS = [{"match": ["2.*"], "lr_scale": 0.5}, {"match": ["bias"], "weight_decay": 0.0}]
 ARMS = {"adamw": ADAMW, "cosine": {**ADAMW, "schedule": "cosine"},
         "keep": {**ADAMW, "agent": {"backend": "keep", "decisions": 2}},
         "agent": {**ADAMW, "agent": {"backend": "heuristic", "decisions": 4}},
         "recipe": {**ADAMW, "schedule": RECIPE},
         "recipe-keep": {**ADAMW, "schedule": RECIPE, "agent": {"backend": "keep", "decisions": 2}},
-        "wsd": {**ADAMW, "schedule": WSD}}
+        "wsd": {**ADAMW, "schedule": WSD},
+        "grouped": {**ADAMW, "schedule": RECIPE, "groups": GROUPS},
+        "grouped-keep": {**ADAMW, "schedule": RECIPE, "groups": GROUPS,
+                         "agent": {"backend": "keep", "decisions": 2}},
+        "grouped-agent": {**ADAMW, "groups": GROUPS, "agent": {"backend": "heuristic", "decisions": 4}}}
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +119,33 @@ def test_a_warm_up_a_floor_and_wsd_give_each_update_the_learning_rate_of_their_f
 
 def test_the_keep_agent_keeps_a_recipes_schedule_bit_for_bit(project, tools):
     assert_same_run(project, tools, "recipe-keep", "recipe")
+
+
+def test_each_group_steps_at_its_own_rate_times_the_schedules_factor(project, tools):
+    lines = steps(project, "grouped")
+    for line in lines:
+        factor = _recipe_by_hand((line["update"] - 1) / AMOUNT)
+        assert line["lrs"] == [pytest.approx(LR * 0.5 * factor, rel=1e-12, abs=1e-18),
+                               pytest.approx(LR * factor, rel=1e-12, abs=1e-18),
+                               pytest.approx(LR * factor, rel=1e-12, abs=1e-18)], line
+    start = tools.read(project.run_dir("grouped", 1) / "start.json")
+    assert [(g["parameters"], g["lr"], g["weight_decay"]) for g in start["groups"]] == [
+        (["2.weight", "2.bias"], LR * 0.5, 0.01), (["0.bias"], LR, 0.0), (["0.weight"], LR, 0.01)]
+    assert "groups" not in tools.read(project.run_dir("recipe", 1) / "start.json")
+
+
+def test_the_keep_agent_keeps_every_group_bit_for_bit(project, tools):
+    assert_same_run(project, tools, "grouped-keep", "grouped")
+
+
+def test_an_agents_program_scales_every_group_alike(project):
+    import json
+
+    events = [json.loads(line) for line in
+              (project.run_dir("grouped-agent", 1) / "training" / "opal" / "events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["kind"] == "applied"], "the heuristic agent changes the program here"
+    lines = steps(project, "grouped-agent")
+    assert any(s["lrs"][1] != LR for s in lines), "the program scaled the learning rates"
+    for line in lines:
+        half, first_bias, rest = line["lrs"]
+        assert first_bias == rest and half == pytest.approx(0.5 * rest, rel=1e-12), line
