@@ -103,3 +103,26 @@ def test_the_recipes_page_arms_are_protocol_arms(tmp_path):
     path.write_text(yaml.safe_dump(protocol, sort_keys=False))
     resolved = resolved_protocol(load_protocol(path))["arms"]
     assert resolved["nanogpt"]["schedule"]["warmup"] == 0.02 and resolved["wsd"]["schedule"]["decay_shape"] == "sqrt"
+    assert resolved["nanogpt"]["groups"] == [{"match": ["ndim<2"], "weight_decay": 0.0, "lr_scale": 1.0}]
+    assert "groups" not in resolved["wsd"]
+
+
+def test_the_recipes_page_fine_tuning_groups_split_the_pylm_model_as_it_says():
+    """docs/recipes.md's fine-tuning arm on the model it names (pylm's): the embeddings at a tenth of the learning
+    rate, biases and norms undecayed, the rest (the matrices of the blocks and the head) as the optimizer says."""
+    from pathlib import Path
+
+    from opalctl.driver.arm import build_optimizer
+    from opalctl.protocol.schema import Arm
+    from opalctl.tasks.pylm import PyLMConfig, build_model
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    arm = Arm.model_validate(yaml.safe_load(page.split("```yaml\n", 1)[1].split("```", 1)[0])["arms"]["finetune"])
+    model = build_model(PyLMConfig(layers=1, width=16, heads=2, context=8), seed=1)
+    _, groups = build_optimizer(arm, model, "arms.finetune")
+    named = dict(model.named_parameters())
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(2.0e-5 * 0.1, 0.01), (2.0e-5, 0.0), (2.0e-5, 0.01)]
+    assert groups[0]["parameters"] == ["embed.weight", "position.weight"]
+    assert groups[1]["parameters"] == [n for n in named if n.endswith("bias") or ".norm" in n or n.startswith("norm")]
+    assert groups[2]["parameters"] == [n for n in named if n not in groups[0]["parameters"] + groups[1]["parameters"]]
+    assert all(named[n].dim() == 2 for n in groups[2]["parameters"])

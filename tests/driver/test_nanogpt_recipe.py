@@ -1,0 +1,91 @@
+"""nanoGPT's recipe as a protocol, trained: docs/recipes.md's ``nanogpt`` arm (AdamW, a linear warm-up, cosine down to
+a tenth of the peak, no weight decay on the parameters of fewer than two dimensions) on the small character-level
+GPT of tests/tasks/char_gpt_task.py, frozen and run through the command line on a tiny ``updates`` budget. The run's
+records are read back: each update's learning rate of each group (``lrs`` in steps.jsonl.gz) against the formula,
+and each group's parameters and weight decay (start.json) against nanoGPT's rule."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opalctl.driver.records import read_steps
+
+TESTS = Path(__file__).resolve().parents[1]
+TASK_FILE = TESTS / "tasks" / "char_gpt_task.py"
+RECIPES = TESTS.parent / "docs" / "recipes.md"
+AMOUNT = 200  # updates: the warm-up of 0.02 is the first 4
+
+
+def recipe_arm() -> dict:
+    block = RECIPES.read_text(encoding="utf-8").split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)["arms"]["nanogpt"]
+
+
+def char_gpt():
+    spec = importlib.util.spec_from_file_location("char_gpt_task_for_recipe", TASK_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, cli) -> Path:
+    folder = tmp_path_factory.mktemp("nanogpt-recipe")
+    shutil.copy(TASK_FILE, folder / TASK_FILE.name)
+    env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", "import pathlib, char_gpt_task as t; t.write_project(pathlib.Path('.'), "
+                                          "seeds=(1,))"], cwd=folder, env={**os.environ, **env}, check=True)
+    protocol = {"name": "shakespeare-char", "task": {"entry": "char_gpt_task:CharGPT"},
+                "data": {"train": "data/train.npz", "val": "data/val.npz"}, "parents": "parents/seed-{seed}.pt",
+                "seeds": [1], "budget": {"clock": "updates", "amount": AMOUNT}, "training": {"batch_size": 16},
+                "arms": {"nanogpt": recipe_arm()},
+                "selection": {"denominators": ["val.total"], "nonincreasing": ["val.loss"]}}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
+    for args in (["freeze", "recipe.yaml"], ["run", "shakespeare-char.lock.json", "--arm", "nanogpt", "--seed", "1"]):
+        done = cli(*args, cwd=folder, env=env, timeout=600)
+        assert done.code == 0, done.output
+    (runs,) = (folder / "runs").iterdir()
+    return runs / "nanogpt" / "seed-1"
+
+
+def nanogpt_factor(update: int) -> float:
+    """nanoGPT's get_lr, as a fraction of the peak, at the budget fraction ``update / AMOUNT``: linear warm-up over
+    the first 0.02, then cosine from the peak down to min_lr = a tenth of it over the rest."""
+    fraction = update / AMOUNT
+    if fraction < 0.02:
+        return fraction / 0.02
+    decay_ratio = (fraction - 0.02) / (1 - 0.02)
+    return 0.1 + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (1.0 - 0.1)
+
+
+def test_each_groups_learning_rate_at_each_update_is_nanogpts_formula(run_dir):
+    lines = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
+    assert [line["update"] for line in lines] == list(range(1, AMOUNT + 1))
+    for line in lines:  # the fraction is the budget used before the update
+        expected = 1.0e-3 * nanogpt_factor(line["update"] - 1)
+        assert line["lrs"] == [pytest.approx(expected, rel=1e-12, abs=1e-18)] * 2, line
+    assert lines[0]["lrs"] == [0.0, 0.0]
+    assert lines[4]["lrs"] == [1.0e-3, 1.0e-3]  # the peak, once the warm-up is over
+    assert lines[-1]["lrs"][0] == pytest.approx(1.0e-3 * nanogpt_factor(AMOUNT - 1), rel=1e-12)
+
+
+def test_the_matrices_alone_are_decayed(run_dir):
+    start = json.loads((run_dir / "start.json").read_text())
+    named = list(char_gpt().make_model(char_gpt().WIDTH).named_parameters())
+    vectors = [name for name, p in named if p.dim() < 2]
+    matrices = [name for name, p in named if p.dim() >= 2]
+    assert "block.norm1.weight" in vectors and "position" in matrices and "embedding.weight" in matrices
+    assert start["groups"] == [{"parameters": vectors, "lr": 1.0e-3, "weight_decay": 0.0},
+                               {"parameters": matrices, "lr": 1.0e-3, "weight_decay": 0.1}]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["updates"] == AMOUNT
