@@ -188,3 +188,18 @@ def test_freeze_refuses_a_pattern_that_matches_nothing_and_writes_no_lock(projec
     lock = project.freeze(arms={"grouped": {**protocol["arms"]["adamw"],
                                             "groups": [{"match": ["2.*"], "lr_scale": 0.5}]}})
     assert yaml.safe_load(lock.read_text())["protocol"]["arms"]["grouped"]["groups"][0]["match"] == ["2.*"]
+
+
+def test_a_control_arm_of_a_grouped_agent_arm_keeps_its_groups():
+    """compare's controls work on schedule factors: the fixed arm they name for a grouped agent arm is that arm's
+    optimizer and groups (its lr scaled, each group's lr_scale kept), and only an arm with the same groups is it."""
+    from opalctl.compare.controls import fixed_arm, same_arm
+
+    groups = [{"match": ["ndim<2"], "weight_decay": 0.0, "lr_scale": 1.0}]
+    agent_arm = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.1}, "schedule": "constant",
+                 "budget_multiplier": 1.0, "model": {}, "agent": {"backend": "heuristic"}, "groups": groups}
+    fixed = fixed_arm(agent_arm, "anneal-end", 0.5)
+    assert fixed["groups"] == groups and fixed["optimizer"]["lr"] == 0.5e-3 and fixed["agent"] is None
+    in_lock = {**fixed, "optimizer": {**fixed["optimizer"]}}
+    assert same_arm(fixed, in_lock)
+    assert not same_arm(fixed, {key: value for key, value in in_lock.items() if key != "groups"})
