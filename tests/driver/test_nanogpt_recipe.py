@@ -2,7 +2,9 @@
 a tenth of the peak, no weight decay on the parameters of fewer than two dimensions) on the small character-level
 GPT of tests/tasks/char_gpt_task.py, frozen and run through the command line on a tiny ``updates`` budget. The run's
 records are read back: each update's learning rate of each group (``lrs`` in steps.jsonl.gz) against the formula,
-and each group's parameters and weight decay (start.json) against nanoGPT's rule."""
+and each group's parameters and weight decay (start.json) against nanoGPT's rule. The ``keep`` agent on the
+recipe, and on an arm whose groups use the ``norm`` and ``bias`` rules and a name pattern, trains exactly as the
+fixed arm (the same steps lines and final weights)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,18 @@ def recipe_arm() -> dict:
     return yaml.safe_load(block)["arms"]["nanogpt"]
 
 
+def arms() -> dict:
+    """The recipe, and beside it the other rules (``norm``, ``bias``, a name pattern), each also under the ``keep``
+    agent, whose starting program must train exactly as the fixed arm."""
+    keep = {"agent": {"backend": "keep", "decisions": 2}}
+    fine_tuning = {"optimizer": {"name": "AdamW", "lr": 3.0e-3, "weight_decay": 0.1},
+                   "schedule": {"name": "linear", "warmup": 0.1},
+                   "groups": [{"match": ["embedding.*", "position"], "lr_scale": 0.5},
+                              {"match": ["bias", "norm"], "weight_decay": 0.0}]}
+    return {"nanogpt": recipe_arm(), "nanogpt-keep": {**recipe_arm(), **keep},
+            "fine-tuning": fine_tuning, "fine-tuning-keep": {**fine_tuning, **keep}}
+
+
 def char_gpt():
     spec = importlib.util.spec_from_file_location("char_gpt_task_for_recipe", TASK_FILE)
     module = importlib.util.module_from_spec(spec)
@@ -39,7 +53,7 @@ def char_gpt():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, cli) -> Path:
+def runs(tmp_path_factory, cli) -> Path:
     folder = tmp_path_factory.mktemp("nanogpt-recipe")
     shutil.copy(TASK_FILE, folder / TASK_FILE.name)
     env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
@@ -48,13 +62,18 @@ def run_dir(tmp_path_factory, cli) -> Path:
     protocol = {"name": "shakespeare-char", "task": {"entry": "char_gpt_task:CharGPT"},
                 "data": {"train": "data/train.npz", "val": "data/val.npz"}, "parents": "parents/seed-{seed}.pt",
                 "seeds": [1], "budget": {"clock": "updates", "amount": AMOUNT}, "training": {"batch_size": 16},
-                "arms": {"nanogpt": recipe_arm()},
+                "arms": arms(),
                 "selection": {"denominators": ["val.total"], "nonincreasing": ["val.loss"]}}
     (folder / "recipe.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
-    for args in (["freeze", "recipe.yaml"], ["run", "shakespeare-char.lock.json", "--arm", "nanogpt", "--seed", "1"]):
+    for args in (["freeze", "recipe.yaml"], ["grid", "shakespeare-char.lock.json", "--jobs", "2"]):
         done = cli(*args, cwd=folder, env=env, timeout=600)
         assert done.code == 0, done.output
     (runs,) = (folder / "runs").iterdir()
+    return runs
+
+
+@pytest.fixture(scope="module")
+def run_dir(runs) -> Path:
     return runs / "nanogpt" / "seed-1"
 
 
@@ -89,3 +108,27 @@ def test_the_matrices_alone_are_decayed(run_dir):
                                {"parameters": matrices, "lr": 1.0e-3, "weight_decay": 0.1}]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["updates"] == AMOUNT
+
+
+def test_the_other_rules_group_the_norms_biases_and_embeddings(runs):
+    start = json.loads((runs / "fine-tuning" / "seed-1" / "start.json").read_text())
+    named = [name for name, _ in char_gpt().make_model(char_gpt().WIDTH).named_parameters()]
+    embeddings = ["position", "embedding.weight"]  # the model's order: its own parameter, then its modules' ones
+    undecayed = [n for n in named if n.endswith("bias") or "norm" in n]
+    assert start["groups"] == [
+        {"parameters": embeddings, "lr": 1.5e-3, "weight_decay": 0.1},
+        {"parameters": undecayed, "lr": 3.0e-3, "weight_decay": 0.0},
+        {"parameters": [n for n in named if n not in embeddings + undecayed], "lr": 3.0e-3, "weight_decay": 0.1}]
+
+
+@pytest.mark.parametrize("fixed", ["nanogpt", "fine-tuning"])
+def test_the_keep_agent_trains_every_group_exactly_as_the_fixed_arm(runs, fixed):
+    def lines(arm):
+        return [{k: v for k, v in line.items() if k != "wall"}
+                for line in read_steps(runs / arm / "seed-1" / "training" / "steps.jsonl.gz")]
+
+    def weights(arm):
+        return json.loads((runs / arm / "seed-1" / "report.json").read_text())["final_model_sha256"]
+
+    assert lines(f"{fixed}-keep") == lines(fixed) and weights(f"{fixed}-keep") == weights(fixed)
+    assert len(set(map(str, (line["lrs"] for line in lines(fixed))))) > 1  # the schedule moved the rates
