@@ -149,3 +149,23 @@ def test_an_agents_program_scales_every_group_alike(project):
     for line in lines:
         half, first_bias, rest = line["lrs"]
         assert first_bias == rest and half == pytest.approx(0.5 * rest, rel=1e-12), line
+
+
+def test_a_grouped_run_killed_mid_update_resumes_to_the_uninterrupted_runs_lines_and_weights(
+        project, digits_template, tmp_path, monkeypatch, tools, main_cli):
+    """Each group's base learning rate and state come back from the resume checkpoint: killed at update 57 (the
+    last resume checkpoint at 50), resumed, the run ends with the lines and weights of the run never killed."""
+    import signal
+
+    killable = tools.Project(digits_template, tmp_path / "killable", monkeypatch)
+    killable.freeze(entry=killable.task_module(tools.KILLABLE_TASK, "KillableDigits"),
+                    budget={"clock": "updates", "amount": AMOUNT}, arms={"grouped": ARMS["grouped"]})
+    killed = killable.process(killable.run_args("grouped", 1), env=killable.env(KILL_LOSS_AT="57"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    code, _, err = main_cli(killable.run_args("grouped", 1, "--resume"))
+    assert code == 0, err[-3000:]
+    resumed = list(read_steps(killable.run_dir("grouped", 1) / "training" / "steps.jsonl.gz"))
+    assert [{k: v for k, v in s.items() if k != "wall"} for s in resumed] == \
+        [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, "grouped")]
+    assert tools.read(killable.run_dir("grouped", 1) / "report.json")["final_model_sha256"] == \
+        tools.read(project.run_dir("grouped", 1) / "report.json")["final_model_sha256"]
