@@ -30,7 +30,7 @@ from opalctl.files import atomic_write_text
 from opalctl.protocol.lock import LOCK_MAX_BYTES, Lock, read_lock
 
 SAME_AS_PARENT = ("task", "data", "budget", "training", "limits", "selection")
-SAME_AS_ARM = ("budget_multiplier", "model")
+SAME_AS_ARM = ("budget_multiplier", "model", "groups")
 
 
 def control_name(parent: str, arm: str, seed: int) -> str:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from opalctl.compare.controls import run_equivalence
 
@@ -179,6 +180,16 @@ def test_a_control_whose_parent_changed_or_whose_budget_differs_is_refused(proje
     refused = project.cli("verify", control, folder=folder)
     assert refused.code == 2, refused.output
     assert "is not the run of arm 'agent' on seed 1 of its parent" in refused.stderr
+    # nor one whose arms group the parameters otherwise than the arm it controls
+    edited.write_text(edited.read_text().replace("/agent/seed-2", "/agent/seed-1"))
+    protocol = yaml.safe_load(edited.read_text())
+    for spec in protocol["arms"].values():
+        spec["groups"] = [{"match": ["ndim<2"], "weight_decay": 0.0}]
+    edited.write_text(yaml.safe_dump(protocol))
+    project.ok("freeze", edited.name, "--force", folder=folder)
+    refused = project.cli("verify", control, folder=folder)
+    assert refused.code == 2, refused.output
+    assert "has groups [{" in refused.stderr and "a control gets the same compute" in refused.stderr
 
 
 @pytest.mark.parametrize(("args", "said"), [
