@@ -195,3 +195,52 @@ def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_on
     assert record["remote"]["server"] == second.wait_for("serving")["server"] != first.wait_for("serving")["server"]
     assert record["remote"]["request"] == taken["request"]
     assert [event["event"] for event in second.events].count("answered") == 1
+
+
+def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_decision_once(project, tools,
+                                                                                             tmp_path):
+    ms = tools.messages_server()
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    key = _key()
+    agent = _agent("mailbox", mailbox)
+    agent["agent"].update(decisions=1, schedule=[0.5])
+    project.freeze(budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
+                   arms={"remote": agent})
+    requests = mailbox / "requests"
+    run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
+                           cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (requests.is_dir() and os.listdir(requests)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (old,) = os.listdir(requests)
+    os.killpg(run.pid, signal.SIGKILL)  # no server yet: the request is pending
+    run.communicate()
+    time.sleep(1.0)
+    assert os.listdir(requests) == [old], "the killed job's request is still there"
+
+    with ms.MessagesServer([_answering(tools)] * 4) as api:
+        resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
+                                   cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while (not os.listdir(requests) or os.listdir(requests) == [old]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (new,) = os.listdir(requests)  # the resumed run withdrew the old request and asked again
+        server = Serving(project, mailbox, key, api.url)
+        try:
+            out, err = resumed.communicate(timeout=240)
+        finally:
+            if resumed.poll() is None:
+                resumed.kill()
+            server.stop()
+    assert resumed.returncode == 0, err[-3000:]
+    assert new != old
+    run_dir = project.run_dir("remote", 1)
+    assert [decision for decision, _, _ in _applied(run_dir)] == [1]
+    assert tools.read(run_dir / "report.json")["agent"]["decisions_applied"] == 1
+    assert [event["request"] for event in server.events if event["event"] == "answered"] == [new[:-len(".json")]]
+    record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
+    assert record["remote"]["withdrew"] == [old[:-len(".json")]]
+    assert len(api.requests) == 2

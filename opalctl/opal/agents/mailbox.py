@@ -119,9 +119,11 @@ class Asking:
             backend=backend.answering_recipe(), message=message, facts=facts,
             programs={name: read_program(workspace, name)[0] for name in PROGRAM_FILES})
         self.refused: list[dict[str, Any]] = []
+        self.withdrew: list[str] = []  # requests an earlier process of this run left
 
     def wait(self) -> Answer:
         request = self.request
+        self.withdraw_stale()
         sha = self.box.post(request)
         try:
             while True:
@@ -133,6 +135,24 @@ class Asking:
                 time.sleep(POLL_SECONDS)
         finally:
             self.box.withdraw(request.request)
+
+    def withdraw_stale(self) -> None:
+        """Withdraw the requests an earlier process of this run left (a training job killed while it waited, then
+        resumed): its decision is asked again now, and no server should spend a decision on the old request."""
+        from opalctl.formats import RecordDamaged
+        from opalctl.opal.mailbox.folder import MailboxRefusal
+
+        prefix = self.request.request.rsplit("-d", 1)[0] + "-d"
+        for request_id in self.box.requests():
+            if not request_id.startswith(prefix):
+                continue
+            try:
+                found = self.box.request(request_id)
+            except (RecordDamaged, MailboxRefusal):
+                continue
+            if found is not None and found[0].label == self.request.label and found[0].run != self.request.run:
+                self.box.withdraw(request_id)
+                self.withdrew.append(request_id)
 
     def _refuse(self, sentence: str) -> None:
         self.refused.append({"at": time.time() - self.started, "refused": sentence})
@@ -160,7 +180,8 @@ class Asking:
 
     def _remote(self, found=None) -> dict[str, Any]:
         remote = {"request": self.request.request, "mailbox": self.box.folder.where,
-                  "round_trip_seconds": time.time() - self.started, "refused": self.refused}
+                  "round_trip_seconds": time.time() - self.started, "refused": self.refused,
+                  "withdrew": self.withdrew}
         if found is not None:
             remote.update(server=found.server, host=found.host, answer_seconds=found.seconds)
         return remote
