@@ -7,6 +7,7 @@ one is refused, recorded (``remote.refused``) and removed, and only the real one
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -192,3 +193,43 @@ def test_no_answer_by_the_deadline_fails_the_decision_and_withdraws_the_request(
     late = _answer(type("R", (), {"request": "x", "run": "y"})(), "z")
     assert box.answer(late)  # a late answer lands in no one's hands: its request is gone, the sweep removes it
     assert box.sweep(time.time(), 0.0) == [] and box.folder.names("answers") == []
+
+
+def test_a_program_from_the_mailbox_that_fails_the_load_check_is_not_applied_and_is_recorded(tmp_path, opal):
+    """A training loop wrapped with the mailbox backend (the real agent host and worker); a thread in the place of
+    the server answers with an updater that imports what no program may: the load check refuses it, as it refuses
+    a local backend's, and the host's record says where the answer came from."""
+    from opalctl.opal import wrap
+
+    mailbox = tmp_path / "mailbox"
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            for request_id in box.requests():
+                if not box.answered(request_id):
+                    request, sha = box.request(request_id)
+                    programs = {**request.programs, "updater.py": "import os\n" + request.programs["updater.py"]}
+                    box.answer(_answer(request, sha, answer={"rationale": "Changed: updater.py.",
+                                                             "programs": programs}))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    model = opal.make_model()
+    run_dir = tmp_path / "opal"
+    optimizer = wrap(opal.adamw(model), model, backend=MailboxBackend(mailbox=str(mailbox), seconds_per_decision=30.0,
+                                                                      queue_seconds=0.0),
+                     total_steps=40, decisions=1, schedule=[0.5], run_dir=run_dir, trial_steps=5)
+    try:
+        opal.train(model, optimizer, 40)
+    finally:
+        optimizer.close()
+        stop.set()
+    (failed,) = opal.of_kind(run_dir, "load_failed")
+    assert failed["decision"] == 1 and "import of 'os' is not allowed" in failed["message"]
+    assert not opal.of_kind(run_dir, "applied")
+    record = json.loads((run_dir / "agent" / "decisions" / "001" / "answer.json").read_text())
+    assert record["remote"]["server"] == "s:1:x" and record["remote"]["refused"] == []
