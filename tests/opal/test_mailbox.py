@@ -233,3 +233,20 @@ def test_a_program_from_the_mailbox_that_fails_the_load_check_is_not_applied_and
     assert not opal.of_kind(run_dir, "applied")
     record = json.loads((run_dir / "agent" / "decisions" / "001" / "answer.json").read_text())
     assert record["remote"]["server"] == "s:1:x" and record["remote"]["refused"] == []
+
+
+def test_agent_serve_refuses_a_missing_folder_and_a_backend_that_cannot_answer_in_one_sentence(tmp_path, capsys):
+    from opalctl.cli import main
+
+    def serve(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["agent", "serve", *args])
+        return exit_info.value.code, capsys.readouterr().err
+
+    code, err = serve(str(tmp_path / "nowhere"), "--backend", "anthropic")
+    assert code == 2 and "the mailbox folder" in err and "does not exist" in err and "Traceback" not in err
+    code, err = serve(str(tmp_path), "--backend", "keep")
+    assert code == 2 and "--backend 'keep' is no backend a mailbox can be answered by" in err
+    code, err = serve(str(tmp_path), "--backend", "anthropic", "--max-concurrent", "0")
+    assert code == 2 and "--max-concurrent" in err
