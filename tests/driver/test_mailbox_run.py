@@ -244,3 +244,47 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
     record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
     assert record["remote"]["withdrew"] == [old[:-len(".json")]]
     assert len(api.requests) == 2
+
+
+def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, tools, tmp_path):
+    from opalctl.opal.agents.mailbox import Asking, MailboxBackend
+    from opalctl.opal.mailbox.box import Mailbox
+    from opalctl.opal.mailbox.folder import LocalMailboxFolder
+    from opalctl.opal.optimizer import default_sources
+
+    ms = tools.messages_server()
+    mailbox, workspace = tmp_path / "mailbox", tmp_path / "runs" / "l" / "a" / "seed-1" / "agent" / "workspace"
+    workspace.mkdir(parents=True)
+    for name, text in default_sources().items():
+        (workspace / name).write_text(text)
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    backend = MailboxBackend(mailbox=str(mailbox), model="claude-opus-4-5", seconds_per_decision=120.0)
+    asked = Asking(box, backend, workspace, "Decide.", {"decision": 1})
+    box.post(asked.request)
+    key, hold = _key(), threading.Event()
+    with ms.MessagesServer([_answering(tools, hold)] * 6) as api:
+        first = Serving(project, mailbox, key, api.url, "--lease-seconds", "600")
+        try:
+            first.wait_for("taken")
+            while not api.requests:
+                time.sleep(0.05)
+            code, err = first.stop()  # Ctrl-C in the middle of the decision
+            assert code == 0 and "Traceback" not in err, err
+            assert first.wait_for("stopped")["released"] == [asked.request.request]
+            assert os.listdir(mailbox / "leases") == [] and os.listdir(mailbox / "answers") == []
+            hold.set()
+            second = Serving(project, mailbox, key, api.url, "--lease-seconds", "600")
+            started = time.monotonic()
+            taken = second.wait_for("taken", 30)
+            answered = second.wait_for("answered")
+        finally:
+            hold.set()
+            if first.process.poll() is None:
+                first.process.kill()
+        second.stop()
+    assert time.monotonic() - started < 60, "taken at once, not after the 600 s lease"
+    assert taken["generation"] == 1 and answered["request"] == asked.request.request and answered["failed"] is None
+    (name,) = os.listdir(mailbox / "answers")
+    answer = json.loads((mailbox / "answers" / name).read_text())
+    assert answer["answer"]["programs"]["updater.py"] == tools.HALVED and answer["server"] != first.events[0]["server"]

@@ -192,7 +192,8 @@ class Server:
                                    server=self.server, host=self.host, answered_at=time.time(),
                                    seconds=time.time() - work.started, answer=answer)
             if self.box.answer(record):
-                self.answered += 1
+                with self.lock:
+                    self.answered += 1
                 self.show("answered", request=request.request, run=request.label, decision=request.decision,
                           seconds=record.seconds, cost_usd=answer.get("cost_usd"),
                           failed=(answer.get("failed") or "").split("\n")[0] or None)
