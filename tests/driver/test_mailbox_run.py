@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 UPDATES = 200
 
 
@@ -288,3 +290,15 @@ def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, 
     (name,) = os.listdir(mailbox / "answers")
     answer = json.loads((mailbox / "answers" / name).read_text())
     assert answer["answer"]["programs"]["updater.py"] == tools.HALVED and answer["server"] != first.events[0]["server"]
+
+
+def test_a_mailbox_arm_whose_folder_is_missing_is_refused_before_any_work_and_needs_no_key(project, monkeypatch,
+                                                                                           tmp_path):
+    from opalctl.errors import BadInput
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    missing = tmp_path / "no-mailbox"
+    project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"remote": _agent("mailbox", missing)})
+    with pytest.raises(BadInput, match=f"the mailbox folder {missing} does not exist"):
+        project.run("remote", 1)
+    assert not project.run_dir("remote", 1).exists()
