@@ -250,3 +250,25 @@ def test_agent_serve_refuses_a_missing_folder_and_a_backend_that_cannot_answer_i
     assert code == 2 and "--backend 'keep' is no backend a mailbox can be answered by" in err
     code, err = serve(str(tmp_path), "--backend", "anthropic", "--max-concurrent", "0")
     assert code == 2 and "--max-concurrent" in err
+
+
+def test_a_server_leaves_a_request_for_another_model_to_another_server_and_takes_no_lease(tmp_path):
+    from opalctl.opal.mailbox.serve import Server
+
+    mailbox, workspace = tmp_path / "mailbox", tmp_path / "workspace"
+    workspace.mkdir()
+    for name, text in PROGRAMS.items():
+        (workspace / name).write_text(text)
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    backend = MailboxBackend(mailbox=str(mailbox), model="claude-haiku-4-5", seconds_per_decision=60.0)
+    asked = Asking(box, backend, workspace, "Decide.", {"decision": 1})
+    box.post(asked.request)
+    events: list = []
+    server = Server(LocalMailboxFolder(mailbox), "anthropic", model="claude-opus-4-5", show=events.append)
+    server.scan()
+    server.scan()
+    server.stop()
+    (left,) = [event for event in events if event["event"] == "left"]
+    assert left["request"] == asked.request.request and "model 'claude-haiku-4-5'" in left["why"]
+    assert box.folder.names("leases") == [] and box.requests() == [asked.request.request]

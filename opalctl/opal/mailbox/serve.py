@@ -64,6 +64,8 @@ class Server:
             raise BadInput(f"--backend {backend!r} is no backend a mailbox can be answered by; use anthropic")
         if max_concurrent < 1:
             raise BadInput("--max-concurrent must be 1 or more")
+        if not lease_seconds > 0:
+            raise BadInput("--lease-seconds must be a positive number of seconds")
         self.kind = found[0]
         self.box = Mailbox(folder, lease_seconds)
         self.backend, self.model, self.max_concurrent = backend, model, max_concurrent
@@ -101,7 +103,8 @@ class Server:
             with self.lock:
                 if request_id in self.working or len(self.working) >= self.max_concurrent:
                     continue
-            self.consider(request_id)
+            if (request_id, "left") not in self.noticed and (request_id, "unreadable") not in self.noticed:
+                self.consider(request_id)  # a request left for another server is not read again
 
     def notice(self, request_id: str, event: str, **fields: Any) -> None:
         if (request_id, event) not in self.noticed:
