@@ -7,6 +7,7 @@ sentence on stderr and their exit code: 1 a failure while working, 2 bad input, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -480,6 +481,44 @@ def demo(folder: str, runs_dir: str | None, json_mode: bool) -> None:
     console.paragraph(f"report page: {result['report_page']}")
     console.message(f"lock {result['lock']} ({result['verified_records']} records verified); runs under "
                     f"{result['compare']['runs']}; each run: opalctl show {result['compare']['runs']}/ARM/seed-S")
+
+
+@cli.group()
+def agent() -> None:
+    """The agent away from the training machine: serve a mailbox of decisions."""
+
+
+@agent.command(name="serve")
+@click.argument("mailbox")
+@click.option("--backend", required=True, help="The backend that answers (anthropic); its key is this machine's.")
+@click.option("--model", default=None, help="Answer only requests for this model (default: any).")
+@click.option("--max-concurrent", default=4, show_default=True, type=int, help="Decisions worked at once.")
+@click.option("--lease-seconds", default=60.0, show_default=True, type=float,
+              help="How long a lease holds without renewal (a killed server's requests are taken again after it).")
+@click.option("--ssh", "ssh_target", default=None, metavar="HOST",
+              help="Reach MAILBOX, a folder on HOST, with the ssh client (keys and ~/.ssh/config as you use them).")
+@click.option("--json", "json_mode", is_flag=True, help="Print one JSON line per event on stdout.")
+def agent_serve(mailbox: str, backend: str, model: str | None, max_concurrent: int, lease_seconds: float,
+                ssh_target: str | None, json_mode: bool) -> None:
+    """Answer the decisions asked in MAILBOX (runs with `backend: mailbox`) until Ctrl-C, which releases every
+    lease so that the next server answers at once."""
+    from opalctl import console
+    from opalctl.opal.mailbox.serve import Server, line_of, mailbox_folder
+
+    def show(event: dict) -> None:
+        if json_mode:
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+        else:
+            console.message(line_of(event))
+
+    server = Server(mailbox_folder(mailbox, ssh_target), backend, model=model, max_concurrent=max_concurrent,
+                    lease_seconds=lease_seconds, show=show)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -182,13 +182,14 @@ class NotAPlainFile(OSError):
     """``read_beneath`` refused a file: the clause says why (a link on the way, not a regular file, ...)."""
 
 
-def read_beneath(root: str | os.PathLike, relative: str, limit: int) -> bytes:
+def read_beneath(root: str | os.PathLike, relative: str, limit: int, single_name: bool = True) -> bytes:
     """The bytes of the file ``relative`` names beneath the folder ``root``, read without following a link on the
     way (every folder and the file itself are opened with ``O_NOFOLLOW`` from the one before) and only when it is a
     regular file with one name (a hard link to a file elsewhere is refused too) of at most ``limit`` bytes. A
     process that trusts no path of the folder's writer reads through this: what it reads is what lies there, and
     the bytes it hashes are the bytes it then uses. Raises ``FileNotFoundError`` when it is missing and
-    ``NotAPlainFile`` (with the clause) when it is refused."""
+    ``NotAPlainFile`` (with the clause) when it is refused. ``single_name=False`` reads a file of several names (a
+    mailbox's file is linked into place from its temporary name, and has two for a moment)."""
     parts = Path(relative).parts
     if not parts or Path(relative).is_absolute() or ".." in parts:
         raise NotAPlainFile(f"{relative!r} is not a path beneath the folder")
@@ -208,7 +209,7 @@ def read_beneath(root: str | os.PathLike, relative: str, limit: int) -> bytes:
         fd = _open_plain(parts[-1], folder)
     finally:
         os.close(folder)
-    return _read_plain_fd(fd, limit, single_name=True)
+    return _read_plain_fd(fd, limit, single_name=single_name)
 
 
 def _open_plain(path: str | os.PathLike, dir_fd: int | None = None) -> int:

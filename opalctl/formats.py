@@ -10,6 +10,8 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
 - ``HostDecisionRecord``: ``agent/decisions/NNN/answer.json``, one decision as the agent host saw it, and
   ``HostRefusal``, one line of ``agent/refused.jsonl``, a request the host refused (opal/records.py);
+- ``MailboxRequest``, ``MailboxAnswer`` and ``MailboxLease``: a decision asked in a mailbox folder, its answer,
+  and a server's hold on it (opal/mailbox/box.py);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
 - ``RunReport``: ``report.json``, with ``RunDigests``, the end of the chain of digests (below);
 - ``StartRecord``, ``AnchorRecord``, ``LastRecord``, ``SelectedRecord``: ``start.json``, ``anchor.json``,
@@ -335,6 +337,15 @@ class HostDecisionRecord(_Record):
     running: dict[str, str]  # updater.py / analysis.py -> the sha256 of the running program the request carried
     swept: list[str]  # what the sweep of the workspace did after the decision
     format: int = FORMAT_VERSION
+    # where a remote backend's answer was worked (the mailbox backend): request, server, host, round_trip_seconds,
+    # answer_seconds and the answers refused on the way; None for a backend that answered in the host
+    remote: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["remote"] is None:
+            del data["remote"]  # a local decision's record reads as it did before the field
+        return data
 
 
 @dataclass
@@ -348,6 +359,63 @@ class HostRefusal(_Record):
     id: Any
     keys: list[str]
     refused: str  # the sentence the host answered
+    format: int = FORMAT_VERSION
+
+
+@dataclass
+class MailboxRequest(_Record):
+    """``requests/ID.json`` of a mailbox: one decision asked by a training job's agent host, for any server of
+    ``backend`` to answer (opal/mailbox/box.py). ``backend`` is the answering backend's recipe without a key or a
+    server address (a server uses its own); ``run`` tells the runs sharing the mailbox apart, ``label`` names the
+    run for people; ``deadline`` is when the training side stops waiting (seconds since the epoch)."""
+
+    WHAT = "a mailbox request"
+
+    request: str
+    run: str
+    label: str
+    decision: int
+    asked_at: float
+    deadline: float
+    backend: dict[str, Any]
+    message: str
+    facts: dict[str, Any]
+    programs: dict[str, str]
+    format: int = FORMAT_VERSION
+
+
+@dataclass
+class MailboxAnswer(_Record):
+    """``answers/ID.json`` of a mailbox: a server's answer to one request, created once (a second answer to the
+    request cannot be written). It names the request, its run and the sha256 of the request's bytes, so that an
+    answer to anything else is refused; ``answer`` is an ``Answer.to_json()``."""
+
+    WHAT = "a mailbox answer"
+
+    request: str
+    run: str
+    request_sha256: str
+    server: str
+    host: str
+    answered_at: float
+    seconds: float
+    answer: dict[str, Any]
+    format: int = FORMAT_VERSION
+
+
+@dataclass
+class MailboxLease(_Record):
+    """``leases/ID.NNNNNN`` of a mailbox: generation NNNNNN of a server's hold on request ID, until ``expires``
+    (seconds since the epoch, renewed while it works)."""
+
+    WHAT = "a mailbox lease"
+    MAX_BYTES = 4096
+
+    request: str
+    server: str
+    host: str
+    pid: int
+    expires: float
     format: int = FORMAT_VERSION
 
 

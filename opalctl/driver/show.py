@@ -101,7 +101,9 @@ def _as_the_host_saw_them(entries: list[dict[str, Any]], folder: Path) -> list[d
         lines = [line.strip() for line in (record.rationale or "").strip().splitlines() if line.strip()]
         entry.update(rationale=lines[0] if lines else "", seconds=answer.seconds, cost_usd=answer.cost_usd,
                      summary=next((line for line in lines if line.lower().startswith(("changed", "kept"))), ""),
-                     answered_by="agent host")
+                     answered_by=_answered_by(answer.remote))
+        if answer.remote is not None:
+            entry["round_trip_seconds"] = answer.remote.get("round_trip_seconds")
         if answer.failed:
             entry["message"] = answer.failed.splitlines()[0] if answer.failed.strip() else answer.failed
         elif entry["outcome"] in (Event.APPLIED, NOT_IN_EVENTS):
@@ -109,6 +111,15 @@ def _as_the_host_saw_them(entries: list[dict[str, Any]], folder: Path) -> list[d
             changed = [name for name in answered if answered[name] != running[name]]
             entry.update(files=changed, diff={name: line_changes(running[name], answered[name]) for name in changed})
     return [by_number[number] for number in sorted(by_number)]
+
+
+def _answered_by(remote: dict[str, Any] | None) -> str:
+    """Where a decision was worked: the agent host, or the server that answered its mailbox request."""
+    if remote is None:
+        return "agent host"
+    if remote.get("server"):
+        return f"opalctl agent serve on {remote.get('host')} ({remote['server']}) through {remote.get('mailbox')}"
+    return f"no server (mailbox {remote.get('mailbox')})"
 
 
 def _decisions(events) -> list[dict[str, Any]]:

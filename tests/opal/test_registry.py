@@ -56,7 +56,7 @@ def test_the_lock_records_every_agent_section_as_it_did_before_the_registry(agen
 
 def test_each_name_is_declared_by_its_own_module_and_messages_list_them_in_order():
     assert [kind.name for kind in registry.kinds()] == list(registry.NAMES)
-    assert registry.spellings() == "keep, heuristic, anthropic, claude-code or replay:<run folder>"
+    assert registry.spellings() == "keep, heuristic, anthropic, claude-code, mailbox or replay:<run folder>"
     assert registry.find("replay:") is None and registry.find("replay") is None and registry.find("gpt") is None
     assert registry.find("keep:x") is None and registry.find("claude-code")[0].name == "claude-code"
     assert registry.find("replay:runs/a:b") == (registry.find("replay:x")[0], "runs/a:b")
@@ -64,7 +64,7 @@ def test_each_name_is_declared_by_its_own_module_and_messages_list_them_in_order
 
 def test_only_the_language_model_backends_wait():
     assert {kind.name: kind.waits for kind in registry.kinds()} == {
-        "keep": False, "heuristic": False, "anthropic": True, "claude-code": True, "replay": False}
+        "keep": False, "heuristic": False, "anthropic": True, "claude-code": True, "mailbox": True, "replay": False}
 
 
 def test_the_protocol_accepts_each_backends_keys_with_the_default_its_backend_states():
@@ -75,7 +75,8 @@ def test_the_protocol_accepts_each_backends_keys_with_the_default_its_backend_st
         for key, field in (kind.options.model_fields.items() if kind.options else ()):
             assert AgentSpec.model_fields[key].default == field.default, (kind.name, key)
             union.add(key)
-    assert set(AgentSpec.model_fields) == union == set(DEFAULTS)
+    # the keys only the mailbox backend reads are in no other arm's lock (DEFAULTS is what those locks hold)
+    assert set(AgentSpec.model_fields) == union == set(DEFAULTS) | set(registry.find("mailbox")[0].own_keys)
 
 
 def test_a_protocol_builds_each_backend_with_the_keys_it_reads(monkeypatch, tmp_path):
@@ -98,7 +99,7 @@ def test_a_protocol_builds_each_backend_with_the_keys_it_reads(monkeypatch, tmp_
 
 
 def test_a_backend_name_that_is_no_backend_is_refused_by_the_library_with_every_spelling():
-    with pytest.raises(ValueError, match="unknown agent backend 'gpt'; use keep, heuristic, anthropic, claude-code "
+    with pytest.raises(ValueError, match="unknown agent backend 'gpt'; use keep, heuristic, anthropic, claude-code, mailbox "
                                          "or replay:<run folder> or a callable"):
         make_backend("gpt")
     assert make_backend("keep", model="ignored").name == "keep"  # a backend without settings ignores them

@@ -41,11 +41,12 @@ class Answer:
     failed: str | None = None  # set when the backend could not answer (the decision fails, training goes on)
     programs: dict[str, str] | None = None  # updater.py / analysis.py as the agent left them (redacted)
     unreadable: str | None = None  # why those cannot be loaded (a link, a folder, not UTF-8, too large)
+    remote: dict[str, Any] | None = None  # where a remote backend's answer was worked (opal/agents/mailbox.py)
 
     def to_json(self) -> dict[str, Any]:
         return {"rationale": self.rationale, "usage": self.usage, "cost_usd": self.cost_usd,
                 "transcript": self.transcript, "failed": self.failed, "programs": self.programs,
-                "unreadable": self.unreadable}
+                "unreadable": self.unreadable, "remote": self.remote}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Answer:
@@ -54,11 +55,12 @@ class Answer:
             programs = {str(name): text for name, text in programs.items() if isinstance(text, str)}
         else:
             programs = None
-        unreadable = data.get("unreadable")
+        unreadable, remote = data.get("unreadable"), data.get("remote")
         return cls(rationale=str(data.get("rationale") or ""), usage=dict(data.get("usage") or {}),
                    cost_usd=float(data.get("cost_usd") or 0.0), transcript=list(data.get("transcript") or []),
                    failed=data.get("failed"), programs=programs,
-                   unreadable=str(unreadable) if unreadable is not None else None)
+                   unreadable=str(unreadable) if unreadable is not None else None,
+                   remote=dict(remote) if isinstance(remote, dict) else None)
 
 
 class Backend:
@@ -116,7 +118,9 @@ class BackendKind:
     ``options``: the protocol keys it reads; the factory takes them as keyword arguments, and ``prompt_text`` too
     when ``prompted``. ``lock_defaults(agent)`` gives the values the lock records in place of "the default"
     (``agent`` is the resolved agent section as JSON). ``problems(agent, where)`` gives ``(key, what to do)`` for
-    each setting the schema alone cannot refuse. ``unready(agent)`` says what this machine lacks for the backend to
+    each setting the schema alone cannot refuse. ``own_keys``: protocol keys only this backend reads, which the
+    lock of an arm of another backend leaves out (they came after the lock's form was fixed, and every lock written
+    before reads the same). ``unready(agent)`` says what this machine lacks for the backend to
     answer (an API key, a binary), or None: freeze and pilot warn with it (the key may be set later), and a run
     refuses with it before it makes any folder.
     """
@@ -130,6 +134,7 @@ class BackendKind:
     lock_defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     problems: Callable[[Any, str], list[tuple[str, str]]] | None = None
     unready: Callable[[Any], str | None] | None = None
+    own_keys: tuple[str, ...] = ()
 
     @property
     def spelling(self) -> str:

@@ -457,7 +457,8 @@ class Host:
             decision=number, backend=self.recipe["backend"], seconds=time.monotonic() - started, usage=answer.usage,
             cost_usd=float(answer.cost_usd or 0.0), failed=answer.failed, unreadable=unreadable,
             programs={name: program_sha256(text) for name, text in programs.items()},
-            running={name: program_sha256(text) for name, text in running.items()}, swept=swept)
+            running={name: program_sha256(text) for name, text in running.items()}, swept=swept,
+            remote=redact_json(answer.remote, redaction) if answer.remote is not None else None)
         try:
             self.records.save_decision(record, message=message, facts=facts, running=running,
                                        rationale=answer.rationale, transcript=answer.transcript, programs=programs)

@@ -16,7 +16,7 @@ from typing import Any
 from opalctl.opal.agents.base import Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_MODEL
 
-NAMES = ("keep", "heuristic", "anthropic", "claude-code", "replay")
+NAMES = ("keep", "heuristic", "anthropic", "claude-code", "mailbox", "replay")
 
 
 @cache
@@ -89,6 +89,8 @@ def from_protocol(agent) -> Backend:
 def lock_defaults(agent: dict[str, Any]) -> dict[str, Any]:
     """The resolved agent section (JSON) with what its backend records in the lock in place of its defaults."""
     kind, _ = find(agent["backend"])
+    others = {key for other in kinds() if other is not kind for key in other.own_keys}
+    agent = {key: value for key, value in agent.items() if key not in others}
     return {**agent, **kind.lock_defaults(agent)} if kind.lock_defaults else agent
 
 

@@ -1,0 +1,304 @@
+"""Formal agent-arm runs whose decisions are answered by ``opalctl agent serve`` over a shared folder.
+
+The same anthropic backend (the real SDK against the loopback Messages API of tests/opal/messages_server.py, which
+answers each request from its content, so the same question always gets the same answer) answers a formal run of
+the digits task twice: in the run's own agent host (``backend: anthropic``), and from a mailbox folder served by a
+real ``python -m opalctl agent serve`` process (``backend: mailbox``), whose environment alone holds the key and
+the server's address. Blocking decisions: the same programs are applied at the same updates and the final weights
+are the same; the key is in no file of the run or the mailbox; the run's records say where each decision was
+answered. A server killed (SIGKILL) in the middle of a decision and started again answers the request once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import string
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+UPDATES = 200
+
+
+def _key() -> str:
+    alphabet = string.ascii_letters + string.digits
+    return "sk-ant-api03-" + "".join(secrets.choice(alphabet) for _ in range(40))
+
+
+def _agent(backend: str, mailbox: Path | None = None) -> dict:
+    agent = {"backend": backend, "model": "claude-opus-4-5", "decisions": 2, "schedule": [0.3, 0.6], "every": 25,
+             "trial_steps": 5, "blocking": True}
+    if mailbox is not None:
+        agent.update(mailbox=str(mailbox), queue_seconds=60.0)
+    return {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": agent}
+
+
+def _answering(tools, hold: threading.Event | None = None):
+    """The Messages API's answer to a request, from its content: a first turn writes the halved updater, a later
+    one ends with the rationale. ``hold``: the first turn waits for it (a decision in the middle)."""
+    ms = tools.messages_server()
+
+    def answer(body: dict) -> dict:
+        if ms.last_tool_results(body):
+            return ms.reply(ms.text(tools.RATIONALE))
+        if hold is not None:
+            hold.wait(120)
+        return ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": tools.HALVED}))
+
+    return answer
+
+
+class Serving:
+    """``python -m opalctl agent serve MAILBOX --backend anthropic --json`` with the key and the server's address."""
+
+    def __init__(self, project, mailbox: Path, key: str, url: str, *more: str):
+        env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=url)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "opalctl", "agent", "serve", str(mailbox), "--backend", "anthropic", "--json",
+             *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        self.events: list[dict] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.events.append(json.loads(line))
+
+    def wait_for(self, kind: str, seconds: float = 120) -> dict:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            found = [event for event in self.events if event["event"] == kind]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"the server showed no {kind!r} event: {self.events}")
+
+    def stop(self) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGINT)
+        code = self.process.wait(timeout=30)
+        self.reader.join(timeout=5)
+        return code, self.process.stderr.read()
+
+
+def _applied(run_dir: Path) -> list[tuple[int, int, list]]:
+    events = (run_dir / "training" / "opal" / "events.jsonl").read_text().splitlines()
+    return [(event["decision"], event["update"], event["files"]) for event in map(json.loads, events)
+            if event["kind"] == "applied"]
+
+
+def _programs(run_dir: Path) -> dict[str, str]:
+    folder = run_dir / "training" / "opal" / "programs"
+    return {str(path.relative_to(folder)): path.read_text() for path in sorted(folder.rglob("*.py"))}
+
+
+def _pieces(key: str) -> list[bytes]:
+    return [key[i:i + 8].encode() for i in range(len(key) - 7)]
+
+
+def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_locally(project, tools, tmp_path):
+    ms = tools.messages_server()
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    key = _key()
+    project.freeze(budget={"clock": "updates", "amount": UPDATES},
+                   arms={"local": _agent("anthropic"), "remote": _agent("mailbox", mailbox)})
+    lock = json.loads(project.lock.read_text())
+    remote_agent = lock["protocol"]["arms"]["remote"]["agent"]
+    assert remote_agent["backend"] == "mailbox" and remote_agent["answered_by"] == "anthropic"
+    assert remote_agent["model"] == "claude-opus-4-5" and remote_agent["mailbox"] == str(mailbox)
+    assert "mailbox" not in lock["protocol"]["arms"]["local"]["agent"]  # another arm's lock is as it was
+
+    with ms.MessagesServer([_answering(tools)] * 8) as api:
+        local = project.process(project.run_args("local", 1),
+                                env=project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=api.url))
+        assert local.returncode == 0, local.stderr[-3000:]
+        local_requests = len(api.requests)
+        server = Serving(project, mailbox, key, api.url)
+        try:
+            remote = project.process(project.run_args("remote", 1), env=project.env())  # no key, no address
+        finally:
+            code, err = server.stop()
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert code == 0 and "Traceback" not in err, err
+    assert len(api.requests) == 2 * local_requests == 8
+
+    local_dir, remote_dir = project.run_dir("local", 1), project.run_dir("remote", 1)
+    assert _applied(local_dir) == _applied(remote_dir) and len(_applied(local_dir)) == 1
+    assert _programs(local_dir) == _programs(remote_dir)
+    local_report, remote_report = tools.read(local_dir / "report.json"), tools.read(remote_dir / "report.json")
+    assert tools.stage_files(local_dir) and [s["checkpoint"]["model_sha256"] for s in tools.stage_files(local_dir)] == \
+        [s["checkpoint"]["model_sha256"] for s in tools.stage_files(remote_dir)]
+    assert local_report["agent"]["decisions_applied"] == remote_report["agent"]["decisions_applied"] == 1
+    assert remote_report["agent"]["decisions_kept"] == 1
+
+    # where each decision was answered, and its round trip
+    for number in (1, 2):
+        record = tools.read(remote_dir / "agent" / "decisions" / f"{number:03d}" / "answer.json")
+        assert record["remote"]["server"].startswith(record["remote"]["host"] + ":")
+        assert record["remote"]["round_trip_seconds"] > 0 and record["remote"]["refused"] == []
+    show = project.process(["show", str(remote_dir), "--json"])
+    assert show.returncode == 0, show.stderr
+    for decision in json.loads(show.stdout)["decisions"]:
+        assert decision["answered_by"].startswith("opalctl agent serve on ") and decision["round_trip_seconds"] > 0
+    shown = [event for event in server.events if event["event"] == "answered"]
+    assert [event["decision"] for event in shown] == [1, 2]
+
+    # the key is in no file of the training side, nor in the mailbox (every 8-character piece of it)
+    for folder in (remote_dir, mailbox):
+        for path in folder.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                assert not any(piece in data for piece in _pieces(key)), path
+    assert sorted(os.listdir(mailbox / "requests")) == [] and sorted(os.listdir(mailbox / "answers")) == []
+
+
+def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_once(project, tools, tmp_path):
+    ms = tools.messages_server()
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    key = _key()
+    agent = _agent("mailbox", mailbox)
+    agent["agent"].update(decisions=1, schedule=[0.5])
+    project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"remote": agent})
+    hold = threading.Event()
+    with ms.MessagesServer([_answering(tools, hold)] * 6) as api:
+        first = Serving(project, mailbox, key, api.url, "--lease-seconds", "3")
+        run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
+                               cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            taken = first.wait_for("taken")
+            while not api.requests:  # the decision is in the middle: its first turn is at the API
+                time.sleep(0.05)
+            os.killpg(first.process.pid, signal.SIGKILL)
+            first.process.wait()
+            second = Serving(project, mailbox, key, api.url, "--lease-seconds", "3")
+            hold.set()
+            again = second.wait_for("taken")
+            answered = second.wait_for("answered")
+            out, err = run.communicate(timeout=240)
+        finally:
+            hold.set()
+            if run.poll() is None:
+                run.kill()
+            code, _ = second.stop()
+    assert run.returncode == 0, err[-3000:]
+    assert taken["request"] == again["request"] == answered["request"] and again["generation"] == 2
+    run_dir = project.run_dir("remote", 1)
+    assert [decision for decision, _, _ in _applied(run_dir)] == [1]
+    record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
+    assert record["remote"]["server"] == second.wait_for("serving")["server"] != first.wait_for("serving")["server"]
+    assert record["remote"]["request"] == taken["request"]
+    assert [event["event"] for event in second.events].count("answered") == 1
+
+
+def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_decision_once(project, tools,
+                                                                                             tmp_path):
+    ms = tools.messages_server()
+    mailbox = tmp_path / "mailbox"
+    mailbox.mkdir()
+    key = _key()
+    agent = _agent("mailbox", mailbox)
+    agent["agent"].update(decisions=1, schedule=[0.5])
+    project.freeze(budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
+                   arms={"remote": agent})
+    requests = mailbox / "requests"
+    run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
+                           cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (requests.is_dir() and os.listdir(requests)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (old,) = os.listdir(requests)
+    os.killpg(run.pid, signal.SIGKILL)  # no server yet: the request is pending
+    run.communicate()
+    time.sleep(1.0)
+    assert os.listdir(requests) == [old], "the killed job's request is still there"
+
+    with ms.MessagesServer([_answering(tools)] * 4) as api:
+        resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
+                                   cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while (not os.listdir(requests) or os.listdir(requests) == [old]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (new,) = os.listdir(requests)  # the resumed run withdrew the old request and asked again
+        server = Serving(project, mailbox, key, api.url)
+        try:
+            out, err = resumed.communicate(timeout=240)
+        finally:
+            if resumed.poll() is None:
+                resumed.kill()
+            server.stop()
+    assert resumed.returncode == 0, err[-3000:]
+    assert new != old
+    run_dir = project.run_dir("remote", 1)
+    assert [decision for decision, _, _ in _applied(run_dir)] == [1]
+    assert tools.read(run_dir / "report.json")["agent"]["decisions_applied"] == 1
+    assert [event["request"] for event in server.events if event["event"] == "answered"] == [new[:-len(".json")]]
+    record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
+    assert record["remote"]["withdrew"] == [old[:-len(".json")]]
+    assert len(api.requests) == 2
+
+
+def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, tools, tmp_path):
+    from opalctl.opal.agents.mailbox import Asking, MailboxBackend
+    from opalctl.opal.mailbox.box import Mailbox
+    from opalctl.opal.mailbox.folder import LocalMailboxFolder
+    from opalctl.opal.optimizer import default_sources
+
+    ms = tools.messages_server()
+    mailbox, workspace = tmp_path / "mailbox", tmp_path / "runs" / "l" / "a" / "seed-1" / "agent" / "workspace"
+    workspace.mkdir(parents=True)
+    for name, text in default_sources().items():
+        (workspace / name).write_text(text)
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    backend = MailboxBackend(mailbox=str(mailbox), model="claude-opus-4-5", seconds_per_decision=120.0)
+    asked = Asking(box, backend, workspace, "Decide.", {"decision": 1})
+    box.post(asked.request)
+    key, hold = _key(), threading.Event()
+    with ms.MessagesServer([_answering(tools, hold)] * 6) as api:
+        first = Serving(project, mailbox, key, api.url, "--lease-seconds", "600")
+        try:
+            first.wait_for("taken")
+            while not api.requests:
+                time.sleep(0.05)
+            code, err = first.stop()  # Ctrl-C in the middle of the decision
+            assert code == 0 and "Traceback" not in err, err
+            assert first.wait_for("stopped")["released"] == [asked.request.request]
+            assert os.listdir(mailbox / "leases") == [] and os.listdir(mailbox / "answers") == []
+            hold.set()
+            second = Serving(project, mailbox, key, api.url, "--lease-seconds", "600")
+            started = time.monotonic()
+            taken = second.wait_for("taken", 30)
+            answered = second.wait_for("answered")
+        finally:
+            hold.set()
+            if first.process.poll() is None:
+                first.process.kill()
+        second.stop()
+    assert time.monotonic() - started < 60, "taken at once, not after the 600 s lease"
+    assert taken["generation"] == 1 and answered["request"] == asked.request.request and answered["failed"] is None
+    (name,) = os.listdir(mailbox / "answers")
+    answer = json.loads((mailbox / "answers" / name).read_text())
+    assert answer["answer"]["programs"]["updater.py"] == tools.HALVED and answer["server"] != first.events[0]["server"]
+
+
+def test_a_mailbox_arm_whose_folder_is_missing_is_refused_before_any_work_and_needs_no_key(project, monkeypatch,
+                                                                                           tmp_path):
+    from opalctl.errors import BadInput
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    missing = tmp_path / "no-mailbox"
+    project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"remote": _agent("mailbox", missing)})
+    with pytest.raises(BadInput, match=f"the mailbox folder {missing} does not exist"):
+        project.run("remote", 1)
+    assert not project.run_dir("remote", 1).exists()
