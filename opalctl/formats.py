@@ -352,6 +352,20 @@ class HostRefusal(_Record):
 
 
 @dataclass
+class NoteRecord(_Record):
+    """``notes/NNN.json``: a note a person left for the agent of a run (``opalctl say``, opal/notes.py), shown at the
+    next decision the run asks; the training process reads it as hostile (bounded, no link, this shape)."""
+
+    WHAT = "a note for the agent"
+
+    note: int  # its number in the run, from 1
+    text: str
+    who: str  # user@host of the person who left it
+    at: str  # when, UTC, ISO 8601
+    format: int = FORMAT_VERSION
+
+
+@dataclass
 class TrainingFacts(_Record):
     """What only the training process knows at a run's close, sent to the evaluator, which reports it as the
     training process's own account (the results beside it are the evaluator's)."""
