@@ -77,6 +77,11 @@ def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(
     assert not any(NOTE in path.read_text() for path in (run_dir / "agent" / "decisions" / "001").iterdir()
                    if path.is_file())
 
+    shown = project.process(["show", str(run_dir)])
+    assert shown.returncode == 0, shown.stderr
+    assert f"decision 2 was shown note 1 from {who} ({note['at']})" in shown.stderr
+    assert "decision 1 was shown" not in shown.stderr
+
     # a finished run takes no note
     late = project.process(["say", str(run_dir), "too late"])
     assert late.returncode == 2, late.stderr

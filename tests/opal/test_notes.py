@@ -106,3 +106,35 @@ def test_say_refuses_an_empty_or_overlong_note(finished_runs, cli_inprocess, tmp
     assert (left.code, second.code) == (0, 0), left.output + second.output
     assert [left.json()["note"], second.json()["note"]] == [1, 2]
     assert [note.text for note in read_new(run_dir / "notes", 0).notes] == ["one", "two"]
+
+
+def test_wrap_shows_each_note_once_and_a_resume_does_not_show_it_again(opal, tmp_path):
+    """The library: ``wrap(..., notes_dir=)`` shows a note at the next decision only, and a run resumed from a
+    ``state_dict`` taken after a note was shown does not show it again (nor skip one left since)."""
+    from opalctl.opal import wrap
+
+    notes = tmp_path / "notes"
+    messages = []
+
+    def agent(workspace, message):
+        messages.append(message)
+        return "Observed: the loss.\nKept: nothing to change."
+
+    options = dict(backend=agent, decisions=3, schedule=[0.1, 0.4, 0.8], total_steps=100, notes_dir=notes)
+    model = opal.make_model()
+    optimizer = wrap(opal.adamw(model), model, run_dir=tmp_path / "a", **options)
+    _note(notes, 1, "left before the first decision")
+    opal.train(model, optimizer, 30)
+    state = optimizer.state_dict()
+    _note(notes, 2, "left after the checkpoint")
+    resumed_model = opal.make_model()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = wrap(opal.adamw(resumed_model), resumed_model, run_dir=tmp_path / "b", **options)
+    resumed.load_state_dict(state)
+    opal.train(resumed_model, resumed, 70, start=30)
+    resumed.close()
+    optimizer.close()
+    assert len(messages) == 3
+    assert "left before the first decision" in messages[0]
+    assert "left before the first decision" not in messages[1] + messages[2]
+    assert "left after the checkpoint" in messages[1] and "left after the checkpoint" not in messages[2]
