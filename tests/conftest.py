@@ -297,8 +297,6 @@ def _free_port() -> int:
 def start_loopback_sshd(folder: Path) -> LoopbackSshd:
     """Start sshd in ``folder`` (its keys, sshd_config, ssh_config, known_hosts and log); ready when a login works.
     Skips with a ``SYSTEM_SKIP`` reason where openssh-server or the ssh client is missing."""
-    import getpass
-
     sshd = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if os.access(p, os.X_OK)),
                                         None)
     if sshd is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
@@ -306,7 +304,19 @@ def start_loopback_sshd(folder: Path) -> LoopbackSshd:
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(folder / name)],
                        check=True, capture_output=True)
-    port = _free_port()
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation folder (Debian's unit makes it)
+    for _attempt in range(3):  # a port another process took between the probe and sshd's bind: another port
+        server = _start_sshd(sshd, folder, _free_port())
+        if server is not None:
+            return server
+    raise RuntimeError(f"the loopback sshd could not listen on a free port: {(folder / 'sshd.log').read_text()}")
+
+
+def _start_sshd(sshd: str, folder: Path, port: int) -> LoopbackSshd | None:
+    """sshd on ``port`` once a login works; None when it ended before (the port was taken)."""
+    import getpass
+
     (folder / "sshd_config").write_text(
         f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {folder / 'host_key'}\n"
         f"AuthorizedKeysFile {folder / 'client_key.pub'}\n"
@@ -319,8 +329,6 @@ def start_loopback_sshd(folder: Path) -> LoopbackSshd:
         f"Host {SSHD_ALIAS}\n  HostName 127.0.0.1\n  Port {port}\n  User {getpass.getuser()}\n"
         f"  IdentityFile {folder / 'client_key'}\n  IdentitiesOnly yes\n"
         f"  UserKnownHostsFile {folder / 'known_hosts'}\n  StrictHostKeyChecking yes\n  LogLevel ERROR\n")
-    if os.geteuid() == 0:
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation folder (Debian's unit makes it)
     with open(folder / "sshd.log", "wb") as log:
         process = subprocess.Popen([sshd, "-D", "-e", "-f", str(folder / "sshd_config")], stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -331,8 +339,11 @@ def start_loopback_sshd(folder: Path) -> LoopbackSshd:
                                stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
         if login.returncode == 0:
             return server
-        if process.poll() is not None or time.monotonic() > deadline:
+        if process.poll() is not None:
+            return None
+        if time.monotonic() > deadline:
             process.kill()
+            process.wait()
             raise RuntimeError(f"the loopback sshd did not take a login: {login.stderr.decode(errors='replace')}"
                                f"{server.log}")
         time.sleep(0.2)

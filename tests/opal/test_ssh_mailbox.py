@@ -238,3 +238,14 @@ def test_a_target_that_is_not_host_dir_is_refused(target):
     with pytest.raises(BadInput, match="ssh target"):
         SshMailboxFolder(target)
 
+
+
+def test_writing_into_a_missing_folder_is_one_sentence(mailbox):
+    folder, root = mailbox
+    (root / "a-file").write_text("x")
+    for path in ("absent/001.json", "a-file/001.json"):
+        with pytest.raises(SshMailboxError, match=f"the folder of '{path}' is missing or not a folder"):
+            folder.create(path, b"x")
+        with pytest.raises(SshMailboxError, match="is missing or not a folder"):
+            folder.replace(path, b"x")
+    assert sorted(os.listdir(root)) == ["a-file"]
