@@ -326,6 +326,25 @@ def show(run_dir: str, reasons: bool, html_path: str | None, json_mode: bool) ->
 
 
 @cli.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("text")
+@json_option
+def say(run_dir: str, text: str, json_mode: bool) -> None:
+    """Leave a note for the agent of a running agent arm: shown at its next decision, and recorded (who, when,
+    which decision saw it); compare and the report mark the runs that received notes. The arm's protocol must
+    allow notes (agent: {notes: allowed})."""
+    from opalctl import console
+    from opalctl.opal.notes import say as leave_note
+
+    note = leave_note(run_dir, text)
+    if json_mode:
+        console.print_json(note)
+        return
+    console.message(f"note {note['note']} left for the agent of {note['run_dir']} ({note['path']}); it is shown at "
+                    f"the run's next decision")
+
+
+@cli.command()
 @click.argument("lock", type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Folder for report.html (default: the lock's runs folder).")

@@ -416,6 +416,19 @@ class MailboxLease(_Record):
     host: str
     pid: int
     expires: float
+
+
+@dataclass
+class NoteRecord(_Record):
+    """``notes/NNN.json``: a note a person left for the agent of a run (``opalctl say``, opal/notes.py), shown at the
+    next decision the run asks; the training process reads it as hostile (bounded, no link, this shape)."""
+
+    WHAT = "a note for the agent"
+
+    note: int  # its number in the run, from 1
+    text: str
+    who: str  # user@host of the person who left it
+    at: str  # when, UTC, ISO 8601
     format: int = FORMAT_VERSION
 
 

@@ -14,6 +14,8 @@ show, compare, the report page and export never spell a name themselves::
             stage-NN.json  last.json            the evaluator
             selected.json  report.json          the evaluator
             grid.log                            the grid (what the run printed)
+            notes/NNN.json                      opalctl say: a note a person left for the agent (opal/notes.py),
+                                                read by the training process, which may not write there
             agent/                              the agent host: workspace/, decisions/NNN/ (each decision as the
                                                 host saw it: the request, the answer, the programs), refused.jsonl
             training/                           the training process's own, and the only place it may write once
@@ -65,6 +67,7 @@ GRID_LOG = "grid.log"
 TRAINING, AGENT = "training", "agent"
 RESUME, STEPS, OPAL = "resume.pt", "steps.jsonl.gz", "opal"
 WORKSPACE, DECISIONS = "workspace", "decisions"
+NOTES = "notes"
 ANCHOR, ANCHORS = "anchor.json", "anchors"
 REPORT_PAGE = "report.html"
 # the names opalctl gives what it writes beside the arms' folders in a lock's folder (the rest there starts with a
@@ -248,6 +251,14 @@ class RunLayout:
         folder = self.decisions
         found = folder.glob("[0-9][0-9][0-9]") if folder.is_dir() else []
         return sorted(int(path.name) for path in found if path.is_dir())
+
+    @property
+    def notes(self) -> Path:
+        """The notes a person left for the agent (``opalctl say``): ``notes/NNN.json``, one file per note."""
+        return self.root / NOTES
+
+    def note_file(self, number: int) -> Path:
+        return self.notes / f"{int(number):03d}.json"
 
     # -- training's own ------------------------------------------------------------------------------------------
     @property

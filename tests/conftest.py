@@ -5,7 +5,8 @@ session (once per xdist worker) into a folder that no test touches; ``digits_pro
 copy to break as it likes. ``run_cli`` runs the real command in a subprocess (what a user types); ``call_cli``
 runs ``opalctl.cli.main`` in this process, which is much faster and is what the fuzz test uses.
 ``finished_runs`` is one frozen protocol's finished runs (five arms by two seeds), made once per session for
-every worker, which compare, the report page and export read (tests that edit runs copy them first).
+every worker, which compare, the report page and export read (tests that edit runs copy them first). ``sshd`` is a
+real OpenSSH server on loopback with its own keys and an ssh config file naming it (``LoopbackSshd``).
 
 A test that needs a system component (Landlock, chromium, Slurm, ...) skips with a reason that starts with
 ``SYSTEM_SKIP`` where the component is missing (a user's laptop). CI installs every such component and sets
@@ -22,8 +23,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +50,7 @@ SLOW_MODULES = frozenset({
     "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
     "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
-    "driver/test_mailbox_run.py"})
+    "driver/test_mailbox_run.py", "driver/test_notes.py"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -258,3 +261,104 @@ def finished_runs(request, made_once) -> dict[str, Path]:
     lock = next((root / "project").glob("digits*.lock.json"))
     return {"lock": lock, "runs": root / "runs", "base": root / "runs" / f"digits-{sha256_of(lock)[:12]}",
             "project": root / "project", "root": root}
+
+
+# A real sshd on loopback -------------------------------------------------------------------------------------------
+
+SSHD_ALIAS = "opalctl-loopback"
+
+
+@dataclass
+class LoopbackSshd:
+    """An OpenSSH server on 127.0.0.1 (its own host key, one client key, no password login) and the ssh config file
+    that reaches it as ``host`` (``ssh -F config host``): pass ``config`` to ``SshMailboxFolder`` or set it as
+    ``OPALCTL_SSH_CONFIG`` for a subprocess."""
+
+    config: Path
+    host: str
+    port: int
+    folder: Path
+    process: subprocess.Popen
+
+    def target(self, directory: str | os.PathLike) -> str:
+        """``HOST:DIR`` for a mailbox in ``directory`` on this server."""
+        return f"{self.host}:{directory}"
+
+    @property
+    def log(self) -> str:
+        return (self.folder / "sshd.log").read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_loopback_sshd(folder: Path) -> LoopbackSshd:
+    """Start sshd in ``folder`` (its keys, sshd_config, ssh_config, known_hosts and log); ready when a login works.
+    Skips with a ``SYSTEM_SKIP`` reason where openssh-server or the ssh client is missing."""
+    sshd = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if os.access(p, os.X_OK)),
+                                        None)
+    if sshd is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        pytest.skip(f"{SYSTEM_SKIP} sshd and ssh (Debian's openssh-server and openssh-client) are not installed")
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(folder / name)],
+                       check=True, capture_output=True)
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation folder (Debian's unit makes it)
+    for _attempt in range(3):  # a port another process took between the probe and sshd's bind: another port
+        server = _start_sshd(sshd, folder, _free_port())
+        if server is not None:
+            return server
+    raise RuntimeError(f"the loopback sshd could not listen on a free port: {(folder / 'sshd.log').read_text()}")
+
+
+def _start_sshd(sshd: str, folder: Path, port: int) -> LoopbackSshd | None:
+    """sshd on ``port`` once a login works; None when it ended before (the port was taken)."""
+    import getpass
+
+    (folder / "sshd_config").write_text(
+        f"ListenAddress 127.0.0.1\nPort {port}\nHostKey {folder / 'host_key'}\n"
+        f"AuthorizedKeysFile {folder / 'client_key.pub'}\n"
+        "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+        "PermitRootLogin prohibit-password\n"
+        "StrictModes no\n"  # the temporary folders are not the home's; CI runs as root
+        "PidFile none\nLogLevel VERBOSE\n")
+    (folder / "known_hosts").write_text(f"[127.0.0.1]:{port} {(folder / 'host_key.pub').read_text()}")
+    (folder / "ssh_config").write_text(
+        f"Host {SSHD_ALIAS}\n  HostName 127.0.0.1\n  Port {port}\n  User {getpass.getuser()}\n"
+        f"  IdentityFile {folder / 'client_key'}\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {folder / 'known_hosts'}\n  StrictHostKeyChecking yes\n  LogLevel ERROR\n")
+    with open(folder / "sshd.log", "wb") as log:
+        process = subprocess.Popen([sshd, "-D", "-e", "-f", str(folder / "sshd_config")], stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = LoopbackSshd(folder / "ssh_config", SSHD_ALIAS, port, folder, process)
+    deadline = time.monotonic() + 30
+    while True:
+        login = subprocess.run(["ssh", "-F", str(server.config), "-o", "BatchMode=yes", SSHD_ALIAS, "true"],
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        if login.returncode == 0:
+            return server
+        if process.poll() is not None:
+            return None
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise RuntimeError(f"the loopback sshd did not take a login: {login.stderr.decode(errors='replace')}"
+                               f"{server.log}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory) -> LoopbackSshd:
+    """A real sshd on loopback for this session (this xdist worker): ``sshd.config``, ``sshd.host``,
+    ``sshd.target(folder)``."""
+    server = start_loopback_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()

@@ -33,6 +33,7 @@ from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
 from opalctl.formats import REPORT_MAX_BYTES, RecordDamaged, read_record
 from opalctl.layout import LockRuns
+from opalctl.opal.notes import notes_flag
 
 # the fields of a RunReport that compare reads (a test checks they are RunReport's)
 REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages", "selected", "stages",
@@ -160,6 +161,10 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
         entry["decisions"] = None if decided is None else decided.to_json()
         left_out = set(decided.left_out_seeds) if decided is not None and arm != baseline else set()
         entry["flags"] = run_flags(finished[arm], _hung(arm_base, arm, finished[arm]))
+        # a person's notes for the agent (opalctl say): a human in the loop changes what the runs measure
+        noted, entry["notes"] = notes_flag({s: arm_base / arm / f"seed-{s}" for s in finished[arm]})
+        if noted is not None:
+            entry["flags"].append(noted)
         if arm != baseline and (outside := outside_work_flag(finished[arm], finished[baseline])) is not None:
             entry["flags"].append(outside)
         for metric, higher in directions.items():

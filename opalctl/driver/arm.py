@@ -53,10 +53,16 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
     decisions, _ = agent_decisions(arm, budget)
     # the agent host's workspace and records (layout.agent) lie outside training/, which alone the confined training
     # process may write; the key stays with the host, whose redaction catches it (opalctl.opal.records)
+    # the notes a person leaves (opalctl say), where the protocol allows them: the folder is made now, before the
+    # training process is confined, which may then read it and not write it (driver/run.py confine_training)
+    notes_dir = None
+    if agent.notes == "allowed":
+        layout.notes.mkdir(exist_ok=True)
+        notes_dir = layout.notes
     options = dict(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend, decisions=decisions,
                    schedule=agent.schedule, blocking=agent.blocking, every=agent.every, trial_steps=agent.trial_steps,
                    run_dir=layout.opal, agent_dir=layout.agent, prompt=agent.prompt, clip=clip,
-                   max_lag=agent.max_lag)
+                   max_lag=agent.max_lag, notes_dir=notes_dir)
     if world > 1:
         from opalctl.opal.distributed import wrap_distributed
 

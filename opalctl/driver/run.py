@@ -767,8 +767,10 @@ def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
     from opalctl.sandbox import confine_process, training_bounds, training_paths
 
     bounds = training_bounds(protocol.limits, stages=len(protocol.budget.fractions), ranks=protocol.training.ranks)
-    confinement = confine_process(writable=[layout.training], readable=training_paths(), deny_network=True,
-                                  bounds=bounds)
+    # the notes a person leaves for the agent (opal/notes.py), where its arm made their folder: read, never written
+    notes = [layout.notes] if layout.notes.is_dir() and not layout.notes.is_symlink() else []
+    confinement = confine_process(writable=[layout.training], readable=[*training_paths(), *notes],
+                                  deny_network=True, bounds=bounds)
     return confinement.to_json()
 
 

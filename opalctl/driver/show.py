@@ -130,6 +130,8 @@ def _decisions(events) -> list[dict[str, Any]]:
         if kind == Event.REQUESTED:
             decisions[event["decision"]] = {"decision": event["decision"], "asked_at": event["update"],
                                             "reason": event.get("reason"), "outcome": "pending"}
+            if isinstance(event.get("notes"), list):  # the notes a person left that this decision showed
+                decisions[event["decision"]]["notes"] = event["notes"]
         elif kind in Event.OUTCOMES and event.get("decision") in decisions:
             decisions[event["decision"]].update(_outcome(kind, event))
         elif kind == Event.REVERTED:

@@ -51,6 +51,11 @@ def _decisions(decisions: list[dict[str, Any]]) -> None:
                                       "rationale"], rows)
     if cut:
         console.message("(piped, or with --json, the rationale is printed whole)")
+    for d in decisions:  # a person in the loop (opalctl say): which decision saw which note
+        for note in d.get("notes") or []:
+            if isinstance(note, dict):
+                console.message(f"decision {d['decision']} was shown note {note.get('note')} from {note.get('who')} "
+                                f"({note.get('at')})")
 
 
 def rule_of(run_dir: str | Path, decision: int) -> Check | None:

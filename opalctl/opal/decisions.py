@@ -64,6 +64,7 @@ class InFlight:
     reason: str
     result: Answer | None = None
     thread: threading.Thread | None = None  # a backend that answers here, in the background
+    notes_before: int = 0  # the last note read before this decision (a resume asks it again, with its notes)
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,7 @@ class DecisionState:
     unobserved_at_last_decision: int = 0  # the observer's count of updates stepped without a loss, then
     last_change: dict[str, Any] | None = None
     answer_seconds: list[float] = field(default_factory=list)  # how long each answer the agent gave took
+    notes_read: int = 0  # the number of the last note a person left that a decision read (opal/notes.py)
     inflight: InFlight | None = None
 
 
@@ -281,8 +283,9 @@ class Decisions:
     agent (progress, total_steps, goal, lrs, shapes); ``progress()`` the budget fraction used now."""
 
     def __init__(self, schedule, agent: AgentLine, records, slots: ProgramSlots, observer, *, blocking, max_lag: int,
-                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float]):
+                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], notes: Path | None = None):
         self.schedule = schedule
+        self.notes = Path(notes) if notes is not None else None  # the notes a person leaves (opal/notes.py)
         self.agent = agent
         self.records = records
         self.slots = slots
@@ -401,10 +404,20 @@ class Decisions:
         self.counts.asked += 1
         number = self.counts.asked
         facts = self._facts(reason, number, t)
+        notes_before, noted = self.state.notes_read, {}
+        if self.notes is not None:
+            from opalctl.opal.notes import read_new
+
+            taken = read_new(self.notes, notes_before)
+            self.state.notes_read = taken.last
+            if taken.notes:
+                facts["notes"] = taken.shown()
+            noted = {"notes": taken.named()} if taken.notes else {}
+            noted.update({"notes_refused": taken.refused} if taken.refused else {})
         files = dict(self.slots.current.files)
         message, facts = self.agent.prepare(facts, files)
         self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
-                           version=self.slots.current.number)
+                           version=self.slots.current.number, **noted)
         self.observer.errors = []
         self.state.last_decision_update = t
         self.state.unobserved_at_last_decision = self.observer.unobserved.count
@@ -422,7 +435,7 @@ class Decisions:
             self.apply(_Asked(number, answer, message, requested_at=t, seconds=waited, waited=waited), t)
         else:
             self.state.inflight = InFlight(number=number, message=message, facts=facts, files=files,
-                                           started=started, requested_at=t, reason=reason)
+                                           started=started, requested_at=t, reason=reason, notes_before=notes_before)
             self.agent.start(self.state.inflight)
 
     def poll(self, t: int, wait: bool = False) -> None:
@@ -558,12 +571,15 @@ class Decisions:
         state = self.state
         counts = asdict(self.counts)
         queued = state.queued_reason
+        notes_read = state.notes_read
         if state.inflight is not None:
             counts["asked"] -= 1
+            notes_read = state.inflight.notes_before
             queued = state.inflight.reason if queued is None else f"{state.inflight.reason}; {queued}"
         return {"schedule": self.schedule.state_dict(), "counts": counts, "wake_reason": state.wake_reason,
                 "queued_reason": queued, "last_decision_update": state.last_decision_update,
-                "unobserved_at_last_decision": state.unobserved_at_last_decision, "last_change": state.last_change, "answer_seconds": list(state.answer_seconds)}
+                "unobserved_at_last_decision": state.unobserved_at_last_decision, "last_change": state.last_change, "answer_seconds": list(state.answer_seconds),
+                "notes_read": notes_read}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.schedule.load_state_dict(saved["schedule"])
@@ -572,4 +588,5 @@ class Decisions:
                                    last_decision_update=int(saved["last_decision_update"]),
                                    # absent from states saved before the count was carried (it started over too)
                                    unobserved_at_last_decision=int(saved.get("unobserved_at_last_decision", 0)),
-                                   last_change=saved["last_change"], answer_seconds=list(saved["answer_seconds"]))
+                                   last_change=saved["last_change"], answer_seconds=list(saved["answer_seconds"]),
+                                   notes_read=int(saved.get("notes_read", 0)))  # absent before notes

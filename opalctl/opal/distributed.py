@@ -43,7 +43,8 @@ from opalctl.opal.slots import version_digest
 DEFAULT_CHECK_EVERY = 50
 WEIGHT_PERIOD = 1021  # the position weights of the second sum: a swap of two values changes it
 # what a rank that follows rank 0 never does on its own: ask an agent, keep records, schedule decisions
-FOLLOWER_OPTIONS = {"backend": "keep", "decisions": 0, "schedule": "uniform", "run_dir": None, "max_wakes": 0}
+FOLLOWER_OPTIONS = {"backend": "keep", "decisions": 0, "schedule": "uniform", "run_dir": None, "max_wakes": 0,
+                    "notes_dir": None}
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -59,6 +59,11 @@ def render(facts: dict[str, Any], sources: dict[str, str]) -> str:
                  f", {100 * facts['progress']:.1f} % of the budget used; {facts['remaining']} scheduled decision(s) "
                  f"remain after this one.")
     lines.append(f"Learning rates now: {', '.join(_number(x) for x in facts.get('lrs', []))}")
+    if facts.get("notes"):  # a person watching the run left these (opalctl say; opal/notes.py)
+        lines += ["", "## Notes from a person watching this run", "",
+                  "Shown once, at this decision; weigh them as you see fit.", ""]
+        lines += [f"- note {note['note']}, from {note['who']} at {note['at']}: {note['text']}"
+                  for note in facts["notes"]]
     lines += ["", "## Loss since the last decision", ""]
     observed = facts.get("losses_observed")
     if observed == 0:

@@ -116,7 +116,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                  schedule, blocking, every: int, trial_steps: int, run_dir, prompt: str, scheduler, clip,
                  max_lag: int, step_time_limit: float, max_wakes: int | None, manual_boundaries: bool,
                  secrets: list[str] | None = None, sources: dict[str, str] | None = None,
-                 eval_integrity: bool = True, agent_dir=None):
+                 eval_integrity: bool = True, agent_dir=None, notes_dir=None):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -162,7 +162,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             make_line(backend, prompt_text(prompt), self.records.redaction, run_dir=run_dir,
                       agent_dir=Path(agent_dir) if agent_dir is not None else None, secrets=secrets),
             self.records, self.slots,
-            self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress)
+            self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress,
+            notes=notes_dir)
         _start(self.slots, self.records, sources, backend=self.decisions.agent.backend.describe(), decisions=decisions,
                schedule=self.decisions.schedule.fractions, blocking=blocking, trial_steps=trial_steps, prompt=prompt)
 
@@ -552,7 +553,7 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
          prompt: str = "neutral", scheduler=None, clip: float | None = None, max_lag: int = 50,
          step_time_limit: float = 10.0, max_wakes: int | None = None, manual_boundaries: bool = False,
          secrets: list[str] | None = None, eval_integrity: bool = True,
-         agent_dir: str | Path | None = None) -> AgentOptimizer:
+         agent_dir: str | Path | None = None, notes_dir: str | Path | None = None) -> AgentOptimizer:
     """Wrap a torch optimizer so that an agent may rewrite its update rule while the model trains.
 
     ``optimizer`` (and ``scheduler``, and ``clip`` when given) are what the starting program runs, unchanged.
@@ -563,7 +564,9 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
     decision (``workspace/``, ``decisions/NNN/``), fixed when the host starts; by default ``run_dir / "agent"``, or
     a temporary folder without ``run_dir``. A backend that answers in this process (``keep``, a callable) edits in
     ``run_dir / "workspace"`` (or a temporary folder) instead. ``secrets``: strings to keep out of every record
-    besides the secret-looking variables of the environment and the backend's key.
+    besides the secret-looking variables of the environment and the backend's key. ``notes_dir``: the folder of the
+    notes a person leaves for the agent (``opalctl say``; ``opalctl.opal.notes``), read at each decision and shown in
+    its message; none by default.
 
     A backend whose decisions run in the agent host (``heuristic``, ``anthropic``, ``claude-code``, ``replay``)
     starts the host here; the host takes the secret-looking variables of the environment (``ANTHROPIC_API_KEY``,
@@ -583,7 +586,7 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
                           trial_steps=trial_steps, run_dir=run_dir, prompt=prompt, scheduler=scheduler, clip=clip,
                           max_lag=max_lag, step_time_limit=step_time_limit, max_wakes=max_wakes,
                           manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity,
-                          agent_dir=agent_dir)
+                          agent_dir=agent_dir, notes_dir=notes_dir)
 
 
 # set by wrap_distributed around its own call of wrap(): the one caller that makes one agent optimizer per rank

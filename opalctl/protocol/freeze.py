@@ -105,6 +105,8 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
         options = arm["optimizer"]
         arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
         if arm.get("agent"):
+            if arm["agent"].get("notes") is None:  # an arm that takes no notes resolves as it did before the key
+                arm["agent"].pop("notes", None)
             arm["agent"] = registry.lock_defaults(arm["agent"])
     return resolved
 

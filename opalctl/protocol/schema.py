@@ -104,6 +104,9 @@ class AgentCommon(Strict):
     prompt: Literal["neutral", "aggressive"] = "neutral"
     goal: str | None = None
     max_cost_usd: Annotated[float, Field(gt=0)] | None = None
+    # whether a person may leave notes for the agent while it trains (`opalctl say`; opal/notes.py): absent, none
+    # (and a lock without the key is as it always was: opalctl/protocol/freeze.py leaves it out)
+    notes: Literal["allowed"] | None = None
 
     @field_validator("schedule")
     @classmethod

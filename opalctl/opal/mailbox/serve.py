@@ -248,12 +248,9 @@ def mailbox_folder(mailbox: str, ssh_target: str | None) -> MailboxFolder:
             raise BadInput(f"the mailbox folder {mailbox} does not exist; give the folder the runs' "
                            f"arms.NAME.agent.mailbox names (on a file system this machine shares)")
         return LocalMailboxFolder(mailbox)
-    try:
-        from opalctl.opal.mailbox.ssh import SshMailboxFolder
-    except ImportError:
-        raise BadInput("--ssh is not available in this version of opalctl; serve a folder this machine shares "
-                       "(mount it, or run the server where the folder is)") from None
-    return SshMailboxFolder(ssh_target, mailbox)
+    from opalctl.opal.mailbox.ssh import SshMailboxFolder
+
+    return SshMailboxFolder(f"{ssh_target}:{mailbox}")
 
 
 def line_of(event: dict[str, Any]) -> str:
