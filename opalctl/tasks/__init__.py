@@ -13,6 +13,8 @@ from opalctl.errors import BadInput
 BUILTIN = {
     "digits": "opalctl.tasks.digits:Digits",
     "pylm": "opalctl.tasks.pylm:PyLM",
+    "modular": "opalctl.tasks.modular:Modular",
+    "illcond": "opalctl.tasks.illcond:IllConditioned",
 }
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the built-in tasks: byte-for-byte deterministic array files and the thread setting.
+"""Helpers shared by the built-in tasks: byte-for-byte deterministic array files, the thread setting, and the
+sampler that mixes new rows with a replay share of the parent's.
 
 ``numpy.savez`` stamps each member with the current time, so two ``opalctl init`` runs would write different
 bytes. ``write_arrays`` writes the same ``.npz`` layout with a fixed timestamp and sorted members instead, and
@@ -11,11 +12,13 @@ import contextlib
 import io
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from opalctl.errors import BadInput
 from opalctl.files import atomic_write_bytes
+from opalctl.tasks.base import Batch, Sampler
 
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
@@ -57,3 +60,54 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+class ReplaySampler(Sampler):
+    """Batches of new rows plus a replay share of the parent's rows, for a training file with ``x``, ``y``,
+    ``ids`` and a boolean ``replay`` flag per row.
+
+    A batch holds ``batch_size - round(batch_size * replay_share)`` new rows and the rest replay rows (fewer when
+    a pool is smaller), each drawn without repeats inside the batch. Batch ``n`` is drawn from
+    ``(seed, stream, n)``, so the sampler's state is one integer and resuming costs nothing.
+    """
+
+    fresh_ids = True  # each batch's ids are a new array
+
+    def __init__(self, train: dict[str, Any], seed: int, batch_size: int, replay_share: float, device: str, *,
+                 task: str, new_rows: str, stream: int):
+        import torch
+
+        self.task = task
+        self.seed = int(seed)
+        self.stream = int(stream)
+        self.device = device
+        replay = train["replay"].astype(bool)
+        self.pools = [np.flatnonzero(~replay), np.flatnonzero(replay)]
+        replay_count = int(round(batch_size * replay_share)) if len(self.pools[1]) else 0
+        self.counts = [min(batch_size - replay_count, len(self.pools[0])), min(replay_count, len(self.pools[1]))]
+        if self.counts[0] == 0:
+            raise BadInput(f"the training file (data.train) holds no {new_rows}, only replay rows; give a file "
+                           f"`opalctl init {task}` writes, or one with rows whose replay flag is 0")
+        self.x = torch.from_numpy(train["x"]).to(device)
+        self.y = torch.from_numpy(train["y"]).to(device)
+        self.ids = train["ids"]
+        self.batches = 0
+
+    def next_batch(self) -> Batch:
+        import torch
+
+        rng = np.random.default_rng([self.seed, self.stream, self.batches])
+        rows = np.concatenate([rng.choice(pool, size=count, replace=False)
+                               for pool, count in zip(self.pools, self.counts, strict=True)])
+        index = torch.from_numpy(rows).to(self.device)
+        self.batches += 1
+        return Batch(ids=self.ids[rows], inputs=self.x.index_select(0, index), targets=self.y.index_select(0, index))
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        batches = state.get("batches") if isinstance(state, dict) else None
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            raise BadInput(f"the {self.task} sampler state must be {{'batches': a count}}, not {state!r}")
+        self.batches = batches
