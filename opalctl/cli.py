@@ -125,16 +125,20 @@ def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) 
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.option("--arm", required=True, help="The arm to measure.")
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 100_000),
-              help="Updates to time (after a short warm-up).")
+              help="Updates to time, at the least (after a warm-up).")
+@click.option("--seconds", default=3.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Wall seconds of timed updates, at the least.")
 @click.option("--seed", default=None, type=int, help="Which seed's parent (default: the first seed).")
 @json_option
-def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) -> None:
-    """Measure an arm's throughput on public inputs only; never formal, writes nothing."""
+def pilot(source: str, arm: str, steps: int, seconds: float, seed: int | None, json_mode: bool) -> None:
+    """Measure an arm's throughput on public inputs only and forecast its run's wall time; never formal, writes
+    nothing."""
     from opalctl import console
+    from opalctl.driver.forecast import run_lines
     from opalctl.driver.pilot import pilot as run_pilot
 
     with console.progress(f"pilot {arm}", json_mode) as progress:
-        result = run_pilot(source, arm, steps=steps, seed=seed, progress=progress)
+        result = run_pilot(source, arm, steps=steps, seconds=seconds, seed=seed, progress=progress)
     if json_mode:
         console.print_json(result)
         return
@@ -150,6 +154,7 @@ def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) 
         ("threads", result["threads"]),
         ("loss first -> last", f"{result['loss_first']:.4f} -> {result['loss_last']:.4f}"),
     ])
+    sys.stdout.write("".join(f"{line}\n" for line in run_lines(result["forecast"])))
     for note in result["notes"]:
         console.message(f"note: {note}")
     if "agent_forecast" in result:
