@@ -399,6 +399,8 @@ def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow
 @click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "slurm"]),
               help="Where the runs train: child processes here, or a Slurm job array (through submitit).")
 @click.option("--status", "status_only", is_flag=True, help="Only say where each run stands (and its Slurm job).")
+@click.option("--forecast", "forecast_only", is_flag=True,
+              help="Only forecast the wall time of the runs left at --jobs (a pilot of each arm); start nothing.")
 @click.option("--slurm-config", default=None, type=click.Path(dir_okay=False),
               help="A YAML file of Slurm settings (partition, account, time_limit_minutes, sbatch, ...).")
 @click.option("--partition", default=None, help="Slurm partition (over the file's).")
@@ -409,8 +411,9 @@ def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow
 @runs_dir_option
 @click.option("--json", "json_mode", is_flag=True, help="One JSON line per state change, then one for the grid.")
 def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | None, executor: str,
-         status_only: bool, slurm_config: str | None, partition: str | None, account: str | None,
-         time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None, json_mode: bool) -> None:
+         status_only: bool, forecast_only: bool, slurm_config: str | None, partition: str | None,
+         account: str | None, time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None,
+         json_mode: bool) -> None:
     """Every arm and seed of LOCK, each an `opalctl run` of its own, then the comparison (docs/grid.md)."""
     from opalctl import console
     from opalctl.grid import live_display, run_grid
@@ -421,6 +424,15 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
     if status_only:
         result = grid_status(lock, arms=list(arms) or None, seeds=list(seeds) or None, runs_dir=runs_dir)
         console.print_json(result) if json_mode else render_status(result)
+        return
+    if forecast_only:
+        from opalctl.driver.forecast import grid_lines
+        from opalctl.grid.forecast import forecast_grid
+
+        result = forecast_grid(lock, arms=list(arms) or None, seeds=list(seeds) or None, jobs=jobs,
+                               runs_dir=runs_dir, say=console.message)
+        console.print_json(result) if json_mode else sys.stdout.write("".join(f"{line}\n"
+                                                                              for line in grid_lines(result)))
         return
     settings = load_settings(slurm_config, partition=partition, account=account,
                              time_limit_minutes=time_limit_minutes, sbatch=parse_sbatch_options(sbatch))

@@ -93,10 +93,10 @@ def grid_wall(durations: list[float], jobs: int, cpus_per_run: int, cores: int) 
             "slowdown": slowdown(at_once, cpus_per_run, cores) if at_once else 1.0}
 
 
-def grid_forecast(runs: list[tuple[str, int, RunForecast]], jobs: int, cpus_per_run: int,
-                  cores: int) -> dict[str, Any]:
-    """The grid's forecast: ``runs`` (arm, seed, its run's forecast) in the plan's order, on ``jobs`` slots."""
-    scheduled = grid_wall([forecast.total for _, _, forecast in runs], jobs, cpus_per_run, cores)
+def grid_forecast(runs: list[tuple[str, int, float]], jobs: int, cpus_per_run: int, cores: int) -> dict[str, Any]:
+    """The grid's forecast: ``runs`` (arm, seed, its run's forecast seconds alone) in the plan's order, on ``jobs``
+    slots."""
+    scheduled = grid_wall([seconds for _, _, seconds in runs], jobs, cpus_per_run, cores)
     at_once, factor = scheduled["at_once"], scheduled["slowdown"]
     assumptions = [
         f"{len(runs)} run(s) started in the grid's order, at most {jobs} at once, each as soon as a slot is free",
@@ -110,8 +110,8 @@ def grid_forecast(runs: list[tuple[str, int, RunForecast]], jobs: int, cpus_per_
                            "clock charges: they then make fewer updates, not a longer run")
     return {"jobs": jobs, "cores": cores, "cpus_per_run": cpus_per_run, "seconds": scheduled["seconds"],
             "at_once": at_once, "slowdown": factor,
-            "runs": [{"arm": arm, "seed": seed, "seconds": forecast.total, "ends_at": end}
-                     for (arm, seed, forecast), end in zip(runs, scheduled["finish"], strict=True)],
+            "runs": [{"arm": arm, "seed": seed, "seconds": seconds, "ends_at": end}
+                     for (arm, seed, seconds), end in zip(runs, scheduled["finish"], strict=True)],
             "assumptions": assumptions}
 
 
