@@ -118,7 +118,7 @@ def grid_forecast(runs: list[tuple[str, int, float]], jobs: int, cpus_per_run: i
 def duration_words(seconds: float) -> str:
     """A duration for a person: ``42 s``, ``3.5 min``, ``2.1 h``."""
     if seconds < 120:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2g} s"
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
