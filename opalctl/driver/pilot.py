@@ -206,9 +206,10 @@ def _run_forecast(protocol, arm, figures: dict[str, Any], measured: Measured, ti
     assumptions = [
         f"training: {updates:,.0f} updates x {measured.wall_per_update:.3g} s of wall time each, as measured "
         f"over {len(measured.wall)} updates after {measured.warmup} of warm-up, with the machine as loaded as now",
-        f"start: {PROCESS_STARTS} interpreters importing torch ({start_each:.2g} s each, measured now), the lock "
-        f"checked twice ({timings['verify']:.2g} s each), the arm built ({timings['build']:.2g} s), the anchor "
-        f"evaluated ({timings['stage_evaluation']:.2g} s)",
+        f"start: {PROCESS_STARTS} interpreters importing torch ({start_each:.2g} s each, measured now), "
+        + (f"the lock checked twice ({timings['verify']:.2g} s each)" if timings.get("verify") is not None else
+           "the lock's check left out (a protocol has none)")
+        + f", the arm built ({timings['build']:.2g} s), the anchor evaluated ({timings['stage_evaluation']:.2g} s)",
         f"stages: {stages} x (a checkpoint and an evaluation, {checkpoint + evaluation:.2g} s): the evaluation "
         f"forecast as a forward pass over the evaluation files' {figures['evaluation_bytes']:,} bytes of training "
         f"batches (the pilot never reads an evaluation split)",
@@ -227,7 +228,7 @@ def _run_forecast(protocol, arm, figures: dict[str, Any], measured: Measured, ti
         decisions * AGENT_DECISION_SECONDS + start_each if arm.agent is not None else 0.0)
     return RunForecast(
         updates=updates,
-        start=PROCESS_STARTS * start_each + 2 * timings["verify"] + timings["build"] + timings["stage_evaluation"]
+        start=PROCESS_STARTS * start_each + 2 * timings.get("verify", 0.0) + timings["build"] + timings["stage_evaluation"]
         + checkpoint,
         training=updates * measured.wall_per_update if math.isfinite(updates) else math.inf,
         between_updates=updates * LOOP_SECONDS_PER_UPDATE if math.isfinite(updates) else math.inf,
@@ -291,7 +292,8 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seconds: float = 
     seed = protocol.seeds[0] if seed is None else seed
     arm = choose_arm(protocol, arm_name, seed, str(path), "the protocol's")
     timings: dict[str, float] = {}
-    _, timings["verify"] = _timed(lambda: _verify(lock))
+    if lock is not None:
+        _, timings["verify"] = _timed(lambda: _verify(lock))
     train_path, parent_path = _inputs(path, protocol, lock, seed)
     device = protocol.training.device
     check_device(protocol, advice="use cpu for the pilot", clock_needs_device=False)
@@ -330,11 +332,10 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seconds: float = 
 
 
 def _verify(lock) -> None:
-    """The lock's whole check, as a run makes it (and its evaluator again); nothing for a protocol."""
-    if lock is not None:
-        from opalctl.protocol.verify import require_unchanged
+    """The lock's whole check, as a run makes it (and its evaluator again)."""
+    from opalctl.protocol.verify import require_unchanged
 
-        require_unchanged(lock)
+    require_unchanged(lock)
 
 
 def _agent_notes(agent, projected: float, wall_per: float, result: dict[str, Any]) -> float:
