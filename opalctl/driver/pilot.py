@@ -7,7 +7,7 @@ the formal runs. The arm is built by the formal run's own build step (``build.bu
 what the run will spend.
 
 What it measures, and why so: the first updates warm up allocators, caches and lazy initialisation and are not
-counted (at least ``WARMUP`` updates and ``WARMUP_SECONDS``); then at least ``steps`` updates and ``seconds`` of
+counted (``WARMUP`` updates); then at least ``steps`` updates and ``seconds`` of
 wall time, each timed as the run's clock times it (batch, forward, loss, backward, clipping, step), with the
 garbage collector's objects set aside as the run's loop does. A count of updates alone was the old pilot's: 24
 updates of a digits-sized model are 25 ms, which one pause of the machine moves by a fifth. The wall time the run
@@ -33,8 +33,7 @@ from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memor
 from opalctl.driver.forecast import RunForecast
 from opalctl.errors import BadInput
 
-WARMUP = 10  # updates not counted, at the least
-WARMUP_SECONDS = 0.25  # and at least this much wall time of them
+WARMUP = 10  # updates not counted (digits is steady from about the 10th, pylm from the 3rd: bench/README.md)
 MEASURE_SECONDS = 3.0  # wall seconds of counted updates, at the least (``seconds``)
 # A run's wall time outside its measured parts, calibrated against real runs by bench/forecast.py (bench/README.md):
 PROCESS_STARTS = 2  # interpreters that import torch before a run's first update: the run's and its evaluator's
@@ -102,11 +101,9 @@ def _measure(parts, device: str, steps: int, seconds: float, progress) -> Measur
 
     gc.freeze()  # as the run's loop does: a full collection over every live object is no update's cost
     try:
-        warmed, started = 0, time.perf_counter()
-        while warmed < WARMUP or time.perf_counter() - started < WARMUP_SECONDS:
+        for _ in range(WARMUP):
             one()
-            warmed += 1
-        measured = Measured(warmed)
+        measured = Measured(WARMUP)
         started = time.perf_counter()
         while len(measured.cpu) < steps or time.perf_counter() - started < seconds:
             cpu, wall, loss = one()

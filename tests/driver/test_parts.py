@@ -238,7 +238,7 @@ def test_the_pilot_measures_the_runs_own_first_updates(project, tools):
     from opalctl.driver.pilot import WARMUP, pilot
 
     entry = project.task_module(NOISY_TASK, "NoisyDigits")
-    lock = project.freeze(budget={"clock": "updates", "amount": 1500}, arms={"adamw": tools.ADAMW}, entry=entry)
+    lock = project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": tools.ADAMW}, entry=entry)
     measured = pilot(lock, "adamw", steps=2, seconds=0, seed=1)
     project.run("adamw", 1)
     losses = [line["loss"] for line in read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz")]
