@@ -126,16 +126,20 @@ def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) 
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.option("--arm", required=True, help="The arm to measure.")
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(1, 100_000),
-              help="Updates to time (after a short warm-up).")
+              help="Updates to time, at the least (after a warm-up).")
+@click.option("--seconds", default=3.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Wall seconds of timed updates, at the least.")
 @click.option("--seed", default=None, type=int, help="Which seed's parent (default: the first seed).")
 @json_option
-def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) -> None:
-    """Measure an arm's throughput on public inputs only; never formal, writes nothing."""
+def pilot(source: str, arm: str, steps: int, seconds: float, seed: int | None, json_mode: bool) -> None:
+    """Measure an arm's throughput on public inputs only and forecast its run's wall time; never formal, writes
+    nothing."""
     from opalctl import console
+    from opalctl.driver.forecast import run_lines
     from opalctl.driver.pilot import pilot as run_pilot
 
     with console.progress(f"pilot {arm}", json_mode) as progress:
-        result = run_pilot(source, arm, steps=steps, seed=seed, progress=progress)
+        result = run_pilot(source, arm, steps=steps, seconds=seconds, seed=seed, progress=progress)
     if json_mode:
         console.print_json(result)
         return
@@ -151,6 +155,7 @@ def pilot(source: str, arm: str, steps: int, seed: int | None, json_mode: bool) 
         ("threads", result["threads"]),
         ("loss first -> last", f"{result['loss_first']:.4f} -> {result['loss_last']:.4f}"),
     ])
+    sys.stdout.write("".join(f"{line}\n" for line in run_lines(result["forecast"])))
     for note in result["notes"]:
         console.message(f"note: {note}")
     if "agent_forecast" in result:
@@ -414,6 +419,8 @@ def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow
 @click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "slurm"]),
               help="Where the runs train: child processes here, or a Slurm job array (through submitit).")
 @click.option("--status", "status_only", is_flag=True, help="Only say where each run stands (and its Slurm job).")
+@click.option("--forecast", "forecast_only", is_flag=True,
+              help="Only forecast the wall time of the runs left at --jobs (a pilot of each arm); start nothing.")
 @click.option("--slurm-config", default=None, type=click.Path(dir_okay=False),
               help="A YAML file of Slurm settings (partition, account, time_limit_minutes, sbatch, ...).")
 @click.option("--partition", default=None, help="Slurm partition (over the file's).")
@@ -424,8 +431,9 @@ def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow
 @runs_dir_option
 @click.option("--json", "json_mode", is_flag=True, help="One JSON line per state change, then one for the grid.")
 def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | None, executor: str,
-         status_only: bool, slurm_config: str | None, partition: str | None, account: str | None,
-         time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None, json_mode: bool) -> None:
+         status_only: bool, forecast_only: bool, slurm_config: str | None, partition: str | None,
+         account: str | None, time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None,
+         json_mode: bool) -> None:
     """Every arm and seed of LOCK, each an `opalctl run` of its own, then the comparison (docs/grid.md)."""
     from opalctl import console
     from opalctl.grid import live_display, run_grid
@@ -436,6 +444,15 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
     if status_only:
         result = grid_status(lock, arms=list(arms) or None, seeds=list(seeds) or None, runs_dir=runs_dir)
         console.print_json(result) if json_mode else render_status(result)
+        return
+    if forecast_only:
+        from opalctl.driver.forecast import grid_lines
+        from opalctl.grid.forecast import forecast_grid
+
+        result = forecast_grid(lock, arms=list(arms) or None, seeds=list(seeds) or None, jobs=jobs,
+                               runs_dir=runs_dir, say=console.message)
+        console.print_json(result) if json_mode else sys.stdout.write("".join(f"{line}\n"
+                                                                              for line in grid_lines(result)))
         return
     settings = load_settings(slurm_config, partition=partition, account=account,
                              time_limit_minutes=time_limit_minutes, sbatch=parse_sbatch_options(sbatch))

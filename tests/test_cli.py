@@ -115,7 +115,7 @@ def frozen_project(digits_project, cli_inprocess):
 def test_pilot_reports_throughput_and_writes_nothing(frozen_project, tmp_path, cli, helpers):
     lock = frozen_project / "digits.lock.json"
     before = helpers.tree(tmp_path)
-    result = cli("pilot", lock, "--arm", "adamw", "--steps", "4", "--json", cwd=tmp_path)
+    result = cli("pilot", lock, "--arm", "adamw", "--steps", "4", "--seconds", "0", "--json", cwd=tmp_path)
     assert result.code == 0, result.output
     report = result.json()
     assert report["formal"] is False and report["arm"] == "adamw" and report["seed"] == 1

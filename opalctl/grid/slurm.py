@@ -1,8 +1,8 @@
 """The Slurm executor: the grid's pending runs as one job array through submitit, watched until every task ends.
 
 One array, ``array_parallelism`` = ``--jobs``, ``cpus_per_task`` = the lock's ``budget.threads``, and an explicit
-time limit: the pilot's projection of the slowest arm times a margin, plus the time a run spends outside its
-budget (start-up, evaluations), never submitit's default of a few minutes. Each task is
+time limit: the pilot's forecast of the slowest arm's run (its whole wall time, driver/forecast.py) times a
+margin, plus some minutes to spare, never submitit's default of a few minutes. Each task is
 ``grid/slurm_task.py``'s ``SlurmRunTask``, which runs ``opalctl run`` as the local executor does and, when Slurm
 warns of the time limit or of a preemption (submitit's signal), stops the run cleanly and is requeued: the next
 start continues with ``--resume``. The array's job ids go to ``.slurm/jobs.json`` under the lock's runs folder,
@@ -29,7 +29,7 @@ from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING
 from opalctl.grid.settings import SlurmSettings
 from opalctl.grid.signals import StopRequest
 
-OUTSIDE_BUDGET_SECONDS = 120  # start-up, evaluations and checkpoints beside a run's training, per start
+OUTSIDE_BUDGET_SECONDS = 120  # to spare beside the forecast run: a requeued start's start-up again
 MIN_TIME_LIMIT_MINUTES = 5  # submitit warns 90 s before the limit: leave a run time to train after a requeue
 POLL_SECONDS = 1.0
 GONE_SECONDS = 15.0  # how long a task may be missing from squeue, with no result, before it counts as ended
@@ -51,15 +51,16 @@ def time_limit_minutes(projected_seconds: float, margin: float) -> int:
 
 
 def projected_seconds(plan: GridPlan, say: Callable[[str], None] = lambda text: None) -> float:
-    """The longest wall time any arm of the plan is projected to train, from a pilot of each arm (public inputs
-    only, nothing written)."""
+    """The longest wall time any arm's run of the plan is forecast to take, from a pilot of each arm (public inputs
+    only, nothing written; driver/forecast.py)."""
     from opalctl.driver.pilot import pilot
 
     longest = 0.0
     for arm in plan.arms:
-        figures = pilot(plan.lock_path, arm, steps=24)
-        seconds = figures["projected_updates"] * figures["wall_seconds_per_update"]
-        say(f"pilot {arm}: {figures['projected_updates']:.0f} updates projected, {seconds:.1f} s of training")
+        figures = pilot(plan.lock_path, arm, steps=24, seconds=0)  # short: the limit has its margin
+        seconds = figures["forecast"]["total_seconds"]
+        say(f"pilot {arm}: {figures['projected_updates']:.0f} updates projected, a run of {seconds:.1f} s "
+            f"forecast")
         longest = max(longest, seconds)
     return longest
 
