@@ -26,6 +26,7 @@ from opalctl.report.sections import (
     seconds_label,
     stage_series,
 )
+from opalctl.report.targets import target_table
 
 PAGE_NAME = "report.html"
 
@@ -97,6 +98,7 @@ def _tables(result: dict[str, Any]) -> str:
         html.table(["metric", "better", *[f"{a['arm']} {x}" for a in arms for x in ("mean", "sd")]], metrics,
                    cells_ready=True),
         paired_table(result),
+        target_table(result),
         anchor="tables")
 
 
