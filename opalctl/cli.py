@@ -470,6 +470,7 @@ def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor:
     from opalctl import console
     from opalctl.grid import live_display
     from opalctl.grid.settings import load_settings
+    from opalctl.suite.render import print_run_end
     from opalctl.suite.run import TaskDisplay, open_suite, run_suite
 
     lock = open_suite(suite_target, folder)
@@ -477,7 +478,7 @@ def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor:
     result = run_suite(lock, jobs=jobs, executor=executor, runs_dir=runs_dir, settings=settings,
                        display_for=lambda task: TaskDisplay(task, live_display(json_mode)), say=console.message)
     if json_mode:
-        console.print_json(result)
+        print_run_end(result)
     else:
         for task, grid in result["tasks"].items():
             done = sum(1 for run in grid["runs"] if run["state"] in ("finished", "resumed", "skipped"))

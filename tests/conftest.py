@@ -46,7 +46,7 @@ SLOW_MODULES = frozenset({
     "report/test_page.py", "report/test_pictures.py", "driver/test_learning_rates.py",
     "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
-    "report/test_export_trackers.py", "test_watch.py"})
+    "report/test_export_trackers.py", "test_watch.py", "suite/test_suite_run.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,6 +41,7 @@ def freeze_suite(suite_path: str | Path, *, folder: str | Path | None = None, fo
             base, base_folder = base_protocol(suite, task, suite_path, folder, say)
             protocol = task_protocol(suite, document, task, base, base_folder, target_folder, suite_path)
             texts[task] = (protocol_path(folder, suite, task), protocol_text(suite, suite_path, task, protocol))
+            _check(texts[task][1], f"{suite_path} (task {task}, as {texts[task][0].name})", target_folder)
         differing = [path for path, text in texts.values() if path.exists() and _differs(path, text)]
         if differing and not force:
             raise BadInput(f"{differing[0]} was written by an earlier freeze of the suite and differs from what it "
@@ -67,6 +68,16 @@ def freeze_suite(suite_path: str | Path, *, folder: str | Path | None = None, fo
     return {"suite": str(suite_path), "suite_lock": str(path), "sha256": sha256_bytes(text.encode("utf-8")),
             "outcome": outcome, "name": suite.name, "folder": str(folder), "baseline": suite.baseline,
             "arms": list(suite.arms), "tasks": tasks}
+
+
+def _check(text: str, where: str, folder: Path) -> None:
+    """A task's protocol checked whole, as ``freeze`` will check its file, before any protocol is written."""
+    import yaml
+
+    from opalctl.protocol.schema import parse, validate
+
+    data = yaml.safe_load(text)
+    validate(parse(data, {}, where), {}, where, folder)
 
 
 def _differs(path: Path, text: str) -> bool:

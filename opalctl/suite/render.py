@@ -57,3 +57,12 @@ def render_summary(summary: dict[str, Any]) -> None:
 
 def _range(values: list[float]) -> str:
     return "-" if not values else f"{min(values):.2f} to {max(values):.2f}"
+
+
+def print_run_end(result: dict[str, Any]) -> None:
+    """The last line of ``suite run --json``, after each grid's JSON lines: the suite's result on one line."""
+    import json
+    import sys
+
+    sys.stdout.write(json.dumps({"event": "suite", **result}, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()
