@@ -52,6 +52,7 @@ def run_suite(lock: SuiteLock, *, jobs: int | None = None, executor: str = "loca
     from opalctl.grid import run_grid
     from opalctl.grid.signals import StopRequest
 
+    refuse_unready(lock)
     results: dict[str, Any] = {}
     with StopRequest() as stop:
         for number, task in enumerate(lock.tasks, start=1):
@@ -65,6 +66,19 @@ def run_suite(lock: SuiteLock, *, jobs: int | None = None, executor: str = "loca
             "tasks": {task: grid.to_json() for task, grid in results.items()},
             "not_started": [task for task in lock.tasks if task not in results],
             "ok": len(results) == len(lock.tasks) and all(grid.ok for grid in results.values())}
+
+
+def refuse_unready(lock: SuiteLock) -> None:
+    """An agent arm whose backend cannot answer here (its key unset, its binary missing) refused before any task
+    starts: every task runs every arm, so its runs would fail on each task in turn."""
+    from opalctl.errors import BadInput
+    from opalctl.opal.agents import registry
+    from opalctl.protocol.lock import read_lock
+
+    for task in lock.tasks:
+        if missing := registry.unready_arms(read_lock(lock.lock_of(task)).protocol()):
+            raise BadInput(f"suite {lock.name}: {missing[0]}; provide it, or comment the arm out of the suite file "
+                           f"and freeze it again")
 
 
 def suite_status(lock: SuiteLock, *, runs_dir=None) -> dict[str, Any]:

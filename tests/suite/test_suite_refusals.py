@@ -97,3 +97,17 @@ def test_a_protocol_task_is_frozen_and_a_changed_suite_or_task_lock_is_refused(d
     task_lock.write_text(json.dumps(data))
     moved = cli_inprocess("suite", "status", suite_lock)
     assert moved.code == 3 and "is not the one suite lock" in moved.stderr
+
+
+def test_an_agent_arm_without_its_key_is_refused_before_any_run(digits_project, cli_inprocess, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    arms = {**ARMS, "llm": {"optimizer": {"name": "AdamW", "lr": 1.0e-2},
+                            "agent": {"backend": "anthropic", "decisions": 2}}}
+    path = write(digits_project.parent, suite_text(arms=arms))
+    frozen = cli_inprocess("suite", "freeze", path)
+    assert frozen.code == 0, frozen.output
+    assert "warning: task digits: arm llm" in frozen.stderr
+    refused = cli_inprocess("suite", "run", path, "--runs-dir", digits_project.parent / "runs")
+    assert refused.code == 2, refused.output
+    assert "suite small: arm llm" in refused.stderr and "comment the arm out" in refused.stderr
+    assert not (digits_project.parent / "runs").exists()
