@@ -5,6 +5,8 @@ checked against the evaluator's stage records and the lock, the scores against t
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import re
@@ -120,6 +122,12 @@ def test_compare_of_a_task_shows_time_to_target_with_the_paired_figures(suite_ru
     pair = slow["time_to_target"]["paired"]
     assert sum(pair["all_seeds"][key] for key in ("wins", "ties", "losses")) == 2
     assert pair["n"] + len(pair["left_out"]) == 2
+    table = cli("compare", lock, "--runs-dir", suite_run["runs"], "--csv")
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    adamw = [row for row in rows if row["arm"] == "adamw"]
+    expected = as_json["arms"][0]["time_to_target"]
+    assert {row["time_to_target_median"] for row in adamw} == {repr(expected["median"])}
+    assert {row["target"] for row in rows} == {"selection.loss <= 1.0"}
 
 
 def test_the_pages_show_the_profiles_and_every_task(suite_run, cli):
