@@ -463,6 +463,134 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
     sys.exit(exit_code(result, comparison))
 
 
+@cli.group()
+def suite() -> None:
+    """One comparison over several tasks: freeze a suite file, run every task's grid, summarise across tasks
+    (time-to-target, performance profiles and their scores; docs/suite.md)."""
+
+
+suite_dir_option = click.option("--dir", "folder", default=None, type=click.Path(file_okay=False),
+                                help="The suite's folder (default: a folder named after the suite beside its file).")
+
+
+@suite.command("freeze")
+@click.argument("suite_file", type=click.Path(dir_okay=False))
+@suite_dir_option
+@click.option("--force", is_flag=True, help="Replace task protocols and locks that differ (the old locks are kept).")
+@json_option
+def suite_freeze(suite_file: str, folder: str | None, force: bool, json_mode: bool) -> None:
+    """Write and freeze every task's protocol of SUITE_FILE, then the suite lock naming their locks."""
+    from opalctl import console
+    from opalctl.suite.freeze import freeze_suite
+    from opalctl.suite.render import render_freeze
+
+    result = freeze_suite(suite_file, folder=folder, force=force, say=console.message)
+    console.print_json(result) if json_mode else render_freeze(result)
+    if not json_mode:
+        console.message(f"next: opalctl suite run {result['suite_lock']}")
+
+
+@suite.command("run")
+@click.argument("suite_target", type=click.Path(dir_okay=False))
+@suite_dir_option
+@click.option("--jobs", default=None, type=click.IntRange(1, None),
+              help="Runs at once (default: the cores divided by the lock's budget.threads).")
+@click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "slurm"]),
+              help="Where the runs train: child processes here, or a Slurm job array (through submitit).")
+@click.option("--slurm-config", default=None, type=click.Path(dir_okay=False),
+              help="A YAML file of Slurm settings (partition, account, time_limit_minutes, sbatch, ...).")
+@runs_dir_option
+@click.option("--json", "json_mode", is_flag=True, help="One JSON line per state change, then one for the suite.")
+def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor: str, slurm_config: str | None,
+              runs_dir: str | None, json_mode: bool) -> None:
+    """Run every task's grid of a frozen suite (SUITE_TARGET: the suite lock, or the suite file), resumable."""
+    from opalctl import console
+    from opalctl.grid import live_display
+    from opalctl.grid.settings import load_settings
+    from opalctl.suite.render import print_run_end
+    from opalctl.suite.run import TaskDisplay, open_suite, run_suite
+
+    lock = open_suite(suite_target, folder)
+    settings = load_settings(slurm_config) if slurm_config else None
+    result = run_suite(lock, jobs=jobs, executor=executor, runs_dir=runs_dir, settings=settings,
+                       display_for=lambda task: TaskDisplay(task, live_display(json_mode)), say=console.message)
+    if json_mode:
+        print_run_end(result)
+    else:
+        for task, grid in result["tasks"].items():
+            done = sum(1 for run in grid["runs"] if run["state"] in ("finished", "resumed", "skipped"))
+            console.message(f"task {task}: {done} of {len(grid['runs'])} runs finished")
+        if result["ok"]:
+            console.message(f"next: opalctl suite summary {lock.path}")
+    if not result["ok"]:
+        sys.exit(EXIT_FAILURE)
+
+
+@suite.command("status")
+@click.argument("suite_target", type=click.Path(dir_okay=False))
+@suite_dir_option
+@runs_dir_option
+@json_option
+def suite_status_command(suite_target: str, folder: str | None, runs_dir: str | None, json_mode: bool) -> None:
+    """Where every run of every task of the suite stands (read from the run folders)."""
+    from opalctl import console
+    from opalctl.suite.render import render_status
+    from opalctl.suite.run import open_suite, suite_status
+
+    result = suite_status(open_suite(suite_target, folder), runs_dir=runs_dir)
+    console.print_json(result) if json_mode else render_status(result)
+
+
+@suite.command("summary")
+@click.argument("suite_target", type=click.Path(dir_okay=False))
+@suite_dir_option
+@runs_dir_option
+@click.option("--html", "out", default=None, type=click.Path(file_okay=False),
+              help="Also write the suite's page (suite.html) into this folder.")
+@json_option
+def suite_summary(suite_target: str, folder: str | None, runs_dir: str | None, out: str | None,
+                  json_mode: bool) -> None:
+    """Each task's time-to-target per arm, every arm's performance profile and score, and what they can say."""
+    from opalctl import console
+    from opalctl.suite.page import write_suite_page
+    from opalctl.suite.render import render_summary
+    from opalctl.suite.run import open_suite
+    from opalctl.suite.summary import summarise
+
+    summary = summarise(open_suite(suite_target, folder), runs_dir=runs_dir)
+    if out is not None:
+        summary["page"] = str(write_suite_page(summary, out))
+    if json_mode:
+        console.print_json(summary)
+        return
+    render_summary(summary)
+    if out is not None:
+        console.message(f"page: {summary['page']}")
+
+
+@suite.command("report")
+@click.argument("suite_target", type=click.Path(dir_okay=False))
+@suite_dir_option
+@runs_dir_option
+@click.option("--out", "out", default=None, type=click.Path(file_okay=False),
+              help="Folder for suite.html (default: the suite lock's folder).")
+@json_option
+def suite_report(suite_target: str, folder: str | None, runs_dir: str | None, out: str | None,
+                 json_mode: bool) -> None:
+    """Write the suite's page: the profiles figure, the scores, the statement and every task's tables."""
+    from opalctl import console
+    from opalctl.suite.page import write_suite_page
+    from opalctl.suite.run import open_suite
+    from opalctl.suite.summary import summarise
+
+    lock = open_suite(suite_target, folder)
+    page = write_suite_page(summarise(lock, runs_dir=runs_dir), out if out is not None else lock.path.parent)
+    if json_mode:
+        console.print_json({"page": str(page), "suite_lock": str(lock.path)})
+    else:
+        sys.stdout.write(f"{page}\n")
+
+
 @cli.command()
 @click.argument("target", type=click.Path())
 @click.option("--interval", default=1.5, show_default=True, type=click.FloatRange(0.1, 3600),

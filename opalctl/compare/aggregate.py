@@ -27,6 +27,7 @@ from opalctl.compare.decisions import arm_decisions
 from opalctl.compare.flags import outside_cpu, outside_work_flag, run_flags, unconfined_note
 from opalctl.compare.refusals import anchor_note
 from opalctl.compare.statistics import paired, summary, time_to_reach
+from opalctl.compare.target import TargetRule, arm_budget, arm_figure, arm_times
 from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, stage_metrics
 from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
@@ -185,8 +186,18 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
             entry["time_to_baseline"] = _time_to_baseline(finished[arm], finished[baseline], primary,
                                                           directions[primary], seconds_key)
         rows.append(entry)
+    rule = TargetRule.of(lock)
+    if rule is not None:  # each arm's time-to-target, from the evaluator's stage records and the lock (compare/target.py)
+        amount = lock.resolved["budget"]["amount"]
+        times = {arm: arm_times(rule, finished[arm], arm_budget(amount, arm_specs[arm])) for arm in arms}
+        for entry in rows:
+            arm = entry["arm"]
+            entry["time_to_target"] = arm_figure(
+                times[arm], None if arm == baseline else times[baseline], resamples=resamples,
+                what=f"time-to-target (arm {arm}, baseline {baseline})")
     return {"lock": str(lock.path), "lock_sha256": lock.sha256, "runs": str(base), "baseline": baseline,
             "clock": clock, "seconds_key": seconds_key, "stage": stage,
+            "target": None if rule is None else rule.to_json(),
             "metrics": {m: ("higher" if h else "lower") for m, h in directions.items()},
             "primary": primary, "arms": rows, "controls": list(controls.values()),
             "control_locks": [{"lock": str(c["lock"].path), "lock_sha256": c["lock"].sha256, "runs": str(c["base"])}
@@ -252,6 +263,7 @@ def _arm_row(arm: str, baseline: str, finished: dict[str, dict[int, dict]],
         "values": {},  # metric -> {seed: value}, the seeds as strings (JSON object keys)
         "paired": {},
         "time_to_baseline": {},
+        "time_to_target": None,  # filled where the protocol names a target (compare/target.py)
         "agent": _agent_figures(reports),
         "anchor_note": anchor_note(arm, [reports[s] for s in seeds]),
         # the kernel's count of the training process's CPU beyond its charged updates (compare/flags.py)

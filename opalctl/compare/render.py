@@ -48,6 +48,7 @@ def render_compare(result: dict[str, Any], *, chosen: bool = False) -> None:
     _agent_table(result)
     _metrics_table(result, labels)
     _paired_table(result, labels)
+    _target_table(result)
     if legend(labels):
         console.paragraph("legend: " + legend(labels) + "; ↑ higher is better, ↓ lower is better")
     _sentences(result, chosen)
@@ -131,6 +132,48 @@ def _paired_table(result: dict[str, Any], labels: dict[str, str]) -> None:
         console.table(title, ["arm", "metric", *[column.header for column in part], *(["note"] if note else [])],
                       rows)
     console.paragraph("columns: " + columns_legend() + f"; note = n, the paired seeds, where below {TEST_MIN_SEEDS}")
+
+
+def _target_table(result: dict[str, Any]) -> None:
+    """Each arm's time-to-target (compare/target.py), where the protocol names a target: per seed, the median,
+    and against the baseline the paired difference on the seeds both reached, with wins, ties and losses over every
+    paired seed (not reached counted as infinite)."""
+    target = result.get("target")
+    if not target:
+        return
+    rows = []
+    for arm in result["arms"]:
+        figure = arm.get("time_to_target")
+        if figure is None:
+            continue
+        pair = figure["paired"]
+        rows.append([_shown(arm), " ".join(f"{s}:{target_time(t)}" for s, t in figure["seeds"].items()),
+                     target_time(figure["median"]), f"{figure['reached']}/{figure['of']}",
+                     *_target_pair_cells(pair)])
+    sign = ">=" if target["direction"] == "higher" else "<="
+    console.table(f"time to target {target['metric']} {sign} {target['value']:g} (budget charged, "
+                  f"{result['clock']} clock)",
+                  ["arm", "per seed", "median", "reached", "mean diff", "t interval", "exact p", "w/t/l all"], rows)
+    console.paragraph("time to target: the budget charged at the first stage whose candidate reached the target, "
+                      "from the evaluator's stage records; never = not reached (infinite); mean diff, t interval and "
+                      "exact p on the seeds both the arm and the baseline reached (lower is better); w/t/l all: over "
+                      "every paired seed, reaching beating not reaching")
+
+
+def target_time(time: float | None) -> str:
+    """A time-to-target as a cell shows it: the budget, or "never" for not reached."""
+    return "never" if time is None else f"{time:g}"
+
+
+def _target_pair_cells(pair: dict[str, Any] | None) -> list[str]:
+    if pair is None:
+        return ["", "", "", ""]
+    counts = pair["all_seeds"]
+    wtl = f"{counts['wins']}/{counts['ties']}/{counts['losses']}"
+    if pair["n"] == 0:
+        return ["-", "-", "-", wtl]
+    interval = DIFFERENCE[1].cell(pair, 1)
+    return [f"{pair['mean_difference']:+g}", interval, DIFFERENCE[3].cell(pair, 1), wtl]
 
 
 def _sentences(result: dict[str, Any], chosen: bool) -> None:

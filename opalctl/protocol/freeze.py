@@ -97,8 +97,9 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
     """The protocol with every default filled in; ``parents`` becomes an explicit seed -> path mapping."""
     resolved = protocol.model_dump(mode="json")
     resolved["parents"] = {str(seed): protocol.parent_for(seed) for seed in protocol.seeds}
-    if resolved.get("control") is None:  # a pre-registered protocol's lock is as it always was
-        resolved.pop("control", None)
+    for key in ("control", "target"):  # a protocol without them resolves, and its lock hashes, as it always did
+        if resolved.get(key) is None:
+            resolved.pop(key, None)
     for arm in resolved["arms"].values():
         if arm.get("groups") is None:  # an arm without parameter groups resolves as it always did
             arm.pop("groups", None)

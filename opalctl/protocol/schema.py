@@ -275,6 +275,17 @@ class Control(Strict):
     source_run: str
 
 
+class Target(Strict):
+    """``target``: the value of one evaluation metric that counts as trained, fixed before any run, as AlgoPerf fixes
+    each workload's target. A run reaches it at the first stage whose candidate (that stage's checkpoint, whatever
+    promotion decides) has ``metric`` >= ``value`` for a metric of kind "higher", <= for "lower"; its time-to-target
+    is the budget charged by then (opalctl/compare/target.py). A "count" metric (a denominator, the same for every
+    model) is refused: it says nothing about training."""
+
+    metric: Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}\.[A-Za-z_][\w-]*$")]
+    value: float
+
+
 class Protocol(Strict):
     name: PlainName
     task: TaskSpec
@@ -287,6 +298,7 @@ class Protocol(Strict):
     selection: Selection = Field(default_factory=Selection)
     limits: Limits = Field(default_factory=Limits)
     control: Control | None = None  # only in a control lock's protocol (opalctl control)
+    target: Target | None = None  # absent: no time-to-target, and the lock is as it always was
 
     @field_validator("seeds")
     @classmethod
@@ -410,7 +422,7 @@ def parse(data: dict, lines: dict[tuple, int], where: str) -> Protocol:
 def _known_keys_for(path: tuple) -> list[str] | None:
     table: dict[tuple, type[BaseModel]] = {
         (): Protocol, ("task",): TaskSpec, ("budget",): Budget, ("training",): Training,
-        ("selection",): Selection, ("limits",): Limits,
+        ("selection",): Selection, ("limits",): Limits, ("target",): Target,
     }
     parent = path[:-1]
     if parent in table:
@@ -585,6 +597,23 @@ def _check_task(protocol: Protocol, task_cls, problem) -> None:
         elif name not in task_cls.metrics:
             problem(index_path, f"{metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
                                 f"{', '.join(sorted(task_cls.metrics))})")
+    if protocol.target is not None:
+        _check_target(protocol.target, evaluation_splits, task_cls, problem)
+
+
+def _check_target(target: Target, evaluation_splits: list[str], task_cls, problem) -> None:
+    """The target's metric: an evaluation split's metric the task reports, of kind "higher" or "lower"."""
+    split, _, name = target.metric.partition(".")
+    path = ("target", "metric")
+    if split not in evaluation_splits:
+        problem(path, f"{target.metric!r} names no evaluation split (use one of {', '.join(evaluation_splits) or 'none'} "
+                      f"then a metric, e.g. {(evaluation_splits or ['selection'])[0]}.correct)")
+    elif name not in task_cls.metrics:
+        problem(path, f"{target.metric!r}: task {task_cls.name!r} reports no metric {name!r} (it reports "
+                      f"{', '.join(sorted(task_cls.metrics))})")
+    elif task_cls.metrics[name] not in ("higher", "lower"):
+        problem(path, f"{target.metric!r} is a count (the same for every model), which no training reaches; name a "
+                      f"metric where higher or lower is better")
 
 
 def load_protocol(path: Path) -> Protocol:

@@ -285,3 +285,23 @@ def timeline_figure(runs: list[dict[str, Any]]) -> str:
     axis.set_xlabel("budget fraction (0 = anchor); ● promoted, × refused, ○ selected", fontsize=8)
     axis.tick_params(labelsize=7)
     return _svg(figure, "timeline")
+
+
+def profile_figure(steps: dict[str, list[list[float]]], tau_max: float) -> str:
+    """The performance profile of each arm across a suite's tasks: the fraction of tasks on which its time-to-target
+    is within tau of the fastest arm's, a step function of tau from 1 to ``tau_max`` (compare/profiles.py)."""
+    figure = Figure(figsize=(WIDTH * 0.7, 3.6), layout="constrained")
+    axis = figure.subplots()
+    colours = arm_colours(steps)
+    for index, (arm, points) in enumerate(steps.items()):
+        taus = [tau for tau, _ in points]
+        values = [value for _, value in points]
+        axis.step(taus, values, where="post", color=colours[arm], linewidth=_line_width(index), label=arm)
+    axis.set_xlim(1.0, tau_max)
+    axis.set_ylim(-0.03, 1.03)
+    axis.set_xlabel("tau: time-to-target within tau times the fastest arm's", fontsize=9)
+    axis.set_ylabel("fraction of tasks", fontsize=9)
+    axis.grid(True, color="#eeeeee", linewidth=0.8)
+    axis.tick_params(labelsize=8)
+    axis.legend(fontsize=8, loc="lower right")
+    return _svg(figure, "profiles")

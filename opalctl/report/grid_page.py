@@ -26,6 +26,7 @@ from opalctl.report.sections import (
     seconds_label,
     stage_series,
 )
+from opalctl.report.targets import target_table
 
 PAGE_NAME = "report.html"
 
@@ -40,7 +41,7 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
     runs = [RunView.read(Path(row.get("runs") or result["runs"]) / row["arm"] / f"seed-{seed}")
             for row in result["arms"] for seed in row["seeds"]]
     page = html.document(f"opalctl report: {Path(result['lock']).name}",
-                         _identity(result, verification), _verdicts(result), _tables(result),
+                         _identity(result, verification), _verdicts(result), compare_tables(result),
                          _decision_counts(result),
                          _figures(result, runs), decisions_section(runs),
                          limitations_section(runs, _notes(result)))
@@ -75,7 +76,7 @@ def _verdicts(result: dict[str, Any]) -> str:
                         html.paragraphs(controls), html.paragraphs(anchors, "muted"), anchor="verdicts")
 
 
-def _tables(result: dict[str, Any]) -> str:
+def compare_tables(result: dict[str, Any]) -> str:
     arms = result["arms"]
     overview = [[f"<td>{html.text(a['arm'])}{' (baseline)' if a['baseline'] else ''}"
                  f"{' (post-hoc)' if a.get('post_hoc') else ''}</td>",
@@ -97,6 +98,7 @@ def _tables(result: dict[str, Any]) -> str:
         html.table(["metric", "better", *[f"{a['arm']} {x}" for a in arms for x in ("mean", "sd")]], metrics,
                    cells_ready=True),
         paired_table(result),
+        target_table(result),
         anchor="tables")
 
 

@@ -27,7 +27,9 @@ def protocol_text(task_name: str, seeds: list[int]) -> str:
 
 
 def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = None,
-         say=lambda text: None) -> dict[str, Any]:
+         say=lambda text: None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config``: task settings over the template's (``opalctl suite`` passes a task's overrides, so its data and
+    parents are made with them); the protocol written beside them is the template's, as always."""
     if task_name not in BUILTIN:
         raise BadInput(f"there is no built-in task {task_name!r}; choose one of {', '.join(sorted(BUILTIN))}")
     seeds = list(seeds or DEFAULT_SEEDS)
@@ -43,7 +45,7 @@ def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = Non
         text = protocol_text(task_name, seeds)
         import yaml
 
-        config = yaml.safe_load(text)["task"].get("config", {})
+        config = {**yaml.safe_load(text)["task"].get("config", {}), **(config or {})}
         task = make_task(BUILTIN[task_name], config)
         say(f"preparing {task_name} in {folder} (data files and one parent per seed)...")
         staging = Path(tempfile.mkdtemp(prefix=".opalctl-init-", dir=folder))
