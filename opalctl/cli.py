@@ -507,21 +507,14 @@ def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor:
     from opalctl import console
     from opalctl.grid import live_display
     from opalctl.grid.settings import load_settings
-    from opalctl.suite.render import print_run_end
+    from opalctl.suite.render import print_run_end, render_run_end
     from opalctl.suite.run import TaskDisplay, open_suite, run_suite
 
     lock = open_suite(suite_target, folder)
     settings = load_settings(slurm_config) if slurm_config else None
     result = run_suite(lock, jobs=jobs, executor=executor, runs_dir=runs_dir, settings=settings,
                        display_for=lambda task: TaskDisplay(task, live_display(json_mode)), say=console.message)
-    if json_mode:
-        print_run_end(result)
-    else:
-        for task, grid in result["tasks"].items():
-            done = sum(1 for run in grid["runs"] if run["state"] in ("finished", "resumed", "skipped"))
-            console.message(f"task {task}: {done} of {len(grid['runs'])} runs finished")
-        if result["ok"]:
-            console.message(f"next: opalctl suite summary {lock.path}")
+    print_run_end(result) if json_mode else render_run_end(result, str(lock.path))
     if not result["ok"]:
         sys.exit(EXIT_FAILURE)
 
