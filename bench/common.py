@@ -30,12 +30,18 @@ def block_arguments(description: str, shared_model: bool = False) -> argparse.Na
 
 
 def setup(work: Path, name: str = "digits"):
-    import yaml
-
-    from opalctl.tasks import make_task
     from opalctl.tasks.builtin import init
 
     init(name, work, seeds=[1])
+    return prepared(work, name)
+
+
+def prepared(work: Path, name: str = "digits"):
+    """What ``setup`` returns, from a folder ``setup`` (or ``opalctl init``) has already written."""
+    import yaml
+
+    from opalctl.tasks import make_task
+
     protocol = yaml.safe_load((work / f"{name}.yaml").read_text())
     task = make_task(protocol["task"]["entry"], protocol["task"].get("config") or {})
     train = task.load({"train": work / protocol["data"]["train"]})["train"]
