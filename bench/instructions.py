@@ -61,7 +61,10 @@ def count(variant: str, updates: int, total: int, scratch: Path) -> int:
     out = scratch / f"cachegrind.{variant}.{updates}"
     work = scratch / f"work-{variant}-{updates}"
     work.mkdir()
-    environment = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # threads that spin while they wait execute instructions in proportion to how long the host makes them wait,
+    # so OpenMP is told to sleep instead (the first counts, without this, differed by 1.1e9 between two bare runs)
+    environment = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                       OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0")
     command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
                sys.executable, str(Path(__file__).resolve()), "child", variant, str(updates), str(total), str(work)]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True)
