@@ -105,6 +105,11 @@ def _programs(run_dir: Path) -> dict[str, str]:
     return {str(path.relative_to(folder)): path.read_text() for path in sorted(folder.rglob("*.py"))}
 
 
+def _posted(requests: Path) -> list[str]:
+    """The requests posted in a mailbox's requests folder: not a '.' file, which is one still being written."""
+    return sorted(name for name in os.listdir(requests) if not name.startswith("."))
+
+
 def _pieces(key: str) -> list[bytes]:
     return [key[i:i + 8].encode() for i in range(len(key) - 7)]
 
@@ -310,22 +315,22 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
                            cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
-    while not (requests.is_dir() and os.listdir(requests)) and time.monotonic() < deadline:
+    while not (requests.is_dir() and _posted(requests)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    (old,) = os.listdir(requests)
+    (old,) = _posted(requests)
     os.killpg(run.pid, signal.SIGKILL)  # no server yet: the request is pending
     run.communicate()
     time.sleep(1.0)
-    assert os.listdir(requests) == [old], "the killed job's request is still there"
+    assert _posted(requests) == [old], "the killed job's request is still there"
 
     with ms.MessagesServer([_answering(tools)] * 4) as api:
         resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
                                    cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 180
-        while (not os.listdir(requests) or os.listdir(requests) == [old]) and time.monotonic() < deadline:
+        while _posted(requests) in ([], [old]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        (new,) = os.listdir(requests)  # the resumed run withdrew the old request and asked again
+        (new,) = _posted(requests)  # the resumed run withdrew the old request and asked again
         server = Serving(project, mailbox, key, api.url)
         try:
             out, err = resumed.communicate(timeout=240)
