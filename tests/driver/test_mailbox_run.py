@@ -1,12 +1,16 @@
-"""Formal agent-arm runs whose decisions are answered by ``opalctl agent serve`` over a shared folder.
+"""Formal agent-arm runs whose decisions are answered by ``opalctl agent serve`` over a shared folder, over ssh,
+and for a run started by ``opalctl grid --executor slurm``.
 
 The same anthropic backend (the real SDK against the loopback Messages API of tests/opal/messages_server.py, which
 answers each request from its content, so the same question always gets the same answer) answers a formal run of
-the digits task twice: in the run's own agent host (``backend: anthropic``), and from a mailbox folder served by a
-real ``python -m opalctl agent serve`` process (``backend: mailbox``), whose environment alone holds the key and
-the server's address. Blocking decisions: the same programs are applied at the same updates and the final weights
-are the same; the key is in no file of the run or the mailbox; the run's records say where each decision was
-answered. A server killed (SIGKILL) in the middle of a decision and started again answers the request once.
+the digits task in the run's own agent host (``backend: anthropic``): the module's reference, run once. The same
+lock's mailbox arm (``backend: mailbox``) is then answered by a real ``python -m opalctl agent serve`` process,
+whose environment alone holds the key and the server's address: with the mailbox as a folder it shares, with the
+mailbox reached through a real loopback sshd (``--ssh HOST``, the ``sshd`` fixture of tests/conftest.py), and with
+the run started as a task of the local Slurm by ``opalctl grid --executor slurm``. Blocking decisions: each time
+the same programs are applied at the same updates and the final weights are the same as the reference's; the key is
+in no file of the run or the mailbox; the run's records say where each decision was answered. A server killed
+(SIGKILL) in the middle of a decision and started again answers the request once.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import string
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,10 +62,11 @@ def _answering(tools, hold: threading.Event | None = None):
 
 
 class Serving:
-    """``python -m opalctl agent serve MAILBOX --backend anthropic --json`` with the key and the server's address."""
+    """``python -m opalctl agent serve MAILBOX --backend anthropic --json`` with the key and the server's address;
+    ``env``: more of its environment (``OPALCTL_SSH_CONFIG`` for ``--ssh``)."""
 
-    def __init__(self, project, mailbox: Path, key: str, url: str, *more: str):
-        env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=url)
+    def __init__(self, project, mailbox: Path, key: str, url: str, *more: str, env: dict[str, str] | None = None):
+        env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=url, **(env or {}))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "opalctl", "agent", "serve", str(mailbox), "--backend", "anthropic", "--json",
              *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -98,65 +105,159 @@ def _programs(run_dir: Path) -> dict[str, str]:
     return {str(path.relative_to(folder)): path.read_text() for path in sorted(folder.rglob("*.py"))}
 
 
+def _posted(requests: Path) -> list[str]:
+    """The requests posted in a mailbox's requests folder: not a '.' file, which is one still being written."""
+    return sorted(name for name in os.listdir(requests) if not name.startswith("."))
+
+
 def _pieces(key: str) -> list[bytes]:
     return [key[i:i + 8].encode() for i in range(len(key) - 7)]
 
 
-def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_locally(project, tools, tmp_path):
+def _weights(tools, run_dir: Path) -> list[str]:
+    return [stage["checkpoint"]["model_sha256"] for stage in tools.stage_files(run_dir)]
+
+
+@dataclass
+class Reference:
+    """The module's lock (arms ``local``: anthropic in the run's agent host; ``remote``: the same through the
+    mailbox folder), the key the servers hold, and the local arm's finished run (the reference)."""
+
+    project: object
+    mailbox: Path
+    key: str
+    local_dir: Path
+    requests: int  # the Messages API requests the local run made
+
+
+@pytest.fixture(scope="module")
+def reference(digits_template, tmp_path_factory, tools) -> Reference:
     ms = tools.messages_server()
-    mailbox = tmp_path / "mailbox"
+    folder = tmp_path_factory.mktemp("mailbox-run")
+    mailbox = folder / "mailbox"
     mailbox.mkdir()
     key = _key()
-    project.freeze(budget={"clock": "updates", "amount": UPDATES},
-                   arms={"local": _agent("anthropic"), "remote": _agent("mailbox", mailbox)})
-    lock = json.loads(project.lock.read_text())
-    remote_agent = lock["protocol"]["arms"]["remote"]["agent"]
-    assert remote_agent["backend"] == "mailbox" and remote_agent["answered_by"] == "anthropic"
-    assert remote_agent["model"] == "claude-opus-4-5" and remote_agent["mailbox"] == str(mailbox)
-    assert "mailbox" not in lock["protocol"]["arms"]["local"]["agent"]  # another arm's lock is as it was
-
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        project = tools.Project(digits_template, folder / "project", monkeypatch)
+        project.freeze(budget={"clock": "updates", "amount": UPDATES},
+                       arms={"local": _agent("anthropic"), "remote": _agent("mailbox", mailbox)})
     with ms.MessagesServer([_answering(tools)] * 8) as api:
         local = project.process(project.run_args("local", 1),
                                 env=project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=api.url))
-        assert local.returncode == 0, local.stderr[-3000:]
-        local_requests = len(api.requests)
-        server = Serving(project, mailbox, key, api.url)
-        try:
-            remote = project.process(project.run_args("remote", 1), env=project.env())  # no key, no address
-        finally:
-            code, err = server.stop()
-    assert remote.returncode == 0, remote.stderr[-3000:]
-    assert code == 0 and "Traceback" not in err, err
-    assert len(api.requests) == 2 * local_requests == 8
+        requests = len(api.requests)
+    assert local.returncode == 0, local.stderr[-3000:]
+    local_dir = project.run_dir("local", 1)
+    assert len(_applied(local_dir)) == 1 and requests == 4
+    return Reference(project, mailbox, key, local_dir, requests)
 
-    local_dir, remote_dir = project.run_dir("local", 1), project.run_dir("remote", 1)
-    assert _applied(local_dir) == _applied(remote_dir) and len(_applied(local_dir)) == 1
-    assert _programs(local_dir) == _programs(remote_dir)
-    local_report, remote_report = tools.read(local_dir / "report.json"), tools.read(remote_dir / "report.json")
-    assert tools.stage_files(local_dir) and [s["checkpoint"]["model_sha256"] for s in tools.stage_files(local_dir)] == \
-        [s["checkpoint"]["model_sha256"] for s in tools.stage_files(remote_dir)]
+
+def _same_as_the_reference(tools, reference: Reference, remote_dir: Path) -> None:
+    """The same programs applied at the same updates, the same final weights, as the local run's."""
+    assert _applied(remote_dir) == _applied(reference.local_dir)
+    assert _programs(remote_dir) == _programs(reference.local_dir)
+    assert _weights(tools, reference.local_dir) and _weights(tools, remote_dir) == _weights(tools, reference.local_dir)
+    local_report, remote_report = tools.read(reference.local_dir / "report.json"), tools.read(remote_dir / "report.json")
+    assert remote_report["final_model_sha256"] == local_report["final_model_sha256"]
     assert local_report["agent"]["decisions_applied"] == remote_report["agent"]["decisions_applied"] == 1
     assert remote_report["agent"]["decisions_kept"] == 1
-
-    # where each decision was answered, and its round trip
-    for number in (1, 2):
+    for number in (1, 2):  # where each decision was answered, and its round trip
         record = tools.read(remote_dir / "agent" / "decisions" / f"{number:03d}" / "answer.json")
         assert record["remote"]["server"].startswith(record["remote"]["host"] + ":")
         assert record["remote"]["round_trip_seconds"] > 0 and record["remote"]["refused"] == []
-    show = project.process(["show", str(remote_dir), "--json"])
-    assert show.returncode == 0, show.stderr
-    for decision in json.loads(show.stdout)["decisions"]:
-        assert decision["answered_by"].startswith("opalctl agent serve on ") and decision["round_trip_seconds"] > 0
-    shown = [event for event in server.events if event["event"] == "answered"]
-    assert [event["decision"] for event in shown] == [1, 2]
 
-    # the key is in no file of the training side, nor in the mailbox (every 8-character piece of it)
-    for folder in (remote_dir, mailbox):
+
+def _key_nowhere(reference: Reference, *folders: Path) -> None:
+    """The key is in no file of ``folders`` (every 8-character piece of it)."""
+    for folder in folders:
         for path in folder.rglob("*"):
             if path.is_file():
                 data = path.read_bytes()
-                assert not any(piece in data for piece in _pieces(key)), path
-    assert sorted(os.listdir(mailbox / "requests")) == [] and sorted(os.listdir(mailbox / "answers")) == []
+                assert not any(piece in data for piece in _pieces(reference.key)), path
+
+
+def _answered_through(tools, reference: Reference, tmp_path: Path, start, *serve: str,
+                      env: dict[str, str] | None = None) -> tuple[Path, Serving, object]:
+    """The remote arm, started by ``start(runs)`` (a finished CompletedProcess), while ``agent serve MAILBOX
+    SERVE...`` answers it from the loopback Messages API: (the run folder, the stopped server, the API)."""
+    ms, project = tools.messages_server(), reference.project
+    runs = tmp_path / "runs"
+    with ms.MessagesServer([_answering(tools)] * 8) as api:
+        server = Serving(project, reference.mailbox, reference.key, api.url, *serve, env=env)
+        try:
+            finished = start(runs)
+        except subprocess.TimeoutExpired:
+            finished = None
+        finally:
+            code, err = server.stop()
+    assert finished is not None, f"the run did not finish; the server showed {server.events}, said {err[-3000:]}"
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert code == 0 and "Traceback" not in err, err
+    assert len(api.requests) == reference.requests
+    assert [event["decision"] for event in server.events if event["event"] == "answered"] == [1, 2]
+    assert sorted(os.listdir(reference.mailbox / "requests")) == []
+    assert sorted(os.listdir(reference.mailbox / "answers")) == []
+    return project.run_dir("remote", 1, runs), server, api
+
+
+def _plain_run(reference: Reference):
+    project = reference.project
+    return lambda runs: project.process(project.run_args("remote", 1, runs=runs), env=project.env())  # no key
+
+
+def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tools, tmp_path):
+    lock = json.loads(reference.project.lock.read_text())
+    remote_agent = lock["protocol"]["arms"]["remote"]["agent"]
+    assert remote_agent["backend"] == "mailbox" and remote_agent["answered_by"] == "anthropic"
+    assert remote_agent["model"] == "claude-opus-4-5" and remote_agent["mailbox"] == str(reference.mailbox)
+    assert "mailbox" not in lock["protocol"]["arms"]["local"]["agent"]  # another arm's lock is as it was
+
+    remote_dir, server, _ = _answered_through(tools, reference, tmp_path, _plain_run(reference))
+    _same_as_the_reference(tools, reference, remote_dir)
+    show = reference.project.process(["show", str(remote_dir), "--json"])
+    assert show.returncode == 0, show.stderr
+    for decision in json.loads(show.stdout)["decisions"]:
+        assert decision["answered_by"].startswith("opalctl agent serve on ") and decision["round_trip_seconds"] > 0
+    _key_nowhere(reference, remote_dir, reference.mailbox)
+
+
+def test_a_run_answered_over_ssh_matches_the_same_backend_answering_locally(reference, tools, tmp_path, sshd):
+    """``agent serve MAILBOX --ssh HOST``: the server reaches the run's mailbox through a real sshd (its ssh config
+    from ``OPALCTL_SSH_CONFIG``, as a user's would come from ~/.ssh/config)."""
+    remote_dir, server, _ = _answered_through(tools, reference, tmp_path, _plain_run(reference), "--ssh", sshd.host,
+                                              env={"OPALCTL_SSH_CONFIG": str(sshd.config)})
+    assert server.wait_for("serving")["mailbox"] == f"{sshd.host}:{reference.mailbox}"
+    _same_as_the_reference(tools, reference, remote_dir)
+    _key_nowhere(reference, remote_dir, reference.mailbox)
+
+
+def _slurm_missing() -> str | None:
+    """Why the local Slurm cannot run a job here (None: it can)."""
+    if shutil.which("sbatch") is None:
+        return "Slurm (sbatch); ci/slurm/setup.sh sets one up"
+    listed = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=30)
+    if listed.returncode != 0 or not any(s.startswith(("idle", "mixed", "alloc")) for s in listed.stdout.split()):
+        return "a running Slurm (sinfo lists no usable node); run ci/slurm/setup.sh"
+    return None
+
+
+def test_a_slurm_grid_task_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tools,
+                                                                                                     tmp_path):
+    """``opalctl grid LOCK --executor slurm`` runs the remote arm as a Slurm job (the node has no key and no
+    address of the API); ``agent serve`` answers its decisions over the shared folder."""
+    missing = _slurm_missing()
+    if missing:
+        pytest.skip(f"needs a system component: {missing}")
+    project = reference.project
+
+    def grid(runs: Path) -> subprocess.CompletedProcess:
+        return project.process(["grid", str(project.lock), "--arm", "remote", "--seed", "1", "--jobs", "1",
+                                "--executor", "slurm", "--runs-dir", str(runs), "--json"], timeout=600)
+
+    remote_dir, _, _ = _answered_through(tools, reference, tmp_path, grid)
+    report = tools.read(remote_dir / "report.json")
+    assert report["machine"]["slurm"]["job_id"], "trained in a Slurm job"
+    _same_as_the_reference(tools, reference, remote_dir)
+    _key_nowhere(reference, remote_dir, reference.mailbox)
 
 
 def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_once(project, tools, tmp_path):
@@ -214,22 +315,22 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
                            cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
-    while not (requests.is_dir() and os.listdir(requests)) and time.monotonic() < deadline:
+    while not (requests.is_dir() and _posted(requests)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    (old,) = os.listdir(requests)
+    (old,) = _posted(requests)
     os.killpg(run.pid, signal.SIGKILL)  # no server yet: the request is pending
     run.communicate()
     time.sleep(1.0)
-    assert os.listdir(requests) == [old], "the killed job's request is still there"
+    assert _posted(requests) == [old], "the killed job's request is still there"
 
     with ms.MessagesServer([_answering(tools)] * 4) as api:
         resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
                                    cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 180
-        while (not os.listdir(requests) or os.listdir(requests) == [old]) and time.monotonic() < deadline:
+        while _posted(requests) in ([], [old]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        (new,) = os.listdir(requests)  # the resumed run withdrew the old request and asked again
+        (new,) = _posted(requests)  # the resumed run withdrew the old request and asked again
         server = Serving(project, mailbox, key, api.url)
         try:
             out, err = resumed.communicate(timeout=240)

@@ -249,3 +249,28 @@ def test_writing_into_a_missing_folder_is_one_sentence(mailbox):
         with pytest.raises(SshMailboxError, match="is missing or not a folder"):
             folder.replace(path, b"x")
     assert sorted(os.listdir(root)) == ["a-file"]
+
+
+def test_a_mailbox_over_ssh_names_its_target_in_what_the_server_shows_and_refuses(mailbox, sshd):
+    """The box and ``agent serve`` name a folder by ``where`` (MailboxFolder): over ssh it is HOST:DIR."""
+    from opalctl.formats import RecordDamaged
+    from opalctl.opal.mailbox.box import Mailbox
+    from opalctl.opal.mailbox.serve import Server
+
+    folder, root = mailbox
+    box = Mailbox(folder)
+    box.prepare()
+    (root / "requests" / "r1.json").write_text("{not json")
+    with pytest.raises(RecordDamaged, match=f"{sshd.target(root)}/requests/r1.json"):
+        box.request("r1")
+    (root / "requests" / "r1.json").unlink()
+    shown: list[dict] = []
+    server = Server(folder, "anthropic", show=shown.append, poll_seconds=0.05)
+    serving = threading.Thread(target=server.serve)
+    serving.start()
+    deadline = time.monotonic() + 60
+    while not shown and serving.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stopping.set()
+    serving.join(timeout=60)
+    assert shown and shown[0]["event"] == "serving" and shown[0]["mailbox"] == sshd.target(root)

@@ -143,6 +143,7 @@ class SshMailboxFolder:
     def __init__(self, target: str, *, config: str | os.PathLike | None = None, options: Sequence[str] = (),
                  ssh: str = "ssh", timeout: float = OPERATION_SECONDS):
         self.target = target
+        self.where = target  # MailboxFolder's name of it, in the mailbox's and the server's messages
         self.host, self.directory = split_target(target)
         config = config if config is not None else os.environ.get(CONFIG_VARIABLE) or None
         self.config = os.fspath(config) if config is not None else None
