@@ -11,14 +11,16 @@ from __future__ import annotations
 import contextlib
 import io
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.files import atomic_write_bytes
-from opalctl.tasks.base import Batch, Sampler
+from opalctl.tasks.base import Batch, Built, Sampler
 
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
@@ -47,6 +49,20 @@ def read_arrays(path: Path, required: tuple[str, ...]) -> dict[str, np.ndarray]:
     if missing:
         raise BadInput(f"data file {path} lacks the arrays {', '.join(missing)}; it was not written for this task")
     return arrays
+
+
+def model_from_parent(build_model: Callable[..., Any], config: Any, expected_shapes: dict, parent_path: Path | None,
+                      seed: int, device: str) -> Built:
+    """A built-in task's ``build``: with no parent, a model set up fresh from ``seed`` on ``device``; else the
+    parent's weights, loaded through ``checkpoints.load`` (a damaged or mismatched parent refused in a sentence)
+    into a model of ``config``'s shape. ``build_model(config, seed, device="cpu")`` makes the model."""
+    if parent_path is None:
+        model = build_model(config, seed, device)
+        return Built(model=model, initialised=checkpoints.describe_tensors(model.state_dict()))
+    payload = checkpoints.load(parent_path, expected_shapes=expected_shapes)
+    model = build_model(config, None)
+    model.load_state_dict(payload["model"])
+    return Built(model=model.to(device), inherited=checkpoints.describe_tensors(payload["model"]))
 
 
 @contextlib.contextmanager

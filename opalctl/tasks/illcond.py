@@ -38,7 +38,7 @@ from pydantic import Field
 from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
-from opalctl.tasks.common import ReplaySampler, read_arrays, torch_threads, write_arrays
+from opalctl.tasks.common import ReplaySampler, model_from_parent, read_arrays, torch_threads, write_arrays
 
 SPLIT_SEED = 20_261_204
 TARGETS = 2  # target 0: the parent's; target 1: the arms'
@@ -187,13 +187,7 @@ class IllConditioned(Task):
         return splits
 
     def build(self, parent_path: Path | None, arm_config: dict, seed: int, device: str = "cpu") -> Built:
-        if parent_path is None:
-            model = build_model(self.config, seed, device)
-            return Built(model=model, initialised=checkpoints.describe_tensors(model.state_dict()))
-        payload = checkpoints.load(parent_path, expected_shapes=expected_shapes(self.config))
-        model = build_model(self.config, None)
-        model.load_state_dict(payload["model"])
-        return Built(model=model.to(device), inherited=checkpoints.describe_tensors(payload["model"]))
+        return model_from_parent(build_model, self.config, expected_shapes(self.config), parent_path, seed, device)
 
     def sampler(self, train: Any, seed: int, batch_size: int, device: str = "cpu") -> Sampler:
         return ReplaySampler(train, seed, batch_size, self.config.replay_share, device,

@@ -39,7 +39,7 @@ from pydantic import Field, model_validator
 from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
-from opalctl.tasks.common import ReplaySampler, read_arrays, torch_threads, write_arrays
+from opalctl.tasks.common import ReplaySampler, model_from_parent, read_arrays, torch_threads, write_arrays
 
 SPLIT_SEED = 20_261_203
 SUBTRACT, MULTIPLY = 0, 1  # the operations, in the order of their tokens (p, p + 1) and of their row ids
@@ -241,13 +241,7 @@ class Modular(Task):
         return splits
 
     def build(self, parent_path: Path | None, arm_config: dict, seed: int, device: str = "cpu") -> Built:
-        if parent_path is None:
-            model = build_model(self.config, seed, device)
-            return Built(model=model, initialised=checkpoints.describe_tensors(model.state_dict()))
-        payload = checkpoints.load(parent_path, expected_shapes=expected_shapes(self.config))
-        model = build_model(self.config, None)
-        model.load_state_dict(payload["model"])
-        return Built(model=model.to(device), inherited=checkpoints.describe_tensors(payload["model"]))
+        return model_from_parent(build_model, self.config, expected_shapes(self.config), parent_path, seed, device)
 
     def sampler(self, train: Any, seed: int, batch_size: int, device: str = "cpu") -> Sampler:
         return ReplaySampler(train, seed, batch_size, self.config.replay_share, device,

@@ -52,7 +52,7 @@ from pydantic import Field, model_validator
 from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
-from opalctl.tasks.common import read_arrays, torch_threads, write_arrays
+from opalctl.tasks.common import model_from_parent, read_arrays, torch_threads, write_arrays
 
 SPLIT_SALT = "opalctl-pylm-split-2024"
 SPLIT_SEED = 20_240_611
@@ -413,13 +413,7 @@ class PyLM(Task):
         return splits
 
     def build(self, parent_path: Path | None, arm_config: dict, seed: int, device: str = "cpu") -> Built:
-        if parent_path is None:
-            model = build_model(self.config, seed, device)
-            return Built(model=model, initialised=checkpoints.describe_tensors(model.state_dict()))
-        payload = checkpoints.load(parent_path, expected_shapes=expected_shapes(self.config))
-        model = build_model(self.config, None)
-        model.load_state_dict(payload["model"])
-        return Built(model=model.to(device), inherited=checkpoints.describe_tensors(payload["model"]))
+        return model_from_parent(build_model, self.config, expected_shapes(self.config), parent_path, seed, device)
 
     def sampler(self, train: Any, seed: int, batch_size: int, device: str = "cpu") -> Sampler:
         return PyLMSampler(train, seed, batch_size, self.config.context, device)
