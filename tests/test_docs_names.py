@@ -108,7 +108,7 @@ def index() -> Index:
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 module.names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
         found.modules[module.dotted] = module
-        found.defined |= module.names
+        found.defined |= module.names | {module.dotted.rpartition(".")[2]}  # slurm_task names a module
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 found.defined.add(node.name)
