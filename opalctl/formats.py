@@ -18,7 +18,7 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
 - ``RunReport``: ``report.json``, with ``RunDigests``, the end of the chain of digests (below);
 - ``StartRecord``, ``AnchorRecord``, ``LastRecord``, ``SelectedRecord``: ``start.json``, ``anchor.json``,
-  ``last.json`` and ``selected.json`` as they are read back;
+  ``last.json`` and ``selected.json``, as the evaluator writes them and every reader reads them back;
 - ``read_record``: the one reader of a JSON record file, ``read_jsonl`` the one reader of a ``.jsonl`` file.
 
 Records carry ``format`` (``FORMAT_VERSION``); a record written before versioning has none and is read as
