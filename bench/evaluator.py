@@ -91,7 +91,8 @@ def in_process_block(lock, protocol, arm, task, splits, anchor_metrics, stages, 
 
 
 def evaluator_block(lock, arm_name, paths, stages) -> tuple[float, list[float], dict]:
-    from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening
+    from opalctl.driver.evaluator import EvaluatorProcess
+    from opalctl.formats import Message, Opening, StageReached, StageSaved, Starting
 
     started = time.perf_counter()
     evaluator = EvaluatorProcess(Opening(lock=str(lock.path), lock_sha256=lock.sha256, arm=arm_name, seed=1,
@@ -100,14 +101,14 @@ def evaluator_block(lock, arm_name, paths, stages) -> tuple[float, list[float], 
     try:
         evaluator.answer()
         start_up = time.perf_counter() - started
-        evaluator.ask(Message.START, {"confinement": None, "initial": paths.initial_record, "inherited": None,
-                                      "initialised": None, "host": "bench"})
+        evaluator.ask(Message.START, Starting(confinement=None, initial=paths.initial_record, inherited=None,
+                                              initialised=None, groups=None, host="bench"))
         anchor = json.loads(paths.anchor.record.read_text())
         seconds = []
         for stage in stages:
-            sent = {key: stage[key] for key in ("index", "sha256", "model_sha256", "bytes")}
             started = time.perf_counter()
-            evaluator.ask(Message.STAGE, {"saved": [sent], "facts": facts_of(stage["index"]).to_json()})
+            evaluator.ask(Message.STAGE, StageReached(saved=[StageSaved.of(stage["index"], stage)],
+                                                      facts=facts_of(stage["index"])))
             seconds.append(time.perf_counter() - started)
     finally:
         evaluator.end()

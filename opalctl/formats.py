@@ -5,7 +5,10 @@ processes (the steps helper) read them back. Each of those records is described 
 
 - ``Event``: the kinds of line in an agent run's ``opal/events.jsonl`` (the only kinds a writer may use);
 - ``StepRow`` and ``step_line``: one update as the training loop keeps it, and its line in ``steps.jsonl.gz``;
-- ``StageFacts``: what the training process sends the evaluator with a stage (driver/evaluator.py);
+- ``Message``: the kinds of request the training process sends its evaluator (driver/evaluator.py), each with
+  the record its body is (``Opening``, ``Starting``, ``CarriedStages``, ``StageReached`` with ``StageSaved`` and
+  ``StageFacts``, ``TrainingFacts``) and the record its answer is (``Acknowledged``, ``StageVerdict`` with
+  ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
 - ``HostDecisionRecord``: ``agent/decisions/NNN/answer.json``, one decision as the agent host saw it, and
@@ -15,7 +18,7 @@ processes (the steps helper) read them back. Each of those records is described 
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
 - ``RunReport``: ``report.json``, with ``RunDigests``, the end of the chain of digests (below);
 - ``StartRecord``, ``AnchorRecord``, ``LastRecord``, ``SelectedRecord``: ``start.json``, ``anchor.json``,
-  ``last.json`` and ``selected.json`` as they are read back;
+  ``last.json`` and ``selected.json``, as the evaluator writes them and every reader reads them back;
 - ``read_record``: the one reader of a JSON record file, ``read_jsonl`` the one reader of a ``.jsonl`` file.
 
 Records carry ``format`` (``FORMAT_VERSION``); a record written before versioning has none and is read as
@@ -249,6 +252,11 @@ class StageFacts(_Record):
         """The fields a stage record takes over."""
         return {key: value for key, value in asdict(self).items() if key != "format"}
 
+    @classmethod
+    def of(cls, record: StageRecord) -> StageFacts:
+        """The facts a stage record took over (a resume's stage, judged again from them)."""
+        return cls(**{field.name: getattr(record, field.name) for field in fields(cls) if field.name != "format"})
+
 
 @dataclass
 class StageRecord(_Record):
@@ -454,6 +462,163 @@ class TrainingFacts(_Record):
     format: int = FORMAT_VERSION
 
 
+# --------------------------------------------------------------------------------------------------------------
+# the evaluator's messages: a request ``{"kind": K, "body": ...}`` and one answer ``{"ok": ...}`` each, over a
+# pipe between the training process and its evaluator (driver/evaluator.py is their one reader and writer)
+
+@dataclass(frozen=True)
+class Opening(_Record):
+    """``OPEN``'s body: what the evaluator needs to start, sent by the training process before any agent code
+    exists in it."""
+
+    WHAT = "the evaluator's opening"
+
+    lock: str
+    lock_sha256: str
+    arm: str
+    seed: int
+    run_dir: str
+    anchor_dir: str
+    sys_path: list[str]  # where the task's module is found (a test's or a user's folder)
+
+
+@dataclass(frozen=True)
+class Starting(_Record):
+    """``START``'s body: how the run started, sent before any agent program can have run in the training process.
+    ``initial`` is ``initial.pt`` as ``start.json`` names it (None on a resume, whose start record is there
+    already); ``inherited``, ``initialised`` and ``groups`` are the build's, for a new run; ``confinement`` the
+    one the training process applied, ``host`` where it runs. They become ``StartRecord``'s fields of the same
+    names."""
+
+    WHAT = "the start sent"
+
+    confinement: dict[str, Any] | None
+    initial: dict[str, Any] | None
+    inherited: Any
+    initialised: Any
+    groups: list[dict[str, Any]] | None
+    host: str
+
+
+@dataclass(frozen=True)
+class CarriedStages(_Record):
+    """``CARRIED``'s body: the stages a resume checkpoint has passed, and its update."""
+
+    WHAT = "the carried stages sent"
+
+    stages: int
+    update: int
+
+
+@dataclass(frozen=True)
+class StageSaved(_Record):
+    """A stage checkpoint as the training process says it saved it: the fraction's index (the stage number is
+    index + 1) and the file's digests and size, a claim the evaluator checks against the file the layout puts
+    there (no path is ever sent)."""
+
+    WHAT = "a stage checkpoint sent"
+
+    index: int
+    sha256: str
+    model_sha256: str
+    bytes: int
+
+    @classmethod
+    def of(cls, index: int, checkpoint: dict[str, Any]) -> StageSaved:
+        """Stage ``index``'s from a checkpoint's record (``checkpoints.save``'s, a stage record's ``checkpoint``)."""
+        return cls(index=index, **{field.name: checkpoint[field.name] for field in fields(cls)
+                                   if field.name != "index"})
+
+
+@dataclass(frozen=True)
+class StageReached(_Record):
+    """``STAGE``'s body: the stages one update reached (they share its weights) and the training facts there."""
+
+    WHAT = "the stage sent"
+
+    saved: list[StageSaved]
+    facts: StageFacts
+
+    def to_json(self) -> dict[str, Any]:
+        return {"saved": [entry.to_json() for entry in self.saved], "facts": self.facts.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Any, what: str | None = None, advice: str = "") -> StageReached:
+        what, advice = what or cls.WHAT, advice or DAMAGED
+        if not isinstance(data, dict) or not isinstance(data.get("saved"), list):
+            raise RecordDamaged(f"{what} is not a JSON object with a list of saved stages; {advice}")
+        return cls(saved=[StageSaved.from_json(entry, advice=advice) for entry in data["saved"]],
+                   facts=StageFacts.from_json(data.get("facts"), what=f"the stage facts of {what}", advice=advice))
+
+
+@dataclass(frozen=True)
+class RecordedStage(_Record):
+    """One stage the evaluator judged and recorded (``stage-NN.json``), as the training process may learn it:
+    ``said``, the outcome in words, only for an arm without an agent (agent code learns no result it could act
+    on), else None."""
+
+    WHAT = "a recorded stage"
+
+    stage: int
+    said: str | None
+
+
+@dataclass(frozen=True)
+class StageVerdict(_Record):
+    """``STAGE``'s answer: the stages it recorded, in order."""
+
+    WHAT = "the evaluator's verdict on a stage"
+
+    stages: list[RecordedStage]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stages": [stage.to_json() for stage in self.stages]}
+
+    @classmethod
+    def from_json(cls, data: Any, what: str | None = None, advice: str = "") -> StageVerdict:
+        what, advice = what or cls.WHAT, advice or DAMAGED
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
+            raise RecordDamaged(f"{what} is not a JSON object with a list of stages; {advice}")
+        return cls(stages=[RecordedStage.from_json(entry, advice=advice) for entry in data["stages"]])
+
+
+@dataclass(frozen=True)
+class Acknowledged(_Record):
+    """The answer of a request done with nothing to tell (``OPEN``: the anchor is ready; ``START``: the start is
+    recorded or checked; ``CARRIED``: the carried stages are judged again and hold)."""
+
+    WHAT = "the evaluator's acknowledgement"
+
+
+@dataclass(frozen=True)
+class Closed(_Record):
+    """``CLOSE``'s answer: ``report.json`` as the evaluator wrote it."""
+
+    WHAT = "the evaluator's close"
+
+    report: dict[str, Any]
+
+
+class Message:
+    """The kinds of request, in the order a run sends them (``START`` once, ``CARRIED`` only on a resume), the
+    record each one's body is (``BODIES``) and the record its answer is (``ANSWERS``): ``OPEN`` (an
+    ``Opening``, answered once the anchor is evaluated or its record checked), ``START`` (``Starting``: a new
+    run's ``start.json`` is written, a resumed run's checked), ``CARRIED`` (``CarriedStages``), ``STAGE``
+    (``StageReached``, answered by a ``StageVerdict``) and ``CLOSE`` (``TrainingFacts``, answered with the report
+    written)."""
+
+    OPEN = "open"
+    START = "start"
+    CARRIED = "carried"
+    STAGE = "stage"
+    CLOSE = "close"
+    ALL = (OPEN, START, CARRIED, STAGE, CLOSE)
+    BODIES: dict[str, type[_Record]] = {OPEN: Opening, START: Starting, CARRIED: CarriedStages,
+                                        STAGE: StageReached, CLOSE: TrainingFacts}
+    ANSWERS: dict[str, type[_Record]] = {OPEN: Acknowledged, START: Acknowledged, CARRIED: Acknowledged,
+                                         STAGE: StageVerdict, CLOSE: Closed}
+
+
 @dataclass
 class RunReport(_Record):
     """``report.json``: the figures of a finished run (written once, at its end)."""
@@ -610,7 +775,17 @@ class SelectedRecord(_Record):
     flagged: bool
     checkpoint: dict[str, Any]  # file, sha256, model_sha256
     metrics: dict[str, float | int | None]  # None: not finite (as in the stage record)
-    reason: str | None = None
+    reason: str | None = None  # why the anchor is selected; a selected stage's record has none
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if data["reason"] is None:
+            del data["reason"]
+        return data
+
+    def summary(self) -> dict[str, Any]:
+        """What ``report.json``'s ``selected`` says of it."""
+        return {"source": self.source, "stage": self.stage, "flagged": self.flagged}
 
 
 # --------------------------------------------------------------------------------------------------------------

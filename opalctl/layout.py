@@ -100,7 +100,7 @@ def name_problem(value: object) -> str | None:
 
 def _reads_as_another_value(value: str) -> bool:
     """Whether YAML (a protocol file) or Python's number parsing reads ``value`` as anything but this string."""
-    import yaml
+    import yaml  # here, not at the top: the CLI imports this module at start-up (opalctl --help)
 
     for number in (float, lambda text: int(text, 0)):  # 1e3, nan, inf, 1_000; 0x1F, 0o17, 0b1
         try:

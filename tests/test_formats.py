@@ -13,12 +13,25 @@ from hypothesis import strategies as st
 
 from opalctl.formats import (
     FORMAT_VERSION,
+    Acknowledged,
     AgentFigures,
+    CarriedStages,
+    Closed,
     Event,
+    Message,
+    Opening,
     RecordDamaged,
+    RecordedStage,
     RunReport,
+    SelectedRecord,
+    StageFacts,
+    StageReached,
     StageRecord,
+    StageSaved,
+    StageVerdict,
+    Starting,
     StepRow,
+    TrainingFacts,
     read_jsonl,
     step_line,
     step_line_plain,
@@ -124,3 +137,55 @@ def test_the_jsonl_reader_refuses_a_damaged_line_before_the_last_naming_file_and
 def test_the_jsonl_reader_names_a_missing_file(tmp_path):
     with pytest.raises(RecordDamaged, match=r"nothing.jsonl is missing"):
         list(read_jsonl(tmp_path / "nothing.jsonl"))
+
+
+# -- the evaluator's messages ------------------------------------------------------------------------------------
+
+FACTS = StageFacts(update=10, budget_used=10.0, budget_fraction_used=0.5, examples=640, train_cpu_seconds=1.0,
+                   train_wall_seconds=1.1, loss=float("nan"))
+TRAINING = TrainingFacts(updates=20, budget_total=20.0, budget_used=20.0, overshoot=0.0, ledger={"resumes": 0},
+                         rows_digest="ab", agent=None, final_model_sha256="cd", peak_memory_bytes=1,
+                         peak_device_memory_bytes=None, session_wall=1.0, session_cpu=1.0)
+MESSAGES = {
+    Message.OPEN: (Opening(lock="l.lock.json", lock_sha256="ab", arm="adamw", seed=1, run_dir="r", anchor_dir="a",
+                           sys_path=["/x"]), Acknowledged()),
+    Message.START: (Starting(confinement=None, initial={"file": "initial.pt", "sha256": "ab", "model_sha256": "cd"},
+                             inherited=None, initialised=["w"], groups=None, host="h"), Acknowledged()),
+    Message.CARRIED: (CarriedStages(stages=2, update=10), Acknowledged()),
+    Message.STAGE: (StageReached(saved=[StageSaved(index=1, sha256="ab", model_sha256="cd", bytes=9)], facts=FACTS),
+                    StageVerdict(stages=[RecordedStage(stage=2, said="promoted")])),
+    Message.CLOSE: (TRAINING, Closed(report={"updates": 20})),
+}
+
+
+@pytest.mark.parametrize("kind", Message.ALL)
+def test_each_message_and_its_answer_is_a_record_that_crosses_the_pipe_and_reads_back_the_same(kind):
+    body, answer = MESSAGES[kind]
+    assert isinstance(body, Message.BODIES[kind]) and isinstance(answer, Message.ANSWERS[kind])
+    for record in (body, answer):
+        again = type(record).from_json(json.loads(json.dumps(record.to_json(), allow_nan=True)))
+        assert json.dumps(again.to_json(), allow_nan=True) == json.dumps(record.to_json(), allow_nan=True)
+
+
+def test_a_stage_message_lacking_a_field_is_refused_naming_it():
+    data = MESSAGES[Message.STAGE][0].to_json()
+    del data["saved"][0]["model_sha256"]
+    with pytest.raises(RecordDamaged, match="a stage checkpoint sent lacks model_sha256"):
+        StageReached.from_json(data)
+    with pytest.raises(RecordDamaged, match="the evaluator's verdict on a stage is not a JSON object"):
+        StageVerdict.from_json({"stages": {}})
+
+
+def test_a_stage_record_gives_back_the_facts_it_took_over_and_names_its_checkpoint():
+    record = StageRecord.from_json(stage(checkpoint={"file": "training/stage-01.pt", "sha256": "ab",
+                                                     "model_sha256": "cd", "bytes": 9}))
+    assert StageFacts.of(record).fields() == {key: stage()[key] for key in FACTS.fields()}
+    assert StageSaved.of(0, record.checkpoint) == StageSaved(index=0, sha256="ab", model_sha256="cd", bytes=9)
+
+
+def test_a_selected_stage_has_no_reason_and_the_report_says_source_stage_and_flag():
+    chosen = SelectedRecord(source="stage", stage=2, flagged=False, checkpoint={"file": "x"}, metrics={})
+    assert list(chosen.to_json()) == ["source", "stage", "flagged", "checkpoint", "metrics"]
+    anchor = SelectedRecord(source="anchor", stage=None, flagged=True, checkpoint={}, metrics={}, reason="none")
+    assert anchor.to_json()["reason"] == "none"
+    assert chosen.summary() == {"source": "stage", "stage": 2, "flagged": False}

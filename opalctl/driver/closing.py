@@ -15,13 +15,23 @@ from typing import Any
 
 from opalctl.driver.budget import clock_spec
 from opalctl.driver.evaluation import recorded_metrics
-from opalctl.files import atomic_write_json
-from opalctl.formats import LastRecord, RunReport, StageRecord, TrainingFacts, anchor_sha256
+from opalctl.files import atomic_write_json, sha256_file
+from opalctl.formats import (
+    LastRecord,
+    RunDigests,
+    RunReport,
+    SelectedRecord,
+    StageRecord,
+    TrainingFacts,
+    anchor_sha256,
+    record_sha256,
+    report_sha256,
+)
 from opalctl.layout import RunLayout
 
 
 @dataclass
-class RunOutcome:
+class ClosingInputs:
     """What the closing records are made of: the evaluator's stages and incumbent, the training facts."""
 
     stages: list[StageRecord]
@@ -34,23 +44,23 @@ class RunOutcome:
     process: dict[str, Any] | None = None  # what the kernel counted of the training process (kernel_account.py)
 
 
-def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> dict[str, Any]:
+def selected_record(lock, seed: int, incumbent, anchor: dict[str, Any]) -> SelectedRecord:
     """``selected.json``: the incumbent, or the anchor (flagged) when no stage qualified."""
     if incumbent.stage is None:
-        return {"source": "anchor", "stage": None, "flagged": True,
-                "reason": "no stage qualified under the promotion policy; the selected model is the anchor",
-                "checkpoint": {"file": str(lock.parent_path(seed)),
-                               "sha256": lock.records[f"parent.seed-{seed}"]["sha256"],
-                               "model_sha256": anchor["model_sha256"]},
-                "metrics": anchor["metrics"]}
-    return {"source": "stage", "stage": incumbent.stage, "flagged": False, "checkpoint": incumbent.checkpoint,
-            "metrics": recorded_metrics(incumbent.metrics)}
+        return SelectedRecord(
+            source="anchor", stage=None, flagged=True,
+            reason="no stage qualified under the promotion policy; the selected model is the anchor",
+            checkpoint={"file": str(lock.parent_path(seed)), "sha256": lock.records[f"parent.seed-{seed}"]["sha256"],
+                        "model_sha256": anchor["model_sha256"]},
+            metrics=anchor["metrics"])
+    return SelectedRecord(source="stage", stage=incumbent.stage, flagged=False, checkpoint=incumbent.checkpoint,
+                          metrics=recorded_metrics(incumbent.metrics))
 
 
 def parameter_change(initial: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
     """How far training moved each floating-point tensor from its initial value (L2, and relative to it). A
     tensor that is not finite at the end (a diverged run's) has None for both, and is named in ``nonfinite``."""
-    import torch
+    import torch  # here: the evaluator process imports this module as it starts, before it may import torch
 
     changes, nonfinite = {}, []
     total_delta, total_norm = 0.0, 0.0
@@ -89,7 +99,7 @@ def nonfinite_limitations(stages: list[StageRecord], change: dict[str, Any]) -> 
     return out
 
 
-def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: dict[str, Any],
+def limitations(arm_name: str, seed: int, budget, outcome: ClosingInputs, splits: dict[str, Any],
                 change: dict[str, Any]) -> list[str]:
     """The report's limitations: what its figures cannot say, in sentences."""
     training, ledger = outcome.training, outcome.training.ledger
@@ -120,13 +130,14 @@ def limitations(arm_name: str, seed: int, budget, outcome: RunOutcome, splits: d
     return out
 
 
-def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outcome: RunOutcome,
+def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outcome: ClosingInputs,
               anchor: dict[str, Any], splits: dict[str, Any]) -> dict[str, Any]:
     """Write ``last.json``, ``selected.json`` and ``report.json``; return the report."""
     last_stage = outcome.stages[-1]
     last = LastRecord(stage=last_stage.stage, update=last_stage.update, **last_stage.checkpoint).to_json()
     atomic_write_json(layout.last, last)
-    selected = selected_record(lock, seed, outcome.incumbent, anchor)
+    chosen = selected_record(lock, seed, outcome.incumbent, anchor)
+    selected = chosen.to_json()
     atomic_write_json(layout.selected, selected)
     budget, training, ledger = protocol.budget, outcome.training, outcome.training.ledger
     arm = protocol.arms[arm_name]
@@ -145,7 +156,7 @@ def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outco
         parameter_change=change,
         stages=[stage.to_json() for stage in outcome.stages],
         promoted_stages=[stage.stage for stage in outcome.stages if stage.promoted],
-        selected={"source": selected["source"], "stage": selected["stage"], "flagged": selected["flagged"]},
+        selected=chosen.summary(),
         final_model_sha256=last["model_sha256"], anchor_metrics=anchor["metrics"], agent=training.agent,
         resumes=ledger["resumes"], nonfinite_losses=ledger["nonfinite_losses"],
         limitations=limitations(arm_name, seed, budget, outcome, splits, change),
@@ -161,9 +172,6 @@ def sealed_report(layout: RunLayout, report: dict[str, Any], stages: list[StageR
                   last: dict[str, Any], selected: dict[str, Any]) -> dict[str, Any]:
     """The report with its ``digests`` (formats.RunDigests): the records this process wrote from its memory, the
     steps file (the training process's) as it is now, and the report's own digest last."""
-    from opalctl.files import sha256_file
-    from opalctl.formats import RunDigests, record_sha256, report_sha256
-
     steps = layout.steps
     digests = RunDigests(
         start=sha256_file(layout.start), steps=sha256_file(steps) if steps.is_file() else None,

@@ -8,7 +8,8 @@ evaluation.
 
 The training process talks to it over a pipe, one JSON object per line each way: a request ``{"kind": K,
 "body": ...}`` and one answer, ``{"ok": ...}`` or ``{"error": sentence, "exit": code, "class": name}``. The
-kinds are ``Message``'s, and this module is the only one that reads or writes them.
+kinds are ``formats.Message``'s, each body and answer the record it names there, and this module is the only one
+that reads or writes them.
 
 It trusts nothing the training process says once an agent program may have run there. It writes ``start.json``
 from what training sent before any agent code could run (the initial checkpoint it wrote, the confinement it
@@ -28,26 +29,48 @@ The run folder's lock is inherited, so a resume waits until it has ended.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+import traceback
+from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from opalctl.errors import OpalctlError
+from opalctl import checkpoints
+from opalctl.driver.build import choose_arm
+from opalctl.driver.closing import ClosingInputs, close_run
+from opalctl.driver.evaluation import EvaluateLimit, evaluate_all, limit_evaluate
+from opalctl.driver.judge import Incumbent, Judge, SavedStage
+from opalctl.driver.kernel_account import KernelAccount, SessionCpu
+from opalctl.driver.sharing import MachineWatch
+from opalctl.errors import InputChanged, OpalctlError
+from opalctl.files import atomic_write_json, sha256_file
 from opalctl.formats import (
+    Acknowledged,
     AnchorRecord,
+    CarriedStages,
+    Closed,
+    Message,
+    Opening,
     RecordChanged,
     RecordDamaged,
+    RecordedStage,
     StageFacts,
+    StageReached,
     StageRecord,
+    StageSaved,
+    StageVerdict,
+    Starting,
     StartRecord,
     TrainingFacts,
     anchor_sha256,
@@ -55,41 +78,9 @@ from opalctl.formats import (
     record_sha256,
 )
 from opalctl.layout import AnchorFolder, RunLayout
-
-
-class Message:
-    """The kinds of request, in the order a run sends them (``START`` once, ``CARRIED`` only on a resume).
-
-    - ``OPEN``: body ``Opening``; answered once the anchor is evaluated or its record checked: ``{}``.
-    - ``START``: body ``{"confinement", "initial", "inherited", "initialised", "groups", "host"}``, sent before any
-      agent program can have run (``initial`` None on a resume); answer ``{}``. A new run's ``start.json`` is
-      written.
-    - ``CARRIED``: body ``{"stages": k, "update": u}``, the stages a resume checkpoint has passed; answer ``{}``.
-    - ``STAGE``: body ``{"saved": [{"index", "sha256", "model_sha256", "bytes"}], "facts": StageFacts}``; answer
-      ``{"stages": [{"stage": n, "said": text | None}]}``, ``said`` the outcome in words for an arm without agent.
-    - ``CLOSE``: body ``TrainingFacts``; answer ``{"report": RunReport json}``.
-    """
-
-    OPEN = "open"
-    START = "start"
-    CARRIED = "carried"
-    STAGE = "stage"
-    CLOSE = "close"
-    ALL = (OPEN, START, CARRIED, STAGE, CLOSE)
-
-
-@dataclass(frozen=True)
-class Opening:
-    """What the evaluator needs to start: sent by the training process before any agent code exists in it."""
-
-    lock: str
-    lock_sha256: str
-    arm: str
-    seed: int
-    run_dir: str
-    anchor_dir: str
-    sys_path: list[str]  # where the task's module is found (a test's or a user's folder)
-
+from opalctl.protocol.lock import read_lock
+from opalctl.tasks import make_task
+from opalctl.training_folder import training_folder_bytes, training_folder_excess
 
 # --------------------------------------------------------------------------------------------------------------
 # the training process's side
@@ -104,7 +95,7 @@ class EvaluatorProcess:
     def __init__(self, opening: Opening, inherit_fds: tuple[int, ...] = ()):
         self.run_dir = opening.run_dir
         self.advice = "start the run again"  # what to do when it stops; a run that has a resume point resumes
-        self.unanswered = 0  # requests sent whose answer was not read: a busy evaluator, when the run ends
+        self.asked: deque[str] = deque()  # the kinds of the requests sent whose answer was not read, in order
         package_root = str(Path(__file__).resolve().parents[2])  # the evaluator runs this very copy of opalctl
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -113,37 +104,48 @@ class EvaluatorProcess:
                                          str(os.getpid())],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
                                         pass_fds=inherit_fds)
-        self.send(Message.OPEN, opening.__dict__)  # answered by ``answer`` once the anchor is ready
+        self.send(Message.OPEN, opening)  # answered by ``answer`` once the anchor is ready
 
-    def send(self, kind: str, body: Any) -> None:
-        """A request whose answer ``answer`` reads later (so the evaluator works while training builds)."""
-        line = json.dumps({"kind": kind, "body": body}, allow_nan=True) + "\n"
-        self.unanswered += 1
+    @property
+    def unanswered(self) -> int:
+        """The requests sent whose answer was not read: a busy evaluator, when the run ends."""
+        return len(self.asked)
+
+    def send(self, kind: str, body) -> None:
+        """A request (``body``: the record ``Message.BODIES`` names for ``kind``) whose answer ``answer`` reads
+        later (so the evaluator works while training builds)."""
+        assert isinstance(body, Message.BODIES[kind]), f"a {kind} request's body is a {Message.BODIES[kind]}"
+        line = json.dumps({"kind": kind, "body": body.to_json()}, allow_nan=True) + "\n"
+        self.asked.append(kind)
         try:
             self.process.stdin.write(line.encode())
             self.process.stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
             self._stopped()
 
-    def answer(self) -> Any:
-        """The next answer; an error answer is raised as the error the evaluator met, with its sentence."""
+    def answer(self):
+        """The next answer, as the record ``Message.ANSWERS`` names for its request's kind; an error answer is
+        raised as the error the evaluator met, with its sentence."""
         line = self.process.stdout.readline()
         if not line:
             self._stopped()
-        self.unanswered -= 1
+        kind = self.asked.popleft()
         try:
             answer = json.loads(line)
         except ValueError:
             answer = None
         if isinstance(answer, dict) and "error" in answer:
             raise _error_from(answer)
-        if not isinstance(answer, dict) or "ok" not in answer:
+        try:
+            if not isinstance(answer, dict) or "ok" not in answer:
+                raise RecordDamaged("no answer")
+            return Message.ANSWERS[kind].from_json(answer["ok"])
+        except RecordDamaged:
             self.end()
             raise EvaluatorFailed(f"the evaluator of {self.run_dir} answered outside its protocol "
-                                  f"({line[:120]!r}); {self.advice}")
-        return answer["ok"]
+                                  f"({line[:120]!r}); {self.advice}") from None
 
-    def ask(self, kind: str, body: Any) -> Any:
+    def ask(self, kind: str, body):
         self.send(kind, body)
         return self.answer()
 
@@ -214,13 +216,9 @@ class Evaluator:
     """The evaluator's state: the lock, the task and its splits, the judge, the anchor and the stage records."""
 
     def __init__(self, opening: Opening):
+        # torch is imported here, once the request to open came: the evaluator process starts without it, so that
+        # its parent-death signal is armed and the stop signals ignored at once (``main``)
         import torch
-
-        from opalctl.driver.build import choose_arm
-        from opalctl.driver.judge import Incumbent, Judge
-        from opalctl.errors import InputChanged
-        from opalctl.protocol.lock import read_lock
-        from opalctl.tasks import make_task
 
         sys.path[:] = list(opening.sys_path)
         self.lock = read_lock(Path(opening.lock))
@@ -228,8 +226,6 @@ class Evaluator:
             raise InputChanged(f"lock {self.lock.path} changed while the run started; run it again")
         self.protocol = self.lock.protocol()
         if _channel is not None:  # the evaluator process: a task's evaluate past its limit ends it (evaluation.py)
-            from opalctl.driver.evaluation import EvaluateLimit, limit_evaluate
-
             limit_evaluate(EvaluateLimit(self.protocol.limits.evaluate_seconds, _channel.expire))
         self.arm_name, self.seed = opening.arm, opening.seed
         self.arm = choose_arm(self.protocol, opening.arm, opening.seed, f"lock {self.lock.path}", "the lock's")
@@ -248,63 +244,54 @@ class Evaluator:
         self.stages: list[StageRecord] = []
         self.confinement: dict[str, Any] | None = None
         self.started = False
-        from opalctl.driver.kernel_account import KernelAccount, SessionCpu
-        from opalctl.driver.sharing import MachineWatch
-
         self.machine = MachineWatch()  # lives as long as the run: sampled at each stage, written at the close
         self.training_process = KernelAccount(os.getppid())  # the evaluator is the training process's child
         self.cpu: SessionCpu | None = None
 
     def _anchor(self, device: str) -> dict[str, Any]:
-        from opalctl import checkpoints
-
         parent = self.task.build(self.lock.parent_path(self.seed), {}, self.seed, device).model
         parent.train()
         digest = checkpoints.model_sha256(parent.state_dict())
-        return prepare_anchor(self.lock, self.task, self.splits, self.seed, self.layout.anchor.folder, parent, digest)
+        return prepare_anchor(self.lock, self.task, self.splits, self.seed, self.layout.anchor, parent, digest)
 
-    def handle(self, kind: str, body: Any) -> Any:
+    def handle(self, kind: str, body):
+        """The answer to a request after ``OPEN`` (``body``: the record ``Message.BODIES`` names for ``kind``), as
+        the record ``Message.ANSWERS`` names."""
         if kind == Message.START:
             return self.start(body)
         if not self.started:
             raise EvaluatorFailed(f"the training process of {self.run_dir} sent {kind!r} before it started the run; "
                                   f"this is a bug in opalctl")
         if kind == Message.CARRIED:
-            return self.carried(int(body["stages"]))
+            return self.carried(body)
         if kind == Message.STAGE:
-            return self.stage(body["saved"], StageFacts.from_json(body["facts"], what="the stage facts sent"))
+            return self.stage(body)
         if kind == Message.CLOSE:
-            return {"report": self.close(TrainingFacts.from_json(body))}
+            return Closed(report=self.close(body))
         raise EvaluatorFailed(f"the evaluator of {self.run_dir} was sent {kind!r}, which is not one of "
                               f"{', '.join(Message.ALL)}; this is a bug in opalctl")
 
     # -- the start -----------------------------------------------------------------------------------------------
-    def start(self, body: dict[str, Any]) -> dict[str, Any]:
+    def start(self, starting: Starting) -> Acknowledged:
         """The run's start, as the training process tells it before any agent program can have run in it: a new
         run's ``start.json``; a resumed run's must be there, of this lock, arm and seed."""
-        from opalctl.driver.kernel_account import SessionCpu
-
         if self.started:
             raise EvaluatorFailed(f"the training process of {self.run_dir} started the run twice; this is a bug")
         self.started = True
-        self.confinement = body.get("confinement")
+        self.confinement = starting.confinement
         self.cpu = SessionCpu(self.training_process)
-        if body.get("initial") is not None:
-            write_start_record(self, body)
-            return {}
-        check_start_record(self.layout.start, self.lock.sha256, self.arm_name, self.seed)
-        return {}
+        if starting.initial is not None:
+            write_start_record(self, starting)
+        else:
+            check_start_record(self.layout.start, self.lock.sha256, self.arm_name, self.seed)
+        return Acknowledged()
 
     # -- stages ----------------------------------------------------------------------------------------------
-    def _saved(self, entry: dict[str, Any]):
+    def _saved(self, claim: StageSaved) -> SavedStage:
         """The stage's checkpoint where the layout puts it, with what the training process says it saved there."""
-        from opalctl.driver.judge import SavedStage
-
-        index = int(entry["index"])
         layout = self.layout
-        return SavedStage(index=index, root=layout.root, name=layout.name_of(layout.stage_checkpoint(index + 1)),
-                          sha256=str(entry["sha256"]), model_sha256=str(entry["model_sha256"]),
-                          bytes=int(entry["bytes"]))
+        return SavedStage(root=layout.root, name=layout.name_of(layout.stage_checkpoint(claim.index + 1)),
+                          **claim.to_json())
 
     def _judge(self, saved, facts: StageFacts) -> list[StageRecord]:
         """Judge the stages one update reached, which must be the next ones, and keep their records."""
@@ -324,8 +311,6 @@ class Evaluator:
         """An agent arm's ``training/`` within ``limits.training_folder_bytes``, measured from here (the training
         process's own count could say anything); past it the run ends in the sentence, and a resume clears what the
         run never writes (opalctl/training_folder.py)."""
-        from opalctl.training_folder import training_folder_bytes, training_folder_excess
-
         if self.arm.agent is None:
             return
         limit, _ = training_folder_bytes(self.protocol.limits, len(self.judge.fractions))
@@ -333,23 +318,23 @@ class Evaluator:
         if excess is not None:
             raise OpalctlError(excess)
 
-    def stage(self, saved: list[dict[str, Any]], facts: StageFacts) -> dict[str, Any]:
-        from opalctl.files import atomic_write_json
-
+    def stage(self, reached: StageReached) -> StageVerdict:
         self.check_training_folder()
-        records = self._judge([self._saved(entry) for entry in saved], facts)
+        records = self._judge([self._saved(claim) for claim in reached.saved], reached.facts)
         self.machine.sample()
         for record in records:
             atomic_write_json(self.layout.stage_record(record.stage), record.to_json())
         # an agent arm's training process runs agent code: it learns that the stage was recorded, not its result
         tell = self.arm.agent is None
-        return {"stages": [{"stage": record.stage, "said": said_of(record) if tell else None} for record in records]}
+        return StageVerdict(stages=[RecordedStage(stage=record.stage, said=said_of(record) if tell else None)
+                                    for record in records])
 
-    def carried(self, count: int) -> dict[str, Any]:
+    def carried(self, carried: CarriedStages) -> Acknowledged:
         """A resume's first ``count`` stages: the evaluator's own records in the run folder, each judged again from
         its checkpoint (which must still be the file it was judged on) and refused, naming the file, when it is not
         what a new judgement gives or not as opalctl wrote it; the incumbent and the kernel's count of CPU seconds
         go on from the last of them."""
+        count = carried.stages
         advice = f"move the run folder {self.run_dir} aside and start the run again"
         if not 0 <= count <= len(self.judge.fractions):
             raise RecordDamaged(f"the resume checkpoint of {self.run_dir} says it passed {count} stages, and the run "
@@ -362,36 +347,28 @@ class Evaluator:
             else:
                 groups.append([record])
         for group in groups:
-            first = group[0]
-            saved = [self._saved({"index": record.stage - 1, **record.checkpoint}) for record in group]
-            facts = StageFacts(update=first.update, budget_used=first.budget_used,
-                               budget_fraction_used=first.budget_fraction_used, examples=first.examples,
-                               train_cpu_seconds=first.train_cpu_seconds, train_wall_seconds=first.train_wall_seconds,
-                               loss=first.loss)
-            for again, record in zip(self._judge(saved, facts), group, strict=True):
+            saved = [self._saved(StageSaved.of(record.stage - 1, record.checkpoint)) for record in group]
+            for again, record in zip(self._judge(saved, StageFacts.of(group[0])), group, strict=True):
                 _require_same(again, record, self.layout.stage_record(record.stage), saved[0].path)
         self.stages[:count] = records  # the records as written (their eval_seconds too): report.json's are the files
         last = records[-1] if records else None
         if last is not None and last.process_cpu_seconds is not None and self.cpu is not None:
             self.cpu.carried = last.process_cpu_seconds
-        return {}
+        return Acknowledged()
 
     # -- the close -------------------------------------------------------------------------------------------
     def close(self, training: TrainingFacts) -> dict[str, Any]:
-        from opalctl import checkpoints
-        from opalctl.driver.closing import RunOutcome, close_run
-
         self.check_training_folder()
         if len(self.stages) != len(self.judge.fractions):
             raise RecordDamaged(f"the training process of {self.run_dir} closed the run after {len(self.stages)} of "
                                 f"{len(self.judge.fractions)} stages; move the run folder aside and start the run "
                                 f"again")
         last = self.stages[-1]
-        final = self.judge.weights_of(self._saved({"index": last.stage - 1, **last.checkpoint}))
+        final = self.judge.weights_of(self._saved(StageSaved.of(last.stage - 1, last.checkpoint)))
         initial = checkpoints.load(self.layout.initial, limit_bytes=self.judge.limit_bytes)["model"]
         process = {"cpu_seconds": self.cpu.total() if self.cpu is not None else None,
                    "peak_rss_bytes": self.training_process.peak_rss_bytes()}
-        outcome = RunOutcome(stages=self.stages, incumbent=self.incumbent, training=training,
+        outcome = ClosingInputs(stages=self.stages, incumbent=self.incumbent, training=training,
                              initial_model=initial, final_model=final, confinement=self.confinement,
                              machine=self.machine.to_json(), process=process)
         return close_run(self.layout, self.lock, self.arm_name, self.seed, self.protocol, outcome, self.anchor,
@@ -405,13 +382,9 @@ def said_of(record: StageRecord) -> str:
     return f"kept {record.incumbent_after} ({'; '.join(record.decision['reasons'][:2])})"
 
 
-def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
+def write_start_record(evaluator: Evaluator, starting: Starting) -> None:
     """``start.json``: what the run starts from, from the lock and what the training process sent before any agent
     program could run in it."""
-    import platform as _platform
-
-    from opalctl.files import atomic_write_json
-
     lock, protocol, layout = evaluator.lock, evaluator.protocol, evaluator.layout
     arm = protocol.arms[evaluator.arm_name]
     start = StartRecord(
@@ -419,21 +392,16 @@ def write_start_record(evaluator: Evaluator, body: dict[str, Any]) -> None:
         seed=evaluator.seed,
         budget={"clock": protocol.budget.clock, "total": protocol.budget.amount * arm.budget_multiplier,
                 "fractions": list(protocol.budget.fractions), "threads": protocol.budget.threads},
-        initial=dict(body["initial"]),
         anchor={"folder": os.path.relpath(layout.anchor.folder, layout.root),
                 "model_sha256": evaluator.anchor["model_sha256"]},
         arm_config=lock.resolved["arms"][evaluator.arm_name], training=lock.resolved["training"],
-        inherited=body.get("inherited"), initialised=body.get("initialised"), groups=body.get("groups"),
-        confinement=evaluator.confinement,
-        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        host=body.get("host") or _platform.node(), ranks=protocol.training.ranks)
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), ranks=protocol.training.ranks,
+        **{**starting.to_json(), "host": starting.host or platform.node()})
     atomic_write_json(layout.start, start.to_json())
 
 
 def check_start_record(path: Path, lock_sha256: str, arm: str, seed: int) -> None:
     """A resumed run's ``start.json``: there, of this lock, arm and seed, and as opalctl wrote it."""
-    from opalctl.files import sha256_file
-
     advice = "restore it, or start the run again from update 0 with --restart"
     if not path.is_file():
         raise RecordChanged(f"{path} is missing, and the run's resume checkpoint says it started; {advice}")
@@ -447,8 +415,6 @@ def check_start_record(path: Path, lock_sha256: str, arm: str, seed: int) -> Non
 def _read_own_stage(path: Path, number: int, advice: str) -> StageRecord:
     """Stage ``number``'s record as this evaluator wrote it: of that stage, and byte for byte its canonical form
     (a key added or a value retyped by hand is an edit)."""
-    from opalctl.files import sha256_file
-
     record = read_record(path, StageRecord, advice=advice)
     if record.stage != number:
         raise RecordChanged(f"stage record {path} holds the record of stage {record.stage}; {advice}")
@@ -466,14 +432,12 @@ def _require_same(judged: StageRecord, written: StageRecord, path: Path, checkpo
                             f"differ); move the run folder {path.parent} aside and start the run again")
 
 
-def prepare_anchor(lock, task, splits, seed: int, folder: Path, parent, model_digest: str) -> dict[str, Any]:
+def prepare_anchor(lock, task, splits, seed: int, anchor_folder: AnchorFolder, parent,
+                   model_digest: str) -> dict[str, Any]:
     """Evaluate the parent once per lock and seed; when it was done before, check its record instead of redoing
     it: it must be of this lock, parent and data, and its metrics must match its digest (a record written before
     the chain has none: its metrics are evaluated again and must be the same)."""
-    from opalctl.driver.evaluation import evaluate_all
-    from opalctl.files import atomic_write_json
-
-    record_path = folder / "anchor.json"
+    folder, record_path = anchor_folder.folder, anchor_folder.record
     parent_record = lock.records[f"parent.seed-{seed}"]
     data_records = {role: record["sha256"] for role, record in lock.records.items() if role.startswith("data.")}
     again = f"delete the folder {folder} so it is evaluated again"
@@ -552,16 +516,19 @@ def serve(requests, answers) -> int:
     for line in requests:
         try:
             request = json.loads(line)
-            if request["kind"] == Message.OPEN:
-                evaluator = Evaluator(Opening(**request["body"]))
-                answer: dict[str, Any] = {"ok": {}}
+            kind = request["kind"]
+            if kind not in Message.BODIES:
+                raise EvaluatorFailed(f"the evaluator was sent {kind!r}, which is not one of {', '.join(Message.ALL)}; "
+                                      f"this is a bug in opalctl")
+            body = Message.BODIES[kind].from_json(request["body"], advice="this is a bug in opalctl")
+            if kind == Message.OPEN:
+                evaluator, done = Evaluator(body), Acknowledged()
             elif evaluator is None:
                 raise EvaluatorFailed("the evaluator was asked for work before it was opened; this is a bug")
             else:
-                answer = {"ok": evaluator.handle(request["kind"], request["body"])}
+                done = evaluator.handle(kind, body)
+            answer: dict[str, Any] = {"ok": done.to_json()}
         except Exception as error:  # every failure is an answer; after it the training process ends the run
-            import traceback
-
             traceback.print_exc(file=sys.stderr)
             answer = _failure(error)
         try:
@@ -578,8 +545,6 @@ def die_with_parent(parent: int) -> None:
     signal), whatever it is doing then, a task's evaluate that hangs included: a run killed with SIGKILL leaves no
     evaluator holding its folder's lock. Where the system has no such signal the input's end and the evaluate
     limit end it."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG

@@ -17,6 +17,7 @@ from typing import Any
 
 from opalctl import checkpoints
 from opalctl.driver.evaluation import evaluate_all, recorded_metrics, rng_state, set_rng_state
+from opalctl.driver.promotion import decide
 from opalctl.files import sha256_bytes
 from opalctl.formats import RecordChanged, RecordDamaged, StageFacts, StageRecord, finite_or_none
 
@@ -49,7 +50,8 @@ class Incumbent:
 @dataclass(frozen=True)
 class SavedStage:
     """A stage's checkpoint: where the layout puts it (``name`` beneath the run folder ``root``, never a path the
-    training process sent) and what the training process says it saved there (a claim the judge checks)."""
+    training process sent) and what the training process says it saved there (``formats.StageSaved``'s fields: a
+    claim the judge checks)."""
 
     index: int  # the fraction's index; the stage number is index + 1
     root: Path
@@ -131,8 +133,6 @@ class Judge:
               anchor_sha256: str | None = None) -> tuple[list[StageRecord], Incumbent]:
         """The records of the stages one update reached (they share its weights, so they are evaluated once) and
         the incumbent after them, decided in order; each names the anchor record it was judged against."""
-        from opalctl.driver.promotion import decide
-
         started = time.perf_counter()
         metrics = self.evaluate(saved[0])
         eval_seconds = time.perf_counter() - started

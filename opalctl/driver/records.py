@@ -48,6 +48,7 @@ end. A write the storage refuses (a full disk, a read-only folder) ends the run 
 from __future__ import annotations
 
 import errno
+import fcntl
 import gzip
 import hashlib
 import json
@@ -65,8 +66,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from opalctl.errors import OpalctlError
-from opalctl.files import CHUNK, storage_fault
-from opalctl.formats import StepRow, step_line
+from opalctl.files import CHUNK, read_plain, storage_fault
+from opalctl.formats import STEPS_MAX_BYTES, StepRow, step_line
+from opalctl.sandbox import Bounds, confine_process, training_paths
 from opalctl.scalars import read_floats
 
 FLUSH_LINES = 512
@@ -88,7 +90,7 @@ PIPE_BYTES = 1 << 20  # the pipe's buffer, where the system allows it (Linux: /p
 def encode_lines(columns: dict[str, Any]) -> tuple[bytes, int]:
     """An L frame of these rows' columns (by StepRow field name, the losses read already), and how many row ids
     it holds."""
-    import numpy as np
+    import numpy as np  # here, not at the top: the steps helper process (this module) starts without numpy
 
     ids = columns["ids"]
     blob = np.concatenate(ids).astype(np.int64, copy=False).tobytes()  # the digests are of int64 bytes
@@ -114,7 +116,7 @@ def _learning_rates(column) -> tuple[list[int], list[float]]:
             if type(rate) is float:
                 rates.append(rate)
             else:
-                from opalctl.opal.plain import plain_number
+                from opalctl.opal.plain import plain_number  # here: the steps helper starts without torch
 
                 number = plain_number(rate)
                 rates.append(float("nan") if number is None else number)
@@ -240,10 +242,8 @@ class HelperProcess:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, pass_fds=inherit_fds, bufsize=0)
         try:  # room for a whole flush, so that sending it never waits for the helper
-            import fcntl
-
             fcntl.fcntl(self.process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        except (ImportError, AttributeError, OSError):
+        except (AttributeError, OSError):
             pass  # not Linux, or a lower system limit: sending then waits for the helper to read, nothing more
 
     @property
@@ -587,8 +587,6 @@ def serve(path: str, cpu_charges: bool, confine: bool = False) -> int:
 def confine_helper(path: str) -> dict:
     """The helper's own confinement, as it starts (before it reads a frame): it writes only in its file's folder,
     reads what a training process reads, reaches no network, starts no process and holds no capability."""
-    from opalctl.sandbox import Bounds, confine_process, training_paths
-
     return confine_process(writable=[Path(path).parent], readable=training_paths(), deny_network=True,
                            bounds=Bounds(no_processes=True, drop_capabilities=True)).to_json()
 
@@ -615,9 +613,6 @@ def _members(data: bytes) -> Iterator[tuple[bytes, int]]:
 def read_steps(path: Path) -> Iterator[dict[str, Any]]:
     """Every complete line of a steps file; a member cut short by a crash is ignored. The file is read as every
     file opalctl reads back (``files.read_plain``): a FIFO, a device or a link there is an ``OSError``."""
-    from opalctl.files import read_plain
-    from opalctl.formats import STEPS_MAX_BYTES
-
     for text, _end in _members(read_plain(path, STEPS_MAX_BYTES)):
         for line in text.decode().splitlines():
             if line:

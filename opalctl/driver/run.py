@@ -69,18 +69,28 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import checkpoints
-from opalctl.driver.arm import Schedule
-from opalctl.driver.budget import ChargingClock, PendingCharge
+from opalctl.compare.aggregate import read_report
+from opalctl.compare.decisions import RunEnding
+from opalctl.driver.arm import Schedule, make_update, wrap_agent
+from opalctl.driver.budget import BudgetMeter, ChargingClock, PendingCharge, clock_spec, make_clock
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.evaluation import rng_state, set_rng_state
-from opalctl.driver.evaluator import EvaluatorProcess, Message, Opening
-from opalctl.driver.judge import StageFacts
+from opalctl.driver.evaluator import EvaluatorProcess
 from opalctl.driver.ledger import Ledger
 from opalctl.driver.ranks import FollowerSteps, Ranks, join, lost_rank, torchrun_line
 from opalctl.driver.records import FLUSH_LINES, StepsWriter, locate
 from opalctl.errors import BadInput, InputChanged, Interrupted, OpalctlError, StorageFault
 from opalctl.files import storage, storage_fault
-from opalctl.formats import TrainingFacts
+from opalctl.formats import (
+    CarriedStages,
+    Message,
+    Opening,
+    StageFacts,
+    StageReached,
+    StageSaved,
+    Starting,
+    TrainingFacts,
+)
 from opalctl.layout import (
     AT_UPDATE_0,
     FINISHED,
@@ -92,6 +102,11 @@ from opalctl.layout import (
     runs_dir_default,
 )
 from opalctl.opal.agents import registry
+from opalctl.opal.agents.host import release_secrets
+from opalctl.protocol.lock import read_lock
+from opalctl.sandbox import bound_refusal, confine_process, training_bounds, training_paths
+from opalctl.tasks.calls import TaskFailed
+from opalctl.training_folder import clear_strays
 
 __all__ = ["run", "FormalRun", "RunCommand", "runs_dir_default"]
 
@@ -352,8 +367,6 @@ class BudgetLoop:
         self.progress, self.say = progress, say
         # under torchrun rank 0 alone acts on stages and writes; the others wait for it (driver/ranks.py)
         self.ranks = ranks or Ranks()
-        from opalctl.driver.budget import clock_spec
-
         self.agent_code_charge = clock_spec(protocol.budget.clock).agent_code_charge
         self.pending = pending or PendingCharge()  # what the agent arm's ChargingClock adds to the next update
         self.saved_at = meter.updates  # the update of the last resume checkpoint (a resume starts at its own)
@@ -363,9 +376,7 @@ class BudgetLoop:
         """Train until the budget is spent (after a resume checkpoint at update 0 when ``first_checkpoint``);
         returns what the evaluator needs of this process to close the run. ``session``: the wall and CPU clocks
         when this session started."""
-        import torch
-
-        from opalctl import checkpoints
+        import torch  # torch, and what imports it, here: this module is imported without it (the CLI, the grid)
 
         if first_checkpoint:
             self.write_resume()
@@ -406,10 +417,9 @@ class BudgetLoop:
             session_wall=time.perf_counter() - session[0], session_cpu=time.process_time() - session[1])
 
     def _loop(self) -> None:
-        import torch
+        import torch  # as in ``run``
 
-        from opalctl.driver.arm import make_update
-        from opalctl.opal.observer import StepLearningRates
+        from opalctl.opal.observer import StepLearningRates  # imports torch
 
         parts, meter, agent = self.parts, self.meter, self.agent
         # The loop body runs once per update, and everything it does between two updates costs several times what
@@ -507,9 +517,9 @@ class BudgetLoop:
         with ledger.outside():
             ledger.take(self.steps.take_sums())
             with ledger.outside("checkpoint_wall"):
-                saved = [{"index": index, **checkpoints.save(
+                saved = [StageSaved.of(index, checkpoints.save(
                     self.layout.stage_checkpoint(index + 1), self.parts.model.state_dict(), kind="stage",
-                    meta={"stage": index + 1, "update": meter.updates})} for index in indices]
+                    meta={"stage": index + 1, "update": meter.updates})) for index in indices]
             if self.agent is not None:
                 self.agent.report_dev(stage=indices[-1] + 1)  # opens the evaluation-integrity check here
             facts = StageFacts(update=meter.updates, budget_used=meter.used, budget_fraction_used=meter.fraction_used,
@@ -518,13 +528,12 @@ class BudgetLoop:
             stops = StopSignals.active if self.ranks.world == 1 else None
             with ledger.outside("eval_wall"), (stops.at_once("while the evaluator judged the stage")
                                                if stops is not None else contextlib.nullcontext()):
-                answer = self.evaluator.ask(Message.STAGE, {"saved": [_saved_entry(entry) for entry in saved],
-                                                            "facts": facts.to_json()})
+                verdict = self.evaluator.ask(Message.STAGE, StageReached(saved=saved, facts=facts))
             count = len(self.protocol.budget.fractions)
-            for recorded in answer["stages"]:
+            for recorded in verdict.stages:
                 carried.stages += 1
-                said = recorded.get("said") or f"judged (in {self.layout.stage_record(recorded['stage']).name})"
-                self.say(f"stage {recorded['stage']}/{count} at update {meter.updates}: {said}")
+                said = recorded.said or f"judged (in {self.layout.stage_record(recorded.stage).name})"
+                self.say(f"stage {recorded.stage}/{count} at update {meter.updates}: {said}")
 
     def write_resume(self) -> None:
         """``resume.pt``, on rank 0; under torchrun it carries every rank's own sampler and RNG states, and an
@@ -576,12 +585,6 @@ class BudgetLoop:
 
 # --------------------------------------------------------------------------------------------------------------
 # the run
-
-def _saved_entry(saved: dict[str, Any]) -> dict[str, Any]:
-    """What the evaluator is told of a stage checkpoint this process saved: a claim it checks against the file it
-    reads itself (the path is the layout's, never one sent)."""
-    return {key: saved[key] for key in ("index", "sha256", "model_sha256", "bytes")}
-
 
 class FormalRun:
     """One run of one arm on one seed: ``execute`` is the module docstring's sequence of steps. Under torchrun
@@ -653,9 +656,6 @@ class FormalRun:
             evaluator.end()
 
     def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
-        from opalctl.driver.budget import clock_spec
-        from opalctl.opal.agents.host import release_secrets
-
         protocol, layout, ranks = self.protocol, self.layout, self.ranks
         parts, agent, meter, clock = self._build()
         # the secrets `opalctl run` started again without (opal/handover.py): the agent host has read them, if the
@@ -683,7 +683,7 @@ class FormalRun:
             raise
         report = None
         if ranks.lead:
-            report = evaluator.ask(Message.CLOSE, training.to_json())["report"]
+            report = evaluator.ask(Message.CLOSE, training).report
             layout.resume.unlink(missing_ok=True)
         return ranks.from_lead(report)
 
@@ -694,8 +694,6 @@ class FormalRun:
         this process starts no process), the confinement, the start the evaluator records, a resume's checks and
         carried stages, and the steps file opened where the run left it. Everything sent to the evaluator here is
         sent before any agent program can have run."""
-        from opalctl.training_folder import clear_strays
-
         protocol, layout = self.protocol, self.layout
         confining = agent is not None and self.confine
         if resuming:  # under the folder's lock, before anything of this session opens a file there
@@ -712,21 +710,22 @@ class FormalRun:
         try:
             confinement = confine_training(layout, protocol) if confining else None
             evaluator.answer()  # the anchor is evaluated, or its record checked
-            evaluator.ask(Message.START, {"confinement": confinement, "initial": initial,
-                                          "inherited": None if resuming else parts.built.inherited,
-                                          "initialised": None if resuming else parts.built.initialised,
-                                          "groups": None if resuming else parts.groups,
-                                          "host": platform.node()})
+            evaluator.ask(Message.START, Starting(
+                confinement=confinement, initial=initial,
+                inherited=None if resuming else parts.built.inherited,
+                initialised=None if resuming else parts.built.initialised,
+                groups=None if resuming else parts.groups, host=platform.node()))
             if resuming:
                 evaluator.advice = "resume the run with --resume"
                 carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, self.ranks)
-                check_steps(layout.steps, locate(layout.steps, carried.steps_lines), carried, layout.resume)
-                evaluator.ask(Message.CARRIED, {"stages": carried.stages, "update": meter.updates})
+                found = locate(layout.steps, carried.steps_lines)
+                check_steps(layout.steps, found, carried, layout.resume)
+                evaluator.ask(Message.CARRIED, CarriedStages(stages=carried.stages, update=meter.updates))
                 self.say(f"resuming {layout.root} at update {meter.updates}")
             else:
                 carried = Carried()
-            steps_offset, seen, _ = locate(layout.steps, carried.steps_lines)  # new: offset 0, the file starts over
-            steps.open(steps_offset, seen, carried.steps_lines)
+                found = locate(layout.steps, 0)  # offset 0: the file starts over
+            steps.open(found.offset, found.seen, carried.steps_lines)
         except BaseException:
             steps.abandon()
             raise
@@ -735,8 +734,6 @@ class FormalRun:
     def _build(self):
         """Step 3: the arm's parts from the train split (this rank's sampler), its budget meter and clock (its
         charges combined over the ranks), and the agent optimizer for an agent arm."""
-        from opalctl.driver.budget import BudgetMeter, clock_spec, make_clock
-
         protocol, device = self.protocol, self.protocol.training.device
         parts = build_arm(protocol, self.arm, self.seed, self.lock.parent_path(self.seed),
                           {"train": self.lock.data_path("train")}, rank=self.ranks.rank)
@@ -747,8 +744,6 @@ class FormalRun:
         clock = self.ranks.reduced(clock, clock_spec(protocol.budget.clock).combine)
         agent = None
         if self.arm.agent is not None:
-            from opalctl.driver.arm import wrap_agent
-
             # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
             # and decisions happen between timed updates; the budget schedule keeps setting the base learning rate
             agent = wrap_agent(self.arm, parts.optimizer, parts.model, progress=lambda: meter.fraction_used,
@@ -764,8 +759,6 @@ def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
     it), no reads of the evaluation splits, no new process, and bounds on its memory and on any one file it
     writes (the protocol's ``limits``). Not the temporary folder: writable means readable, and a project's data
     may well lie beneath it."""
-    from opalctl.sandbox import confine_process, training_bounds, training_paths
-
     bounds = training_bounds(protocol.limits, stages=len(protocol.budget.fractions), ranks=protocol.training.ranks)
     # the notes a person leaves for the agent (opal/notes.py), where its arm made their folder: read, never written
     notes = [layout.notes] if layout.notes.is_dir() and not layout.notes.is_symlink() else []
@@ -914,8 +907,6 @@ def told(error: BaseException, received: int | None, command: RunCommand,
             said = (f"{when}, so no resume checkpoint was written at the stop: the resume starts at update {saved}, "
                     f"and trains the {done - saved} update(s) done since then again")
         return Interrupted(received, line, what=verb, lost=said)
-    from opalctl.sandbox import bound_refusal
-
     refusal = bound_refusal(error, f"{verb} with: {line}")
     if refusal is not None:
         return refusal
@@ -925,8 +916,6 @@ def told(error: BaseException, received: int | None, command: RunCommand,
     if isinstance(error, OSError):  # a writer that does not say it through files.storage
         where = error.filename or (layout.root if layout is not None else None)
         error = storage_fault(where, error.errno, error.strerror or "") or error
-    from opalctl.tasks.calls import TaskFailed
-
     return error.for_command(line) if isinstance(error, (StorageFault, TaskFailed)) else None
 
 
@@ -934,9 +923,6 @@ def run(lock_path: str | Path, arm: str, seed: int, *, runs_dir=None, resume: bo
         clock_factory=None, progress=None, say=None, confine: bool = False) -> dict[str, Any]:
     """One formal run (the module docstring); a stop signal or a storage fault ends it in one sentence that says
     what continues it (``told``)."""
-    from opalctl.compare.decisions import RunEnding
-    from opalctl.protocol.lock import read_lock
-
     command = RunCommand(str(lock_path), arm, seed, None if runs_dir is None else str(runs_dir))
     layout = None
     with StopSignals() as stops:
@@ -965,8 +951,6 @@ def finished_anyway(layout: RunLayout, received: int, say: Callable[[str], None]
     """A stop that came once the evaluator had written ``report.json``: the run is finished (its report is whole,
     written at once), so it ends as a finished run does, saying so; the resume checkpoint it would have removed
     next goes too."""
-    from opalctl.compare.aggregate import read_report
-
     layout.resume.unlink(missing_ok=True)
     (say or (lambda text: None))(f"the stop ({signal.Signals(received).name}) came after the run finished; its "
                                  f"report is {layout.report}")

@@ -24,7 +24,7 @@ from typing import Any
 QUEUED, RUNNING, WAITING = "queued", "running", "waiting"
 FINISHED, RESUMED, SKIPPED, FAILED, INTERRUPTED = "finished", "resumed", "skipped", "failed", "interrupted"
 FINAL = (FINISHED, RESUMED, SKIPPED, FAILED, INTERRUPTED)
-DONE = (FINISHED, RESUMED, SKIPPED)
+DONE_STATES = (FINISHED, RESUMED, SKIPPED)  # the final states of a run that needs nothing more
 
 # what `opalctl run` exits with when a signal stopped it and left it resumable (docs/architecture.md)
 SIGNAL_EXITS = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
@@ -75,7 +75,7 @@ class GridResult:
 
     @property
     def ok(self) -> bool:
-        return bool(self.outcomes) and all(outcome.state in DONE for outcome in self.outcomes)
+        return bool(self.outcomes) and all(outcome.state in DONE_STATES for outcome in self.outcomes)
 
     def count(self, state: str) -> int:
         return sum(1 for outcome in self.outcomes if outcome.state == state)
@@ -97,7 +97,7 @@ def outcome_event(outcome: RunOutcome) -> dict[str, Any]:
     extra = {"run_dir": outcome.run_dir, "exit_code": outcome.exit_code, "log": outcome.log}
     if outcome.slurm is not None:
         extra["slurm"] = outcome.slurm
-    return event(outcome.arm, outcome.seed, outcome.state, fraction=1.0 if outcome.state in DONE else None,
+    return event(outcome.arm, outcome.seed, outcome.state, fraction=1.0 if outcome.state in DONE_STATES else None,
                  **extra)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from opalctl import console
 from opalctl.compare.decisions import agent_warnings, never_answered
 from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED, EXIT_FAILURE, OpalctlError
-from opalctl.grid.records import DONE, FAILED, FINAL, INTERRUPTED, GridResult, resume_hint
+from opalctl.grid.records import DONE_STATES, FAILED, FINAL, INTERRUPTED, GridResult, resume_hint
 
 
 def closing_compare(result: GridResult) -> tuple[dict[str, Any] | None, str | None]:
@@ -39,7 +39,7 @@ def render_end(result: GridResult, comparison: dict[str, Any] | None, note: str 
     counts = ", ".join(f"{result.count(state)} {state}" for state in FINAL if result.count(state))
     console.paragraph(f"opalctl grid {result.lock}: {len(result.outcomes)} run(s), {counts} ({result.executor}, "
                       f"{result.jobs} at a time, {result.wall_seconds:.1f} s)")
-    unfinished = [o for o in result.outcomes if o.state not in DONE]
+    unfinished = [o for o in result.outcomes if o.state not in DONE_STATES]
     if unfinished:  # the live table (or the JSON lines) showed the others already
         console.table("runs not finished", ["arm", "seed", "state", "exit", "log"],
                       [[o.arm, o.seed, o.state, o.exit_code, o.log] for o in unfinished])

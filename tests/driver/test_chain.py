@@ -339,11 +339,14 @@ def evaluator_of(copy, arm: str):
         torch.set_num_threads(threads)  # the evaluator sets the lock's threads, for its own process
 
 
-def carried_stages(run: Path) -> int:
-    """How many stages the resume checkpoint of ``run`` has passed (the records are the evaluator's files)."""
+def carried_stages(run: Path):
+    """What the training process tells the evaluator of the stages the resume checkpoint of ``run`` has passed
+    (the records are the evaluator's files)."""
     from opalctl import checkpoints
+    from opalctl.formats import CarriedStages
 
-    return checkpoints.load(run / "training" / "resume.pt", require_finite=False)["extra"]["stages"]
+    resume = checkpoints.load(run / "training" / "resume.pt", require_finite=False)
+    return CarriedStages(stages=resume["extra"]["stages"], update=resume["meta"]["update"])
 
 
 RESUME_CASES = [
@@ -380,7 +383,7 @@ def test_the_evaluator_of_an_honest_resume_keeps_the_stage_records_as_they_were_
 
     run = copy.run("paused")
     evaluator = evaluator_of(copy, "paused")
-    assert carried_stages(run) == 2
+    assert carried_stages(run).stages == 2
     evaluator.carried(carried_stages(run))
     assert [record_sha256(stage.to_json()) for stage in evaluator.stages] == \
         [sha256_file(run / f"stage-0{n}.json") for n in (1, 2)], "report.json's stages will be the stage files"

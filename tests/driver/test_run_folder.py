@@ -137,6 +137,11 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
         for path, data in written.items():
             path.write_bytes(data)
 
+    import opalctl.driver.run as formal
+
+    located, locate = [], formal.locate  # the steps file is decompressed once on the resume, not once per look
+    monkeypatch.setattr(formal, "locate", lambda path, lines: located.append(lines) or locate(path, lines))
     code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
     assert code == 0, err
     assert tools.read(run_dir / "report.json")["resumes"] == 1
+    assert located == [10]
