@@ -143,3 +143,20 @@ def test_an_agent_arm_without_its_key_is_refused_before_any_run(digits_project, 
     assert refused.code == 2, refused.output
     assert "suite small: arm llm" in refused.stderr and "comment the arm out" in refused.stderr
     assert not (digits_project.parent / "runs").exists()
+
+
+def test_the_shipped_suite_is_valid_on_the_updates_clock_with_each_tasks_own_metrics(helpers):
+    import yaml as yaml_module
+
+    from opalctl.suite.spec import load_suite
+    from opalctl.tasks import BUILTIN, make_task
+    from opalctl.tasks.builtin import protocol_text
+
+    suite, _ = load_suite(helpers.REPO / "protocols" / "suite.yaml")
+    assert set(suite.tuned_per_task()) <= {suite.baseline}  # only the baseline is tuned per task
+    for name, task in suite.tasks.items():
+        assert task.builtin is not None and task.budget["clock"] == "updates", name
+        template = yaml_module.safe_load(protocol_text(task.builtin, [1]))["task"]["config"]
+        metrics = make_task(BUILTIN[task.builtin], {**template, **task.config}).metrics
+        split, metric = task.target.metric.split(".")
+        assert split == "selection" and metric in metrics, name
