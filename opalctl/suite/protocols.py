@@ -68,7 +68,9 @@ def task_protocol(suite: Suite, document: dict[str, Any], task: str, base: dict[
     protocol = copy.deepcopy(base)
     protocol["name"] = suite.protocol_name(task)
     protocol["seeds"] = suite.seeds_of(task)
-    protocol["arms"] = copy.deepcopy(document["arms"])
+    # the suite's arms, in its order, each replaced whole by the task's own settings of it where it has them
+    task_arms = (document["tasks"][task] or {}).get("arms") or {}
+    protocol["arms"] = {arm: copy.deepcopy(task_arms.get(arm, settings)) for arm, settings in document["arms"].items()}
     if not isinstance(protocol.get("budget"), dict):
         protocol["budget"] = {}
     protocol["budget"].update(copy.deepcopy(spec.budget))

@@ -30,6 +30,7 @@ def render_status(result: dict[str, Any]) -> None:
 
 def render_summary(summary: dict[str, Any]) -> None:
     arms = summary["arms"]
+    tuned = summary.get("tuned_per_task") or {}
     for task, entry in summary["tasks"].items():
         target = entry["target"]
         sign = ">=" if target["direction"] == "higher" else "<="
@@ -39,7 +40,9 @@ def render_summary(summary: dict[str, Any]) -> None:
             if figure is None:
                 continue
             ratio = summary["profiles"]["arms"].get(row["arm"], {}).get("ratios", {}).get(task)
-            rows.append([row["arm"] + (" (baseline)" if row["baseline"] else ""),
+            marks = (["baseline"] if row["baseline"] else []) + (["this task's settings"]
+                                                                 if task in tuned.get(row["arm"], []) else [])
+            rows.append([row["arm"] + (f" ({', '.join(marks)})" if marks else ""),
                          " ".join(f"{s}:{target_time(t)}" for s, t in figure["seeds"].items()),
                          target_time(figure["median"]), f"{figure['reached']}/{figure['of']}",
                          "never" if ratio is None else f"{ratio:.2f}"])

@@ -11,7 +11,12 @@
         budget: {...}          # the task's budget rule, key by key over the protocol's (clock, amount, ...)
         target: {metric: SPLIT.METRIC, value: NUMBER}   # required unless the protocol has one
         config: {...}          # task settings over the protocol's task.config (a built-in's data is made with them)
+        arms: {ARM: {...}}     # this task's settings of some of the suite's arms, each replacing the arm whole
         overrides: {...}       # any other top-level protocol key (training, selection, limits), replacing it
+
+A task's ``arms`` is how an arm is tuned per task, as AlgoPerf's external tuning tunes a submission's settings per
+workload: it may only name arms of the suite (every task runs the same arms, so the profiles compare like with
+like), the suite lock keeps it, and ``summary`` names every arm whose settings differ by task.
 
 Every arm must be valid where it runs: the arms are checked here by the protocol's own schema (so an error names
 the suite's line), and each task's protocol is checked whole when it is frozen.
@@ -48,6 +53,7 @@ class SuiteTask(Strict):
     budget: dict[str, Any] = Field(default_factory=dict)
     target: Target | None = None
     config: dict[str, Any] = Field(default_factory=dict)
+    arms: dict[PlainName, Arm] = Field(default_factory=dict)
     seeds: Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEED)]], Field(min_length=1, max_length=1000)] | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)
 
@@ -58,7 +64,7 @@ class SuiteTask(Strict):
                              f"{'both' if self.builtin else 'neither'}")
         if unknown := sorted(set(self.overrides) - set(OVERRIDABLE)):
             raise ValueError(f"overrides may replace {', '.join(OVERRIDABLE)}, not {', '.join(unknown)} (budget, "
-                             f"target, config and seeds have keys of their own; name and arms are the suite's)")
+                             f"target, config, seeds and arms have keys of their own; name is the suite's)")
         return self
 
 
@@ -73,6 +79,11 @@ class Suite(Strict):
     def _baseline(self) -> Suite:
         if self.baseline not in self.arms:
             raise ValueError(f"baseline {self.baseline!r} is not an arm of the suite ({', '.join(self.arms)})")
+        for task, spec in self.tasks.items():
+            if unknown := [arm for arm in spec.arms if arm not in self.arms]:
+                raise ValueError(f"tasks.{task}.arms names {unknown[0]!r}, not an arm of the suite "
+                                 f"({', '.join(self.arms)}); a task may set its own settings of the suite's arms, "
+                                 f"not add arms (every task runs the same arms)")
         for seeds in [self.seeds] + [t.seeds for t in self.tasks.values() if t.seeds]:
             if len(set(seeds)) != len(seeds):
                 raise ValueError("each seed may appear once")
@@ -81,8 +92,23 @@ class Suite(Strict):
     def seeds_of(self, task: str) -> list[int]:
         return list(self.tasks[task].seeds or self.seeds)
 
+    def tuned_per_task(self) -> dict[str, list[str]]:
+        """Each arm whose settings some task replaces, with those tasks (in the suite's order)."""
+        return tuned_per_task(self.tasks)
+
     def protocol_name(self, task: str) -> str:
         return f"{self.name}-{task}"
+
+
+def tuned_per_task(tasks: dict[str, Any]) -> dict[str, list[str]]:
+    """Each arm some task sets its own settings of, with those tasks: from the checked suite's tasks, or from the
+    suite as written (a suite lock keeps it), where a task is a mapping."""
+    out: dict[str, list[str]] = {}
+    for task, spec in tasks.items():
+        arms = spec.arms if isinstance(spec, SuiteTask) else (spec.get("arms") or {})
+        for arm in arms:
+            out.setdefault(arm, []).append(task)
+    return out
 
 
 def load_suite(path: Path) -> tuple[Suite, dict[str, Any]]:
@@ -116,6 +142,7 @@ def _known(path: tuple) -> list[str]:
         return list(Suite.model_fields)
     if len(parent) == 2 and parent[0] == "tasks":
         return list(SuiteTask.model_fields)
-    if len(parent) == 2 and parent[0] == "arms":
+    if (len(parent) == 2 and parent[0] == "arms") or (len(parent) == 4 and parent[0] == "tasks"
+                                                      and parent[2] == "arms"):
         return list(Arm.model_fields)
     return []

@@ -1,6 +1,8 @@
 """``opalctl suite summary``: each task's comparison (``compare``, against the suite's baseline, with its
 time-to-target), the performance profile and score of every arm across tasks (compare/profiles.py), each arm's
-score on one seed at a time, and what the scores can and cannot say with the seeds at hand (``statement``).
+score on one seed at a time, and what the scores can and cannot say with the seeds at hand (``statement``),
+naming every arm whose settings a task replaces (``tuned_per_task``: tuned per task, as AlgoPerf's external tuning
+tunes per workload).
 
 An arm's time on a task is its median time-to-target over that task's finished seeds (compare/target.py: more than
 half not reached is not reached); an arm with no finished run on a task counts as not reached there, and the
@@ -15,6 +17,7 @@ from typing import Any
 from opalctl.compare.profiles import TAU_MAX, profiles
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
 from opalctl.suite.lock import SuiteLock
+from opalctl.suite.spec import tuned_per_task
 
 
 def _time(value: float | None) -> float:
@@ -58,7 +61,8 @@ def summarise(lock: SuiteLock, *, runs_dir=None, resamples: int = 10_000) -> dic
     summary = {"suite_lock": str(lock.path), "suite_sha256": lock.sha256, "name": lock.name,
                "baseline": lock.baseline, "arms": arms, "tasks": tasks, "profiles": profile,
                "scores": {arm: profile["arms"][arm]["score"] for arm in arms},
-               "seeds": seeds, "seed_scores": seed_scores, "notes": notes}
+               "seeds": seeds, "seed_scores": seed_scores, "notes": notes,
+               "tuned_per_task": tuned_per_task((lock.data.get("suite") or {}).get("tasks") or {})}
     summary["statement"] = statement(summary)
     return summary
 
@@ -111,6 +115,11 @@ def statement(summary: dict[str, Any]) -> list[str]:
     else:
         out.append("With one seed per task there is no spread at all to set a score against: the ranking may be "
                    "that seed's alone.")
+    for arm, where in (summary.get("tuned_per_task") or {}).items():
+        out.append(f"Arm {arm} runs with its own settings on {', '.join(where)} (the suite file's tasks.TASK.arms), "
+                   f"its suite settings elsewhere: it is tuned per task, as AlgoPerf's external tuning tunes a "
+                   f"submission per workload, so its score is that of a per-task tuning, against arms whose "
+                   f"settings are the same on every task.")
     claims = []
     for task, entry in tasks.items():
         for row in entry["compare"]["arms"]:

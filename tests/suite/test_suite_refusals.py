@@ -40,6 +40,12 @@ def write(folder: Path, suite: dict | str) -> Path:
     (suite_text(tasks={"digits": {"builtin": "nosuch", "target": {"metric": "selection.loss", "value": 1}}}),
      "there is no built-in task 'nosuch'"),
     (suite_text(arms={"adamw": {"optimiser": {"name": "AdamW"}}}), "arms.adamw.optimiser: unknown key"),
+    (suite_text(tasks={"digits": {"protocol": "project/digits.yaml", "target": {"metric": "selection.loss", "value": 1},
+                                  "arms": {"fast": {"optimizer": {"name": "AdamW", "lr": 1}}}}}),
+     "tasks.digits.arms names 'fast', not an arm of the suite (adamw, slow)"),
+    (suite_text(tasks={"digits": {"protocol": "project/digits.yaml", "target": {"metric": "selection.loss", "value": 1},
+                                  "arms": {"adamw": {"optimizer": {"name": "AdamW", "lr": 1}, "colour": 1}}}}),
+     "tasks.digits.arms.adamw.colour: unknown key"),
     (suite_text(tasks={"digits": {"protocol": "project/digits.yaml", "target": {"metric": "selection.total",
                                                                                 "value": 1}}}), "is a count"),
     (suite_text(tasks={"digits": {"protocol": "project/digits.yaml"}}), "give a target"),
@@ -99,6 +105,32 @@ def test_a_protocol_task_is_frozen_and_a_changed_suite_or_task_lock_is_refused(d
     assert moved.code == 3 and "is not the one suite lock" in moved.stderr
 
 
+def test_a_task_may_tune_an_arm_and_the_summary_says_so(digits_project, cli_inprocess):
+    # AlgoPerf's external tuning: an arm's settings tuned per task, replacing the suite's settings of it whole there
+    tuned = {"optimizer": {"name": "AdamW", "lr": 3.0e-3, "weight_decay": 1.0, "betas": [0.9, 0.98]}}
+    suite = suite_text()
+    suite["tasks"]["digits"]["arms"] = {"adamw": tuned}
+    path = write(digits_project.parent, suite)
+    frozen = cli_inprocess("suite", "freeze", path, "--json")
+    assert frozen.code == 0, frozen.output
+    protocol = yaml.safe_load((digits_project.parent / "small" / "digits" / "small-digits.yaml").read_text())
+    assert list(protocol["arms"]) == ["adamw", "slow"]
+    assert protocol["arms"] == {"adamw": tuned, "slow": ARMS["slow"]}
+    lock = json.loads(Path(frozen.json()["suite_lock"]).read_text())
+    assert lock["suite"]["tasks"]["digits"]["arms"] == {"adamw": tuned}
+
+    from opalctl.suite.spec import tuned_per_task
+    from opalctl.suite.summary import statement
+
+    assert tuned_per_task(lock["suite"]["tasks"]) == {"adamw": ["digits"]}
+    summary = {"tasks": {"digits": {"fractions": [0.5, 1.0], "compare": {"arms": [{"arm": "adamw", "seeds": [1]}]}}},
+               "arms": ["adamw", "slow"], "seeds": [1], "seed_scores": {"adamw": {"1": 1.0}, "slow": {"1": 0.0}},
+               "baseline": "adamw", "scores": {"adamw": 1.0, "slow": 0.0},
+               "tuned_per_task": {"adamw": ["digits"]}}
+    assert any(sentence.startswith("Arm adamw runs with its own settings on digits") and "tuned per task" in sentence
+               for sentence in statement(summary))
+
+
 def test_an_agent_arm_without_its_key_is_refused_before_any_run(digits_project, cli_inprocess, monkeypatch):
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     arms = {**ARMS, "llm": {"optimizer": {"name": "AdamW", "lr": 1.0e-2},
@@ -111,3 +143,20 @@ def test_an_agent_arm_without_its_key_is_refused_before_any_run(digits_project, 
     assert refused.code == 2, refused.output
     assert "suite small: arm llm" in refused.stderr and "comment the arm out" in refused.stderr
     assert not (digits_project.parent / "runs").exists()
+
+
+def test_the_shipped_suite_is_valid_on_the_updates_clock_with_each_tasks_own_metrics(helpers):
+    import yaml as yaml_module
+
+    from opalctl.suite.spec import load_suite
+    from opalctl.tasks import BUILTIN, make_task
+    from opalctl.tasks.builtin import protocol_text
+
+    suite, _ = load_suite(helpers.REPO / "protocols" / "suite.yaml")
+    assert set(suite.tuned_per_task()) <= {suite.baseline}  # only the baseline is tuned per task
+    for name, task in suite.tasks.items():
+        assert task.builtin is not None and task.budget["clock"] == "updates", name
+        template = yaml_module.safe_load(protocol_text(task.builtin, [1]))["task"]["config"]
+        metrics = make_task(BUILTIN[task.builtin], {**template, **task.config}).metrics
+        split, metric = task.target.metric.split(".")
+        assert split == "selection" and metric in metrics, name
