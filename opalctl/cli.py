@@ -98,7 +98,7 @@ def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) 
     TARGET is a lock file (with --runs, its run folders too) or a run folder (runs/NAME-SHA/ARM/seed-S)."""
     from opalctl import console
     from opalctl.errors import EXIT_CHANGED
-    from opalctl.protocol.verify import run_failure, verify_target
+    from opalctl.verify.command import run_failure, verify_target
 
     result = verify_target(target, runs=with_runs, runs_dir=runs_dir)
     if json_mode:
@@ -293,7 +293,7 @@ def control(lock: str, arm: str, from_seed: int | None, force: bool, runs_dir: s
     """Write a post-hoc control lock for an agent arm of LOCK: its decisions on one seed replayed on the others
     (and the fixed arm its programs equal, when LOCK lacks one). Run it with `opalctl grid`; `compare LOCK` shows it."""
     from opalctl import console
-    from opalctl.protocol.control import make_control
+    from opalctl.protocol.add_control import make_control
 
     result = make_control(lock, arm, from_seed=from_seed, runs_dir=runs_dir, force=force)
     if json_mode:

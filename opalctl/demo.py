@@ -78,9 +78,9 @@ def demo(folder: str | Path, *, runs_dir: str | Path | None = None, jobs: int = 
     from opalctl.grid import run_grid
     from opalctl.layout import runs_dir_default
     from opalctl.protocol.freeze import freeze
-    from opalctl.protocol.verify import verify
     from opalctl.report.grid_page import write_grid_page
     from opalctl.tasks.builtin import init
+    from opalctl.verify.command import verify
 
     folder = Path(folder)
     runs_dir = runs_dir_default(runs_dir)

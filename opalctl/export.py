@@ -12,7 +12,7 @@ exporting the same runs twice writes the same events. An export replaces the eve
 left in a run's folder (TensorBoard would show both), and touches nothing else there.
 
 Every run folder is read and its chain of digests checked first, as ``opalctl show`` checks it
-(``protocol.verify.checked_run_folder``): an edited or damaged folder is refused in show's sentence and exit code
+(``verify.folder.checked_run_folder``): an edited or damaged folder is refused in show's sentence and exit code
 (3 for a record that no longer matches, 1 for one that cannot be read) before any event file is written, so an
 export never shows what ``show`` would not.
 """
@@ -46,7 +46,7 @@ def verified_runs(lock_path: str | Path, runs_dir=None) -> tuple[Any, list[Finis
     from opalctl.compare.aggregate import collect
     from opalctl.layout import runs_dir_default
     from opalctl.protocol.lock import read_lock
-    from opalctl.protocol.verify import checked_run_folder
+    from opalctl.verify.folder import checked_run_folder
 
     lock = read_lock(Path(lock_path))
     base, finished, _unfinished = collect(lock, runs_dir_default(runs_dir))

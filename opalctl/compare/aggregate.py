@@ -8,7 +8,7 @@ pre-registered policy would hand over; ``--stage last`` or ``--stage N`` compare
 the baseline are taken seed by seed, each with its verdict in words (``verdict``).
 
 Each run folder is checked before its report is used, as ``opalctl verify`` checks it without opening the
-checkpoints (protocol/verify.py): a report whose chain of digests names a stage record, the steps file or a
+checkpoints (verify/folder.py): a report whose chain of digests names a stage record, the steps file or a
 checkpoint that no longer matches, or whose own figures were edited, is refused in one sentence naming the file
 (exit 3; exit 1 for a record that cannot be read), so compare never shows what ``show`` would not. A report
 written before the chain (no ``digests``, stages without ``anchor_sha256``) is read tolerantly: only the keys
@@ -68,7 +68,7 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
 
 
 def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dict[str, list[int]]]:
-    from opalctl.protocol.verify import checked_run_folder
+    from opalctl.verify.folder import checked_run_folder
 
     runs_of = LockRuns.of(runs_dir, lock)
     base = runs_of.base

@@ -58,7 +58,7 @@ def _inputs(path: Path, protocol, lock, seed: int) -> tuple[Path, Path]:
     """The training rows and the parent, checked against the lock when there is one."""
     if lock is None:
         return path.parent / protocol.data["train"], path.parent / protocol.parent_for(seed)
-    from opalctl.protocol.verify import require_unchanged
+    from opalctl.protocol.recheck import require_unchanged
 
     require_unchanged(lock, roles=["data.train", f"parent.seed-{seed}"])
     return lock.data_path("train"), lock.parent_path(seed)
@@ -330,7 +330,7 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seconds: float = 
 
 def _verify(lock) -> None:
     """The lock's whole check, as a run makes it (and its evaluator again)."""
-    from opalctl.protocol.verify import require_unchanged
+    from opalctl.protocol.recheck import require_unchanged
 
     require_unchanged(lock)
 

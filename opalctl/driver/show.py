@@ -1,7 +1,7 @@
 """``opalctl show RUN_DIR``: one run read back from its records: stages, promotions and their reasons.
 
 It only reads files; a run still in progress (or interrupted) shows the stages written so far. The folder is
-read and its chain of digests checked as ``opalctl verify`` checks it (protocol/verify.py, driver/chain.py), the
+read and its chain of digests checked as ``opalctl verify`` checks it (verify/folder.py, verify/chain.py), the
 checkpoints hashed but not opened: a record that cannot be read (exit 1) or no longer matches its digest (exit 3)
 is refused in one sentence naming the file, so ``show`` never shows what ``compare`` would not. An events line
 damaged in the middle of the file is refused the same way; only a last events line cut short by a crash is
@@ -21,7 +21,7 @@ NOT_IN_EVENTS = "not in the events"  # a decision the agent host answered that t
 
 
 def show(run_dir: str | Path) -> dict[str, Any]:
-    from opalctl.protocol.verify import checked_run_folder, is_run_folder
+    from opalctl.verify.folder import checked_run_folder, is_run_folder
 
     folder = Path(run_dir)
     layout = RunLayout.of(folder)

@@ -21,8 +21,8 @@ waited on or a device read without end; JSON nested at most ``files.MAX_JSON_DEP
   parent (``limits.checkpoint_bytes`` is at least the parent's size, as freeze checked).
 
 What needs the files (sealed data where the paths lead, the task, the optimizers, the backends, each parent a
-checkpoint that loads within the limit) is ``validated_protocol``, which ``verify`` and ``run`` call once the records
-match. So a lock edited by hand either verifies and is safe to run, or is refused (exit 2 naming the key, or exit 3
+checkpoint that loads within the limit) is ``recheck.validated_protocol``, which ``verify`` and ``run`` call once the
+records match. So a lock edited by hand either verifies and is safe to run, or is refused (exit 2 naming the key, or exit 3
 for an edit ``verify`` sees as a change: a protocol that no longer matches ``protocol_sha256``).
 """
 
@@ -79,25 +79,7 @@ class Lock:
         try:
             return parse(_seed_keys(self.resolved), {}, f"lock {self.path}")
         except ProtocolError as error:
-            raise _refreeze(error) from None
-
-    def validated_protocol(self):
-        """The protocol checked as ``freeze`` checks a protocol file (its paths relative to the lock's folder, each
-        parent opened as a checkpoint within the limit)."""
-        from opalctl.protocol.freeze import check_parents
-        from opalctl.protocol.schema import ProtocolError, validate
-
-        protocol = self.protocol()
-        try:
-            validate(protocol, {}, f"lock {self.path}", self.folder)
-        except ProtocolError as error:
-            raise _refreeze(error) from None
-        check_parents(protocol, self.path)  # its sentences name the lock: "LOCK: the parent of seed 1 ..."
-        if protocol.control is not None:  # a control lock (opalctl control): its parent, and equal compute
-            from opalctl.protocol.control import check_control
-
-            check_control(self, protocol)
-        return protocol
+            raise refreeze(error) from None
 
     @property
     def digest_matches(self) -> bool:
@@ -146,7 +128,7 @@ def _seed_keys(resolved: dict) -> dict:
 REFREEZE = "`opalctl freeze` never writes such a lock: correct the protocol file and freeze it again"
 
 
-def _refreeze(error):
+def refreeze(error):
     """The schema's sentence, with what to do about a lock (it is written by freeze only, never edited): one line."""
     error.message = f"{error.message}; {REFREEZE}"
     error.args = (error.message,)
@@ -316,7 +298,7 @@ def check_records(lock: Lock, protocol) -> None:
                              f"raise the limit"))
             break
     if problems:
-        raise _refreeze(ProtocolError(f"lock {lock.path}", problems))
+        raise refreeze(ProtocolError(f"lock {lock.path}", problems))
 
 
 def _is_plain_file_name(relative: str) -> bool:

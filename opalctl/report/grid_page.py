@@ -34,7 +34,7 @@ PAGE_NAME = "report.html"
 def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | None = None) -> Path:
     """Write the page to ``out/report.html`` (default: the lock's runs folder) and return its path."""
     from opalctl.compare.aggregate import compare
-    from opalctl.protocol.verify import verify
+    from opalctl.verify.command import verify
 
     result = compare(lock_path, runs_dir=runs_dir)
     verification = verify(lock_path)
