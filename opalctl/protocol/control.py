@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opalctl.errors import BadInput, InputChanged
+from opalctl.files import read_plain, sha256_bytes
 from opalctl.protocol.lock import LOCK_MAX_BYTES, Lock, read_lock
 
 SAME_AS_PARENT = ("task", "data", "budget", "training", "limits", "selection")
@@ -49,8 +50,6 @@ def control_locks(lock: Lock) -> list[Lock]:
 def parent_lock(control: Lock) -> Lock:
     """The parent a control lock names, at its path or, when that lock was replaced by a later freeze, where freeze
     keeps the replaced one (``NAME.lock.SHA12.json``); refused unless its sha256 is the one named."""
-    from opalctl.files import read_plain, sha256_bytes
-
     link = control.resolved["control"]
     named = control.resolve(link["parent_lock"])
     wanted = link["parent_sha256"]
@@ -72,8 +71,6 @@ def parent_lock(control: Lock) -> Lock:
 
 
 def _sha12(path: Path) -> str:
-    from opalctl.files import read_plain, sha256_bytes
-
     try:
         return sha256_bytes(read_plain(path, LOCK_MAX_BYTES))[:12]
     except OSError:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import opalctl
 from opalctl.errors import BadInput
 from opalctl.files import JSONRefused, NotAPlainFile, canonical_json, decode_json, read_plain, sha256_bytes
 from opalctl.layout import plain_name
@@ -93,7 +94,6 @@ class Lock:
         """Where a record's file is now: relative to the lock, to the installed opalctl, or to a module's folder."""
         base = record.get("base")
         if base == "opalctl":
-            import opalctl
 
             return Path(opalctl.__file__).resolve().parent / record["path"]
         if base == "module":

@@ -70,8 +70,6 @@ def print_run_end(result: dict[str, Any]) -> None:
 
 def render_run_end(result: dict[str, Any], suite_lock: str) -> None:
     """The end of ``suite run`` for people: each task's finished runs, and the next command when all finished."""
-    from opalctl import console
-
     for task, grid in result["tasks"].items():
         done = sum(1 for run in grid["runs"] if run["state"] in ("finished", "resumed", "skipped"))
         console.message(f"task {task}: {done} of {len(grid['runs'])} runs finished")
