@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -88,8 +89,6 @@ def skeleton_sha256(payload: dict[str, Any], known: dict[int, str] | None = None
     """A digest of everything in a checkpoint but the tensors' bytes (keys, kinds, metadata, numbers), with each
     tensor standing in as its own digest: one flipped byte in a key or a number is caught, not only in a tensor.
     ``known`` maps ``id(tensor)`` to digests already computed (so that saving hashes each tensor once)."""
-    import json
-
     import torch
 
     known = known or {}

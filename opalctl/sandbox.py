@@ -78,6 +78,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import signal
 import site
 import sys
 import threading
@@ -446,8 +447,6 @@ def _apply_bounds(bounds: Bounds, data_bytes: int | None) -> dict:
         if why:
             not_applied["file_bytes"] = why
         else:
-            import signal
-
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the bound fails with EFBIG instead
             _set_limit("RLIMIT_CORE", 0)  # a crash the program provokes writes no core file, wherever the cwd is
     if bounds.drop_capabilities:

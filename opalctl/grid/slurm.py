@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -244,6 +245,4 @@ class ArrayWatch:
 
 
 def _has_sbatch() -> bool:
-    import shutil
-
     return shutil.which("sbatch") is not None

@@ -28,6 +28,7 @@ for an edit ``verify`` sees as a change: a protocol that no longer matches ``pro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -97,8 +98,6 @@ class Lock:
 
             return Path(opalctl.__file__).resolve().parent / record["path"]
         if base == "module":
-            import importlib.util
-
             try:
                 spec = importlib.util.find_spec(record["module"])
             except (ImportError, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 from opalctl import console
@@ -61,9 +63,6 @@ def _range(values: list[float]) -> str:
 
 def print_run_end(result: dict[str, Any]) -> None:
     """The last line of ``suite run --json``, after each grid's JSON lines: the suite's result on one line."""
-    import json
-    import sys
-
     sys.stdout.write(json.dumps({"event": "suite", **result}, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
 

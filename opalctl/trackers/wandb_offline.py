@@ -23,6 +23,7 @@ else in DIR is touched.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -91,8 +92,6 @@ class IsolatedWandb:
 
 def _write_run(wandb, lock, run: TrackedRun, target: Path) -> Path:
     """One offline run, written whole before the earlier export's folders of its id are removed."""
-    import os
-
     identity = run_id(lock, run)
     staging = target / STAGING / identity
     staging.mkdir(parents=True, exist_ok=True)
