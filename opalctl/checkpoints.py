@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opalctl import files
 from opalctl.errors import OpalctlError
-from opalctl.files import atomic_write_bytes
+from opalctl.files import NotAPlainFile, atomic_write_bytes
 
 FORMAT = "opalctl-checkpoint/1"
 DEFAULT_LIMIT_BYTES = 2 << 30
@@ -87,8 +89,6 @@ def skeleton_sha256(payload: dict[str, Any], known: dict[int, str] | None = None
     """A digest of everything in a checkpoint but the tensors' bytes (keys, kinds, metadata, numbers), with each
     tensor standing in as its own digest: one flipped byte in a key or a number is caught, not only in a tensor.
     ``known`` maps ``id(tensor)`` to digests already computed (so that saving hashes each tensor once)."""
-    import json
-
     import torch
 
     known = known or {}
@@ -197,12 +197,9 @@ def load(path: str | os.PathLike, *, limit_bytes: int = DEFAULT_LIMIT_BYTES,
 def read_beneath(root: str | os.PathLike, relative: str, *, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> bytes:
     """A checkpoint's bytes as a process that trusts no path of the folder's writer reads them
     (``files.read_beneath``: no link followed, one regular file within the limit); refused in one sentence."""
-    from opalctl.files import NotAPlainFile
-    from opalctl.files import read_beneath as read_plain
-
     path = Path(root) / relative
     try:
-        return read_plain(root, relative, limit_bytes)
+        return files.read_beneath(root, relative, limit_bytes)
     except FileNotFoundError:
         raise CheckpointRefused(f"checkpoint {path} does not exist") from None
     except NotAPlainFile as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -130,8 +131,6 @@ def terminal_width() -> int | None:
 
 def paragraph(text: str, indent: str = "") -> None:
     """A sentence of data on stdout: wrapped to the terminal's width, whole on one line when piped."""
-    import textwrap
-
     width = terminal_width()
     if width is None:
         sys.stdout.write(indent + text + "\n")

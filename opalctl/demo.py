@@ -31,9 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.show_render import rule_of
 from opalctl.errors import BadInput, InputChanged, OpalctlError
 from opalctl.files import atomic_write_text, storage
-from opalctl.layout import RunLayout
+from opalctl.grid import run_grid
+from opalctl.grid.display import RunStates
+from opalctl.layout import RunLayout, runs_dir_default
+from opalctl.tasks.builtin import init
 
 MINUTES = 3  # the wall time the demo is held to on two cores after install (`demo --help` and README say it)
 PROTOCOL_NAME = "demo"
@@ -75,12 +79,9 @@ def demo(folder: str | Path, *, runs_dir: str | Path | None = None, jobs: int = 
          say: Callable[[str], None] = lambda _: None,
          display: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     from opalctl.compare.aggregate import compare
-    from opalctl.grid import run_grid
-    from opalctl.layout import runs_dir_default
     from opalctl.protocol.freeze import freeze
-    from opalctl.protocol.verify import verify
     from opalctl.report.grid_page import write_grid_page
-    from opalctl.tasks.builtin import init
+    from opalctl.verify.command import verify
 
     folder = Path(folder)
     runs_dir = runs_dir_default(runs_dir)
@@ -132,8 +133,6 @@ def _runs_named(runs: list[dict[str, Any]]) -> str:
 
 def agent_rules(comparison: dict[str, Any]) -> dict[str, dict[str, int]]:
     """arm -> how often each heuristic rule decided, over every decision of that arm's runs."""
-    from opalctl.driver.show_render import rule_of
-
     base = Path(comparison["runs"])
     counted: dict[str, dict[str, int]] = {}
     for row in comparison["arms"]:
@@ -163,7 +162,6 @@ class StateLines:
 
     def __init__(self, say: Callable[[str], None]):
         self.say = say
-        from opalctl.grid.display import RunStates
 
         self.runs = RunStates()
 

@@ -12,7 +12,7 @@ exporting the same runs twice writes the same events. An export replaces the eve
 left in a run's folder (TensorBoard would show both), and touches nothing else there.
 
 Every run folder is read and its chain of digests checked first, as ``opalctl show`` checks it
-(``protocol.verify.checked_run_folder``): an edited or damaged folder is refused in show's sentence and exit code
+(``verify.folder.checked_run_folder``): an edited or damaged folder is refused in show's sentence and exit code
 (3 for a record that no longer matches, 1 for one that cannot be read) before any event file is written, so an
 export never shows what ``show`` would not.
 """
@@ -26,8 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.show import agent_decisions
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.layout import RunLayout
+from opalctl.files import storage
+from opalctl.layout import RunLayout, runs_dir_default
+from opalctl.protocol.lock import read_lock
+from opalctl.report.runs import loss_curve
+from opalctl.verify.folder import checked_run_folder
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,6 @@ def verified_runs(lock_path: str | Path, runs_dir=None) -> tuple[Any, list[Finis
     """The lock and its finished runs (by arm, then seed), every folder checked as ``show`` checks it, so a caller
     that writes only after this returns writes nothing when one folder does not verify."""
     from opalctl.compare.aggregate import collect
-    from opalctl.layout import runs_dir_default
-    from opalctl.protocol.lock import read_lock
-    from opalctl.protocol.verify import checked_run_folder
 
     lock = read_lock(Path(lock_path))
     base, finished, _unfinished = collect(lock, runs_dir_default(runs_dir))
@@ -84,8 +86,6 @@ def _summary_writer():
 def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
     """The run's event files in ``folder``: the new file is written whole before the earlier export's files are
     removed, so a write the storage refuses leaves the earlier export as it was (and no part of the new one)."""
-    from opalctl.files import storage
-
     earlier = set(folder.glob("events.out.tfevents.*"))
     with storage(folder, then="run `opalctl export` again (or give --tensorboard a folder that can be written)"):
         try:
@@ -99,8 +99,6 @@ def _write_run(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
 
 
 def _write_events(run_dir: Path, report: dict[str, Any], folder: Path) -> None:
-    from opalctl.report.runs import loss_curve
-
     curve = loss_curve(run_dir, every_update=True)
     with _writer_thread_failures() as failures:
         writer = _summary_writer()(log_dir=str(folder))
@@ -134,8 +132,6 @@ def _writer_thread_failures() -> Iterator[list[OSError]]:
 
 
 def _add_events(writer, run_dir: Path, report: dict[str, Any], curve) -> None:
-    from opalctl.driver.show import agent_decisions
-
     for update, seconds, loss, lrs in zip(curve.updates, curve.seconds, curve.losses, curve.lrs, strict=True):
         writer.add_scalar("train/loss", loss, update, walltime=seconds)
         for group, lr in enumerate(lrs or []):

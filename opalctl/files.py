@@ -337,3 +337,11 @@ def json_depth(value: Any) -> int:
 def read_json(path: str | os.PathLike, limit: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The JSON in the regular file ``path`` (``read_plain``, then ``decode_json``): raises what they raise."""
     return decode_json(read_plain(path, limit), max_depth)
+
+
+def size_text(count: int) -> str:
+    """``count`` bytes as a sentence says it (``2.0 GiB``, ``50.0 MiB``, ``24.0 KiB``, ``512 bytes``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.1f} {unit}"
+    return f"{count} bytes"

@@ -78,13 +78,17 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import signal
 import site
 import sys
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import opalctl
 from opalctl.errors import OpalctlError
+from opalctl.files import size_text
+from opalctl.training_folder import training_folder_bytes
 
 SYSCALL_CREATE_RULESET, SYSCALL_ADD_RULE, SYSCALL_RESTRICT_SELF = 444, 445, 446  # the same on every architecture
 CREATE_RULESET_VERSION = 1 << 0
@@ -135,8 +139,6 @@ class Confinement:
 
 def training_paths() -> list[Path]:
     """What a training process must still read after confinement, and nothing of a protocol's folders."""
-    import opalctl
-
     candidates = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, *site.getsitepackages(),
                   site.getusersitepackages(), Path(opalctl.__file__).parent, *SYSTEM_FOLDERS, *SYSTEM_FILES]
     return _existing(candidates)
@@ -203,8 +205,6 @@ def _existing(paths) -> list[Path]:
 
 def _import_roots() -> list[Path]:
     """The folder opalctl is imported from: a child Python must list it to find the package there again."""
-    import opalctl
-
     return _existing([Path(opalctl.__file__).resolve().parent.parent])
 
 
@@ -365,8 +365,6 @@ def training_bounds(limits, stages: int, ranks: int = 1) -> Bounds:
     """Every bound of an agent arm's training process, from the protocol's ``limits`` (``schema.Limits``), its
     number of stages (``budget.fractions``) and the number of ranks sharing this machine. Call it before
     ``confine_process``: resolving ``memory_bytes: auto`` reads ``/proc/self/cgroup``."""
-    from opalctl.training_folder import training_folder_bytes
-
     memory, memory_rule = memory_bound(limits.memory_bytes, ranks)
     folder, folder_rule = training_folder_bytes(limits, stages)
     return Bounds(memory_bytes=memory, file_bytes=max(int(limits.checkpoint_bytes), FILE_FLOOR_BYTES),
@@ -425,14 +423,6 @@ def _cgroup_memory() -> tuple[int, str] | None:
     return lowest
 
 
-def size_text(count: int) -> str:
-    """``count`` bytes as a sentence says it (``2.0 GiB``, ``50.0 MiB``, ``24.0 KiB``, ``512 bytes``)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if count >= 1 << shift:
-            return f"{count / (1 << shift):.1f} {unit}"
-    return f"{count} bytes"
-
-
 _applied: dict | None = None  # this process's bounds record, once confine_process set any (bound_refusal reads it)
 
 
@@ -457,8 +447,6 @@ def _apply_bounds(bounds: Bounds, data_bytes: int | None) -> dict:
         if why:
             not_applied["file_bytes"] = why
         else:
-            import signal
-
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the bound fails with EFBIG instead
             _set_limit("RLIMIT_CORE", 0)  # a crash the program provokes writes no core file, wherever the cwd is
     if bounds.drop_capabilities:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from opalctl.files import size_text
 from opalctl.layout import OPAL, RESUME, STEPS, RunLayout
 from opalctl.opal.programs import PROGRAM_FILES
 
@@ -62,8 +63,6 @@ def training_folder_excess(layout: RunLayout, limit: int) -> str | None:
     is what overflows; a larger ``limits.training_folder_bytes`` when the run's own files do). Cheap enough for
     every stage: one walk, no file read; the training process may change the folder meanwhile, and an entry that
     goes or turns into a link on the way is skipped, never followed."""
-    from opalctl.sandbox import size_text
-
     folder = layout.training
     survey = _survey(folder)
     if survey.deep:

@@ -8,7 +8,7 @@ pre-registered policy would hand over; ``--stage last`` or ``--stage N`` compare
 the baseline are taken seed by seed, each with its verdict in words (``verdict``).
 
 Each run folder is checked before its report is used, as ``opalctl verify`` checks it without opening the
-checkpoints (protocol/verify.py): a report whose chain of digests names a stage record, the steps file or a
+checkpoints (verify/folder.py): a report whose chain of digests names a stage record, the steps file or a
 checkpoint that no longer matches, or whose own figures were edited, is refused in one sentence naming the file
 (exit 3; exit 1 for a record that cannot be read), so compare never shows what ``show`` would not. A report
 written before the chain (no ``digests``, stages without ``anchor_sha256``) is read tolerantly: only the keys
@@ -32,9 +32,15 @@ from opalctl.compare.values import TRAIN_LOSS, final_train_loss, parse_stage, st
 from opalctl.compare.verdict import verdict
 from opalctl.driver.budget import clock_spec
 from opalctl.errors import BadInput
-from opalctl.formats import REPORT_MAX_BYTES, RecordDamaged, read_record
-from opalctl.layout import LockRuns
+from opalctl.files import read_plain
+from opalctl.formats import EVENTS_MAX_BYTES, REPORT_MAX_BYTES, RecordDamaged, read_record
+from opalctl.layout import LockRuns, RunLayout, runs_dir_default
+from opalctl.opal.hangs import HUNG_FILE
 from opalctl.opal.notes import notes_flag
+from opalctl.protocol.control import control_locks
+from opalctl.protocol.lock import read_lock
+from opalctl.tasks import load_task_class
+from opalctl.verify.folder import checked_run_folder
 
 # the fields of a RunReport that compare reads (a test checks they are RunReport's)
 REPORT_KEYS = ("lock_sha256", "updates", "seconds", "budget", "promoted_stages", "selected", "stages",
@@ -47,8 +53,6 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
     """Every metric the task reports (the policy's first, then the rest in report order), each with True when
     higher is better, and ``train.loss``; a metric of kind ``count`` (a denominator: the rows evaluated) is left
     out. ``chosen`` (``--metric``) keeps only those, in its order."""
-    from opalctl.tasks import load_task_class
-
     protocol = lock.protocol()
     selection = protocol.selection
     kinds = load_task_class(protocol.task.entry).metrics
@@ -68,8 +72,6 @@ def _metric_directions(lock, reports: list[dict], chosen: list[str] | None) -> d
 
 
 def collect(lock, runs_dir: Path) -> tuple[Path, dict[str, dict[int, dict]], dict[str, list[int]]]:
-    from opalctl.protocol.verify import checked_run_folder
-
     runs_of = LockRuns.of(runs_dir, lock)
     base = runs_of.base
     if not base.is_dir():
@@ -124,9 +126,6 @@ def _curve(report: dict, metric: str, seconds_key: str) -> list[tuple[float, flo
 
 def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None, stage: str | int | None = None,
             metrics: list[str] | None = None, resamples: int = 10_000) -> dict[str, Any]:
-    from opalctl.layout import runs_dir_default
-    from opalctl.protocol.lock import read_lock
-
     lock = read_lock(Path(lock_path))
     runs_dir = runs_dir_default(runs_dir)
     stage = parse_stage(stage)
@@ -207,8 +206,6 @@ def compare(lock_path: str | Path, *, baseline: str | None = None, runs_dir=None
 def post_hoc_runs(lock, runs_dir: Path, stage: str | int) -> list[dict[str, Any]]:
     """The finished runs of every control lock of ``lock`` (``opalctl control``: beside it, naming its digest), each
     arm's values as compare reads them; a control lock without finished runs yet adds nothing."""
-    from opalctl.protocol.control import control_locks
-
     out = []
     for control in control_locks(lock):
         try:
@@ -298,11 +295,6 @@ def _agent_figures(reports: dict[int, dict]) -> dict[str, Any] | None:
 
 def _hung(base: Path, arm: str, reports: dict[int, dict]) -> dict[int, int]:
     """seed -> the program versions that hung in that run (its ``hung.jsonl``, the agent optimizer's record)."""
-    from opalctl.files import read_plain
-    from opalctl.formats import EVENTS_MAX_BYTES
-    from opalctl.layout import RunLayout
-    from opalctl.opal.hangs import HUNG_FILE
-
     counted = {}
     for seed in reports:
         path = RunLayout(base / arm / f"seed-{seed}").opal / HUNG_FILE

@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.driver.arm import Schedule
+from opalctl.driver.records import read_steps
 from opalctl.errors import OpalctlError
+from opalctl.formats import Event, read_jsonl
+from opalctl.layout import RunLayout
 
 SETTINGS = ("LR_SCALE", "CLIP", "ANNEAL_START")
 BUILT_IN_SCHEDULES = ("constant", "anneal-end", "cosine", "linear")  # the order a match is looked for in
@@ -185,10 +188,6 @@ def starting_programs() -> dict[str, str]:
 def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any], total: float,
                     starting: dict[str, str] | None = None) -> RunEquivalence:
     """Read one agent run's records (its events, program versions and steps) and decide."""
-    from opalctl.driver.records import read_steps
-    from opalctl.formats import Event, read_jsonl
-    from opalctl.layout import RunLayout
-
     starting = starting or starting_programs()
     layout = RunLayout(run_dir)
     found = RunEquivalence(seed=seed)

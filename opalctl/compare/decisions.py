@@ -34,8 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.show import agent_decisions
 from opalctl.errors import EXIT_AGENT_NEVER_ANSWERED, EXIT_OK, OpalctlError
 from opalctl.formats import Event
+from opalctl.layout import RunLayout
 
 COUNTS = ("asked", "applied", "rolled_back", "kept", "failed", "timed_out")
 # each count in words, for the legends of compare and the report page (module docstring)
@@ -94,9 +96,6 @@ class DecisionTally:
     @classmethod
     def read(cls, run_dir: str | Path) -> DecisionTally | None:
         """The counts of the run in ``run_dir``; None for a run with no agent (a fixed arm's)."""
-        from opalctl.driver.show import agent_decisions
-        from opalctl.layout import RunLayout
-
         layout = RunLayout.of(Path(run_dir))
         entries = agent_decisions(layout.opal / "events.jsonl", layout.decisions)
         return None if entries is None else cls.of_entries(entries)

@@ -18,6 +18,7 @@ from opalctl import console
 from opalctl.compare.columns import DIFFERENCE, EFFECT
 from opalctl.compare.columns import legend as columns_legend
 from opalctl.compare.concurrency import concurrency_warnings
+from opalctl.compare.decisions import COUNTS, LEGEND
 from opalctl.compare.labels import legend, short_labels
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
 
@@ -85,8 +86,6 @@ def _agent_table(result: dict[str, Any]) -> None:
     """The agent arms' decisions (counted over all their seeds, from the run folders: compare/decisions.py) and the
     seeds they acted on, then their waiting, cost and code seconds (mean over seeds); nothing when no arm has an
     agent: a fixed arm has no row, not a row of zeros."""
-    from opalctl.compare.decisions import COUNTS, LEGEND
-
     arms = [arm for arm in result["arms"] if arm.get("decisions") and arm["agent"]]
     if not arms:
         return

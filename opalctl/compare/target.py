@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opalctl.compare.statistics import paired
+from opalctl.tasks import load_task_class
 
 NOT_REACHED = "not reached"
 
@@ -40,8 +41,6 @@ class TargetRule:
     @classmethod
     def of(cls, lock) -> TargetRule | None:
         """The lock's target, or None when its protocol names none."""
-        from opalctl.tasks import load_task_class
-
         target = lock.resolved.get("target")
         if not target:
             return None

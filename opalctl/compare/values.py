@@ -12,6 +12,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.records import read_steps
 from opalctl.errors import BadInput
 from opalctl.layout import RunLayout
 
@@ -53,8 +54,6 @@ def stage_metrics(report: dict[str, Any], stage: str | int, where: Path) -> dict
 
 def final_train_loss(run_dir: Path) -> float | None:
     """The mean training loss of the run's last ``FINAL_LOSS_UPDATES`` finite updates; None without records."""
-    from opalctl.driver.records import read_steps
-
     path = RunLayout.of(run_dir).steps
     if not path.is_file():
         return None

@@ -11,6 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from opalctl.driver.budget import clock_spec
+from opalctl.driver.groups import assign, build_grouped, group_records
+from opalctl.opal import wrap
+from opalctl.opal.agents import registry
+from opalctl.opal.estimate import estimate
 from opalctl.protocol.schema import Arm
 
 DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows within the budget: learn the new "
@@ -20,9 +25,6 @@ DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows with
 def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
     """How many decisions an agent arm schedules, and why (docs/architecture.md, the agent's waiting and cost,
     when the protocol leaves it open)."""
-    from opalctl.driver.budget import clock_spec
-    from opalctl.opal.agents import registry
-
     agent = arm.agent
     if agent.decisions is not None:
         return agent.decisions, "set by the protocol"
@@ -31,7 +33,6 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
         return 8, f"the default for the {kind.name} backend (its decisions take no waiting)"
     if clock_spec(budget.clock).unit == "updates":
         return 8, "the default (an updates budget gives no training time to weigh waiting against)"
-    from opalctl.opal.estimate import estimate
 
     seconds = budget.amount * arm.budget_multiplier
     model, effort = registry.forecast_model(agent)
@@ -45,9 +46,6 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
     torchrun (``world`` above 1) each rank wraps its own optimizer (``opal.distributed``): rank 0 has the agent and
     its records, the others follow it; ``progress`` is the budget meter's, the same on every rank because every
     rank's meter is charged the same reduced charge (driver/ranks.py)."""
-    from opalctl.opal import wrap
-    from opalctl.opal.agents import registry
-
     agent = arm.agent
     backend = registry.from_protocol(agent)
     decisions, _ = agent_decisions(arm, budget)
@@ -85,7 +83,6 @@ def build_optimizer(arm: Arm, model, where: str = "arms") -> tuple[Any, list[dic
     cls = getattr(torch.optim, arm.optimizer.name)
     if arm.groups is None:
         return cls(model.parameters(), **arm.optimizer.arguments()), None
-    from opalctl.driver.groups import assign, build_grouped, group_records
 
     groups = assign(arm.groups, model, where)
     optimizer = build_grouped(cls, arm.optimizer.arguments(), groups)

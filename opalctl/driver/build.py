@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.driver.budget import clock_spec, require_cuda
+from opalctl.driver.ranks import rank_seed
 from opalctl.errors import BadInput
+from opalctl.tasks import make_task
 
 
 def choose_arm(protocol, arm_name: str, seed: int, source: str, owner: str):
@@ -65,8 +67,6 @@ def build_arm(protocol, arm, seed: int, parent_path: Path, data_paths: dict[str,
     import torch
 
     from opalctl.driver.arm import BudgetSchedule, build_optimizer
-    from opalctl.driver.ranks import rank_seed
-    from opalctl.tasks import make_task
 
     device = protocol.training.device
     torch.set_num_threads(protocol.budget.threads)

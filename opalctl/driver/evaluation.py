@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,9 +40,6 @@ class EvaluateLimit:
 
     @contextlib.contextmanager
     def during(self, task, split: str) -> Iterator[None]:
-        import signal
-        import threading
-
         entry = getattr(task, "entry", type(task).__name__)
         sentence = TaskFailed(f"task {entry}'s evaluate ran past limits.evaluate_seconds ({self.seconds:g} s) on "
                               f"split {split!r}, so the evaluator ended it; make it faster, or freeze the protocol "

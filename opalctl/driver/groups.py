@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.tasks import make_task
 
 
 def _norm_classes() -> tuple[type, ...]:
@@ -128,8 +129,6 @@ def group_records(optimizer, groups: list[ParameterGroup]) -> list[dict[str, Any
 def check_groups(protocol, protocol_path: Path) -> None:
     """Build each grouped arm's model once (on the CPU, from the first seed's parent) and assign its groups, so a
     pattern that matches nothing is refused at ``freeze``, not in a run."""
-    from opalctl.tasks import make_task
-
     grouped = {name: arm for name, arm in protocol.arms.items() if arm.groups}
     if not grouped:
         return

@@ -29,9 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opalctl import checkpoints
+from opalctl.driver.budget import clock_spec
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.forecast import RunForecast
 from opalctl.errors import BadInput
+from opalctl.opal.agents import registry
+from opalctl.opal.estimate import estimate
+from opalctl.protocol.lock import read_lock
 
 WARMUP = 10  # updates not counted (digits is steady from about the 10th, pylm from the 3rd: bench/README.md)
 MEASURE_SECONDS = 3.0  # wall seconds of counted updates, at the least (``seconds``)
@@ -45,7 +50,6 @@ AGENT_DECISION_SECONDS = 0.05  # one answer of an agent that does not wait (heur
 
 def _source(path: Path):
     """A protocol (``.yaml``) or a lock (``.json``): the protocol and the folder its paths are relative to."""
-    from opalctl.protocol.lock import read_lock
     from opalctl.protocol.schema import load_protocol
 
     if path.suffix == ".json":
@@ -58,7 +62,7 @@ def _inputs(path: Path, protocol, lock, seed: int) -> tuple[Path, Path]:
     """The training rows and the parent, checked against the lock when there is one."""
     if lock is None:
         return path.parent / protocol.data["train"], path.parent / protocol.parent_for(seed)
-    from opalctl.protocol.verify import require_unchanged
+    from opalctl.protocol.recheck import require_unchanged
 
     require_unchanged(lock, roles=["data.train", f"parent.seed-{seed}"])
     return lock.data_path("train"), lock.parent_path(seed)
@@ -277,8 +281,6 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seconds: float = 
     the wall time of its run (``forecast``: driver/forecast.py's ``RunForecast.to_json``)."""
     import torch
 
-    from opalctl import checkpoints
-    from opalctl.driver.budget import clock_spec
 
     path = Path(path)
     if steps < 1:
@@ -330,7 +332,7 @@ def pilot(path: str | Path, arm_name: str, *, steps: int = 24, seconds: float = 
 
 def _verify(lock) -> None:
     """The lock's whole check, as a run makes it (and its evaluator again)."""
-    from opalctl.protocol.verify import require_unchanged
+    from opalctl.protocol.recheck import require_unchanged
 
     require_unchanged(lock)
 
@@ -338,8 +340,6 @@ def _verify(lock) -> None:
 def _agent_notes(agent, projected: float, wall_per: float, result: dict[str, Any]) -> float:
     """An agent arm's notes and, for an agent that keeps training waiting, estimate's forecast; returns the
     typical seconds training waits for it (0 for an agent that answers at once)."""
-    from opalctl.opal.agents import registry
-
     result["notes"].append("an agent arm: this measures its starting program (the plain optimizer)")
     if missing := registry.unready(agent):
         result["notes"].append(f"{missing}; a run of this arm is refused until it is")
@@ -348,7 +348,6 @@ def _agent_notes(agent, projected: float, wall_per: float, result: dict[str, Any
         result["notes"].append(f"the {kind.name} backend answers in milliseconds and costs nothing, so there "
                                f"is no waiting or cost to forecast")
         return 0.0
-    from opalctl.opal.estimate import estimate
 
     steps = max(1, int(projected)) if projected != float("inf") else 1
     model, effort = registry.forecast_model(agent)

@@ -618,7 +618,7 @@ class FormalRun:
             return self._execute_run(resume, restart)
 
     def _execute_run(self, resume: bool, restart: bool) -> dict[str, Any]:
-        from opalctl.protocol.verify import require_unchanged
+        from opalctl.protocol.recheck import require_unchanged
 
         if resume and restart:
             raise BadInput("--resume and --restart exclude each other; choose one")

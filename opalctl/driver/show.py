@@ -1,7 +1,7 @@
 """``opalctl show RUN_DIR``: one run read back from its records: stages, promotions and their reasons.
 
 It only reads files; a run still in progress (or interrupted) shows the stages written so far. The folder is
-read and its chain of digests checked as ``opalctl verify`` checks it (protocol/verify.py, driver/chain.py), the
+read and its chain of digests checked as ``opalctl verify`` checks it (verify/folder.py, verify/chain.py), the
 checkpoints hashed but not opened: a record that cannot be read (exit 1) or no longer matches its digest (exit 3)
 is refused in one sentence naming the file, so ``show`` never shows what ``compare`` would not. An events line
 damaged in the middle of the file is refused the same way; only a last events line cut short by a crash is
@@ -16,13 +16,13 @@ from typing import Any
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.formats import Event, RecordDamaged, StageRecord, StartRecord, read_jsonl
 from opalctl.layout import RunLayout
+from opalctl.opal.records import DecisionRecord, line_changes
+from opalctl.verify.folder import checked_run_folder, is_run_folder
 
 NOT_IN_EVENTS = "not in the events"  # a decision the agent host answered that the training process's events omit
 
 
 def show(run_dir: str | Path) -> dict[str, Any]:
-    from opalctl.protocol.verify import checked_run_folder, is_run_folder
-
     folder = Path(run_dir)
     layout = RunLayout.of(folder)
     if folder.is_dir() and not is_run_folder(folder) and (layout.held() or layout.grid_log.exists()):
@@ -88,8 +88,6 @@ def agent_decisions(events_path: Path, decisions: Path | None = None) -> list[di
 
 def _as_the_host_saw_them(entries: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
     """``entries`` with what the agent host recorded of each decision in ``folder`` in place of the events' word."""
-    from opalctl.opal.records import DecisionRecord, line_changes
-
     by_number = {entry["decision"]: entry for entry in entries}
     for path in sorted(folder.glob("[0-9][0-9][0-9]")):
         record = DecisionRecord(path)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opalctl.driver.forecast import grid_forecast
+from opalctl.driver.pilot import pilot
 from opalctl.grid.plan import DONE, default_jobs, plan_grid
 
 PILOT_SECONDS = 2.0  # timed updates per arm: enough past the warm-up, short beside the grid
@@ -26,8 +27,6 @@ def forecast_grid(lock_path, *, arms: list[str] | None = None, seeds: list[int] 
                   jobs: int | None = None, runs_dir=None, seconds: float = PILOT_SECONDS,
                   say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """Pilot each arm with runs left to do, then forecast the grid at ``jobs`` (default: the grid's)."""
-    from opalctl.driver.pilot import pilot
-
     plan = plan_grid(lock_path, arms=arms, seeds=seeds, runs_dir=runs_dir)
     cores = machine_cores()
     jobs = jobs or default_jobs(plan.cpus_per_run, cores)

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.choices import known_only
+from opalctl.driver.ranks import torchrun_line
 from opalctl.errors import EXIT_BAD_INPUT
 from opalctl.grid.records import FAILED, RESUMED, SKIPPED, final_state
 from opalctl.grid.records import FINISHED as RAN_TO_REPORT
 from opalctl.layout import FINISHED, LockRuns, RunLayout, runs_dir_default
 from opalctl.layout import NEW as LAYOUT_NEW
+from opalctl.protocol.lock import read_lock
 
 NEW, RESUME, DONE = "new", "resume", "done"
 
@@ -79,7 +81,6 @@ class GridRun:
         words = ["opalctl", *self.command(lock_path, runs_dir, resume)]
         if self.ranks == 1:
             return [sys.executable, "-m", *words]
-        from opalctl.driver.ranks import torchrun_line
 
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 *torchrun_line(self.ranks, words)[1:]]
@@ -118,8 +119,6 @@ class GridPlan:
 def plan_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
               runs_dir: str | os.PathLike | None = None) -> GridPlan:
     """The grid of ``lock_path``: the chosen arms and seeds (default all of the lock's), in starting order."""
-    from opalctl.protocol.lock import read_lock
-
     lock = read_lock(Path(lock_path))
     resolved = lock.resolved
     chosen_arms = _chosen(list(resolved["arms"]), arms, "arm", lock.path)

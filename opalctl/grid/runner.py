@@ -13,9 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.grid.local import LocalPool
 from opalctl.grid.plan import DONE, NEW, RESUME, GridPlan, GridRun, default_jobs, plan_grid
 from opalctl.grid.records import QUEUED, SKIPPED, GridResult, RunOutcome, event, outcome_event
+from opalctl.grid.settings import SlurmSettings
 from opalctl.grid.signals import StopRequest
+from opalctl.grid.slurm import SlurmArray
 
 EXECUTORS = ("local", "slurm")
 
@@ -71,10 +74,7 @@ def run_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, see
 def _execute(executor: str, plan: GridPlan, jobs: int, pending: list[GridRun], resume: set[GridRun], notify,
              stop: StopRequest, settings) -> dict[GridRun, RunOutcome]:
     if executor == "local":
-        from opalctl.grid.local import LocalPool
 
         return LocalPool(plan, jobs, notify, stop).run(pending, resume)
-    from opalctl.grid.settings import SlurmSettings
-    from opalctl.grid.slurm import SlurmArray
 
     return SlurmArray(plan, jobs, notify, stop, settings or SlurmSettings()).run(pending, resume)

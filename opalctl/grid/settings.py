@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from opalctl.errors import BadInput
 
 MAX_FILE_BYTES = 64 * 1024
@@ -58,8 +60,6 @@ def load_settings(path: str | Path | None = None, **flags: Any) -> SlurmSettings
 
 
 def _read(path: Path) -> dict[str, Any]:
-    import yaml
-
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
             raise BadInput(f"Slurm settings file {path} is larger than {MAX_FILE_BYTES // 1024} KiB; keep it short")

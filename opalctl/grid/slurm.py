@@ -14,18 +14,31 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opalctl import console
+from opalctl.driver.pilot import pilot
 from opalctl.errors import OpalctlError
 from opalctl.files import atomic_write_json, read_plain
 from opalctl.formats import RECORD_MAX_BYTES
 from opalctl.grid.plan import DONE, RESUME, GridPlan, GridRun
 from opalctl.grid.progress import RunProgress
-from opalctl.grid.records import FAILED, FINISHED, INTERRUPTED, RESUMED, RUNNING, SKIPPED, RunOutcome, event
+from opalctl.grid.records import (
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    RESUMED,
+    RUNNING,
+    SKIPPED,
+    RunOutcome,
+    event,
+    outcome_event,
+)
 from opalctl.grid.settings import SlurmSettings
 from opalctl.grid.signals import StopRequest
 
@@ -53,8 +66,6 @@ def time_limit_minutes(projected_seconds: float, margin: float) -> int:
 def projected_seconds(plan: GridPlan, say: Callable[[str], None] = lambda text: None) -> float:
     """The longest wall time any arm's run of the plan is forecast to take, from a pilot of each arm (public inputs
     only, nothing written; driver/forecast.py)."""
-    from opalctl.driver.pilot import pilot
-
     longest = 0.0
     for arm in plan.arms:
         figures = pilot(plan.lock_path, arm, steps=24, seconds=0)  # short: the limit has its margin
@@ -106,7 +117,6 @@ class SlurmArray:
     def __init__(self, plan: GridPlan, jobs: int, notify: Callable[[dict[str, Any]], None], stop: StopRequest,
                  settings: SlurmSettings, say: Callable[[str], None] | None = None):
         self.plan, self.jobs, self.notify, self.stop, self.settings = plan, jobs, notify, stop, settings
-        from opalctl import console
 
         self.say = say or console.message
 
@@ -230,13 +240,9 @@ class ArrayWatch:
         return RunOutcome(run.arm, run.seed, state, str(run.run_dir), None, str(run.log), {"job_id": job.job_id})
 
     def _end(self, run: GridRun, outcome: RunOutcome) -> None:
-        from opalctl.grid.records import outcome_event
-
         self.outcomes[run] = outcome
         self.notify(outcome_event(outcome))
 
 
 def _has_sbatch() -> bool:
-    import shutil
-
     return shutil.which("sbatch") is not None

@@ -25,14 +25,13 @@ import submitit
 
 from opalctl.grid.local import GRACE_SECONDS, REFUSALS_RETRIED, child_environment, spawn_run
 from opalctl.grid.plan import DONE, RESUME, GridRun
+from opalctl.layout import LockRuns
+from opalctl.protocol.lock import read_lock
 
 POLL_SECONDS = 0.2
 
 
 def run_folder(lock: str, runs_dir: str, arm: str, seed: int) -> Path:
-    from opalctl.layout import LockRuns
-    from opalctl.protocol.lock import read_lock
-
     return LockRuns.of(Path(runs_dir), read_lock(Path(lock))).run(arm, seed).root
 
 

@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from opalctl import console
+from opalctl.compare.decisions import DecisionTally
+from opalctl.errors import OpalctlError
+from opalctl.files import read_plain
+from opalctl.grid.local import LOG_HEADER
 from opalctl.grid.plan import GridRun, plan_grid
 from opalctl.grid.progress import RunProgress
+from opalctl.grid.slurm import recorded_jobs
 from opalctl.layout import FINISHED, NEW, RUNNING, RunLayout
 
 
 def grid_status(lock_path: str | os.PathLike, *, arms: list[str] | None = None, seeds: list[int] | None = None,
                 runs_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    from opalctl.grid.slurm import recorded_jobs
-
     plan = plan_grid(lock_path, arms=arms, seeds=seeds, runs_dir=runs_dir)
     jobs = recorded_jobs(plan)
     runs = [{**run_status(run), **({"slurm": jobs[run.arm, run.seed]} if (run.arm, run.seed) in jobs else {})}
@@ -69,9 +72,6 @@ def state_word(layout: RunLayout, live_state: str) -> str:
 def _only_the_grids_header(log: Path) -> bool:
     """Whether the run's log holds nothing but the lines the grid writes before each start (no word of the run's
     own yet: a run that fails before its start record says why there)."""
-    from opalctl.files import read_plain
-    from opalctl.grid.local import LOG_HEADER
-
     try:
         text = read_plain(log, LOG_LIMIT).decode(errors="replace")
     except OSError:  # gone, or grown past the limit: more than headers
@@ -81,9 +81,6 @@ def _only_the_grids_header(log: Path) -> bool:
 
 def _agent_word(run: GridRun) -> str | None:
     """What the agent of a finished run did (compare/decisions.py): None for a fixed arm's run."""
-    from opalctl.compare.decisions import DecisionTally
-    from opalctl.errors import OpalctlError
-
     try:
         tally = DecisionTally.read(run.run_dir)
     except OpalctlError:  # a damaged record: `opalctl verify` names it

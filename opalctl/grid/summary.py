@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from typing import Any
@@ -71,8 +72,6 @@ def advise(result: GridResult, comparison: dict[str, Any] | None = None) -> None
 
 def print_json_end(result: GridResult, comparison: dict[str, Any] | None, note: str | None) -> None:
     """The last JSON line of ``--json``: the grid's result and its comparison."""
-    import json
-
     sys.stdout.write(json.dumps({"event": "grid", **result.to_json(), "compare": comparison, "compare_note": note,
                                  "agent_warnings": agent_warnings(comparison)}, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()

@@ -21,12 +21,10 @@ missing, or is not the lock of the named digest any more, is refused in one sent
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 from opalctl.errors import BadInput, InputChanged
-from opalctl.files import atomic_write_text
+from opalctl.files import read_plain, sha256_bytes
 from opalctl.protocol.lock import LOCK_MAX_BYTES, Lock, read_lock
 
 SAME_AS_PARENT = ("task", "data", "budget", "training", "limits", "selection")
@@ -52,8 +50,6 @@ def control_locks(lock: Lock) -> list[Lock]:
 def parent_lock(control: Lock) -> Lock:
     """The parent a control lock names, at its path or, when that lock was replaced by a later freeze, where freeze
     keeps the replaced one (``NAME.lock.SHA12.json``); refused unless its sha256 is the one named."""
-    from opalctl.files import read_plain, sha256_bytes
-
     link = control.resolved["control"]
     named = control.resolve(link["parent_lock"])
     wanted = link["parent_sha256"]
@@ -75,8 +71,6 @@ def parent_lock(control: Lock) -> Lock:
 
 
 def _sha12(path: Path) -> str:
-    from opalctl.files import read_plain, sha256_bytes
-
     try:
         return sha256_bytes(read_plain(path, LOCK_MAX_BYTES))[:12]
     except OSError:
@@ -119,71 +113,3 @@ def check_control(control: Lock, protocol) -> Lock:
                                f"controlled arm {link.arm!r}'s {arm.get(key)!r}; a control gets the same compute "
                                f"as the arm it controls")
     return parent
-
-
-def make_control(lock_path: str | Path, arm: str, *, from_seed: int | None = None, runs_dir=None,
-                 force: bool = False) -> dict[str, Any]:
-    """Write the control protocol beside the parent lock and freeze it; returns what was written."""
-    import yaml
-
-    from opalctl.compare.aggregate import collect
-    from opalctl.compare.controls import lock_controls
-    from opalctl.layout import runs_dir_default
-    from opalctl.protocol.freeze import freeze
-
-    lock = read_lock(Path(lock_path))
-    arms = lock.resolved["arms"]
-    if arm not in arms:
-        raise BadInput(f"--arm {arm!r} is not an arm of {lock.path} ({', '.join(arms)})")
-    if not arms[arm].get("agent"):
-        raise BadInput(f"--arm {arm!r} of {lock.path} has no agent: a control replays an agent arm's decisions")
-    if lock.resolved.get("control"):
-        raise BadInput(f"{lock.path} is itself a control lock; make controls of the pre-registered lock")
-    runs_dir = runs_dir_default(runs_dir)
-    base, finished, _ = collect(lock, runs_dir)
-    done = sorted(finished.get(arm, {}))
-    if not done:
-        raise BadInput(f"arm {arm!r} of {lock.path} has no finished run under {base}; run it first")
-    seed = done[0] if from_seed is None else from_seed
-    if seed not in done:
-        raise BadInput(f"--from-seed {seed}: arm {arm!r} has no finished run on that seed (finished: "
-                       f"{', '.join(map(str, done))})")
-    others = [s for s in lock.resolved["seeds"] if s != seed]
-    if not others:
-        raise BadInput(f"{lock.path} has one seed only: a replay on the other seeds needs at least two")
-    source = (base / arm / f"seed-{seed}").resolve()
-    replay = {**arms[arm], "agent": {**arms[arm]["agent"], "backend": f"replay:{source}"}}
-    new_arms = {f"{arm}-replay-s{seed}": replay}
-    controls = lock_controls(lock, base, {arm: finished[arm]}).get(arm) or {}
-    missing = controls.get("missing_arm")
-    if missing:
-        name = missing["name"] if missing["name"] not in arms else f"{missing['name']}-control"
-        new_arms[name] = {k: v for k, v in missing["arm"].items() if k != "agent"}
-    name = control_name(lock.name, arm, seed)
-    protocol = {key: lock.resolved[key] for key in (*SAME_AS_PARENT,)}
-    protocol.update(name=name, parents={int(s): lock.resolved["parents"][str(s)] for s in others}, seeds=others,
-                    arms=new_arms,
-                    control={"post_hoc": True, "parent_lock": os.path.relpath(lock.path, lock.folder),
-                             "parent_sha256": lock.sha256, "arm": arm, "from_seed": seed,
-                             "source_run": str(source)})
-    path = lock.folder / f"{name}.yaml"
-    text = (f"# A control added after the fact (post-hoc, not pre-registered), written by `opalctl control` for\n"
-            f"# arm {arm} of {lock.path.name} (sha256 {lock.sha12}): its decisions on seed {seed} replayed on seeds\n"
-            f"# {', '.join(map(str, others))}" + (", and the fixed arm its programs equal" if missing else "")
-            + ". Edit nothing: verify refuses a control that differs from its parent.\n"
-            + yaml.safe_dump(_plain(protocol), sort_keys=False))
-    if path.exists() and path.read_text(encoding="utf-8") != text and not force:
-        raise BadInput(f"{path} exists and differs from the control this would write; remove it or pass --force")
-    atomic_write_text(path, text)
-    frozen = freeze(path, force=force)
-    return {**frozen, "protocol": str(path), "parent": str(lock.path), "parent_sha256": lock.sha256,
-            "from_seed": seed, "replayed_on": others, "fixed_arm": bool(missing),
-            "next": f"opalctl grid {frozen['lock']}"}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import opalctl
+from opalctl import checkpoints
 from opalctl.driver.groups import check_groups
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import (
@@ -34,6 +35,7 @@ from opalctl.opal.agents import registry
 from opalctl.protocol import provenance
 from opalctl.protocol.lock import FORMAT, LOCK_MAX_BYTES, protocol_digest
 from opalctl.protocol.schema import Protocol, load_protocol
+from opalctl.tasks import task_source_file
 
 PACKAGE_SUFFIXES = (".py", ".md", ".txt", ".json", ".yaml")
 
@@ -113,8 +115,6 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
 
 
 def records(protocol: Protocol, protocol_path: Path, lock_folder: Path) -> dict[str, dict]:
-    from opalctl.tasks import task_source_file
-
     folder = protocol_path.parent
     out: dict[str, dict] = {"protocol": file_record(protocol_path, lock_folder)}
     missing = []
@@ -173,8 +173,6 @@ def check_parents(protocol: Protocol, protocol_path: Path) -> None:
     """Open each distinct parent as the run will, as a checkpoint within ``limits.checkpoint_bytes``: a file
     that is not one (torch's own weights, random bytes) or is larger is refused here, not after a budget of
     training (every stage checkpoint is about the parent's size, and each is held to the same limit)."""
-    from opalctl import checkpoints
-
     limit = protocol.limits.checkpoint_bytes
     opened: set[Path] = set()
     for seed in protocol.seeds:

@@ -21,19 +21,21 @@ waited on or a device read without end; JSON nested at most ``files.MAX_JSON_DEP
   parent (``limits.checkpoint_bytes`` is at least the parent's size, as freeze checked).
 
 What needs the files (sealed data where the paths lead, the task, the optimizers, the backends, each parent a
-checkpoint that loads within the limit) is ``validated_protocol``, which ``verify`` and ``run`` call once the records
-match. So a lock edited by hand either verifies and is safe to run, or is refused (exit 2 naming the key, or exit 3
+checkpoint that loads within the limit) is ``recheck.validated_protocol``, which ``verify`` and ``run`` call once the
+records match. So a lock edited by hand either verifies and is safe to run, or is refused (exit 2 naming the key, or exit 3
 for an edit ``verify`` sees as a change: a protocol that no longer matches ``protocol_sha256``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import opalctl
 from opalctl.errors import BadInput
 from opalctl.files import JSONRefused, NotAPlainFile, canonical_json, decode_json, read_plain, sha256_bytes
 from opalctl.layout import plain_name
@@ -79,25 +81,7 @@ class Lock:
         try:
             return parse(_seed_keys(self.resolved), {}, f"lock {self.path}")
         except ProtocolError as error:
-            raise _refreeze(error) from None
-
-    def validated_protocol(self):
-        """The protocol checked as ``freeze`` checks a protocol file (its paths relative to the lock's folder, each
-        parent opened as a checkpoint within the limit)."""
-        from opalctl.protocol.freeze import check_parents
-        from opalctl.protocol.schema import ProtocolError, validate
-
-        protocol = self.protocol()
-        try:
-            validate(protocol, {}, f"lock {self.path}", self.folder)
-        except ProtocolError as error:
-            raise _refreeze(error) from None
-        check_parents(protocol, self.path)  # its sentences name the lock: "LOCK: the parent of seed 1 ..."
-        if protocol.control is not None:  # a control lock (opalctl control): its parent, and equal compute
-            from opalctl.protocol.control import check_control
-
-            check_control(self, protocol)
-        return protocol
+            raise refreeze(error) from None
 
     @property
     def digest_matches(self) -> bool:
@@ -111,12 +95,9 @@ class Lock:
         """Where a record's file is now: relative to the lock, to the installed opalctl, or to a module's folder."""
         base = record.get("base")
         if base == "opalctl":
-            import opalctl
 
             return Path(opalctl.__file__).resolve().parent / record["path"]
         if base == "module":
-            import importlib.util
-
             try:
                 spec = importlib.util.find_spec(record["module"])
             except (ImportError, ValueError):
@@ -146,7 +127,7 @@ def _seed_keys(resolved: dict) -> dict:
 REFREEZE = "`opalctl freeze` never writes such a lock: correct the protocol file and freeze it again"
 
 
-def _refreeze(error):
+def refreeze(error):
     """The schema's sentence, with what to do about a lock (it is written by freeze only, never edited): one line."""
     error.message = f"{error.message}; {REFREEZE}"
     error.args = (error.message,)
@@ -316,7 +297,7 @@ def check_records(lock: Lock, protocol) -> None:
                              f"raise the limit"))
             break
     if problems:
-        raise _refreeze(ProtocolError(f"lock {lock.path}", problems))
+        raise refreeze(ProtocolError(f"lock {lock.path}", problems))
 
 
 def _is_plain_file_name(relative: str) -> bool:

@@ -33,6 +33,7 @@ from opalctl.opal.agents.anthropic import Prices
 from opalctl.opal.agents.options import Strict
 from opalctl.protocol.optimizers import check_optimizer, group_weight_decay_problem
 from opalctl.protocol.yamlfile import load_yaml_with_lines
+from opalctl.tasks import TaskLoadError, load_task_class
 
 MAX_PATH = 1024  # characters of a data or parent path: room for any real project, far below what the OS refuses
 MAX_BATCH = 1 << 16  # examples per update
@@ -479,8 +480,6 @@ def validate(protocol: Protocol, lines: dict[tuple, int], where: str, folder: Pa
     """Cross-field checks: sealed paths (as written and as they resolve from ``folder``), parents for every seed,
     the budget each arm gets, the task's config, splits and metrics, optimizers. Freeze calls it, and so do run
     and verify on a lock's protocol (with the lock's folder), so what freeze refuses is refused there too."""
-    from opalctl.tasks import TaskLoadError, load_task_class
-
     problems: list[tuple[str, int | None, str]] = []
 
     def problem(path: tuple, text: str) -> None:

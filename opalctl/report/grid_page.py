@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from opalctl import __version__
+from opalctl.compare.decisions import COUNTS, LEGEND
 from opalctl.compare.significance import TEST_MIN_SEEDS
 from opalctl.compare.values import TRAIN_LOSS
 from opalctl.files import atomic_write_text, storage
@@ -34,7 +36,7 @@ PAGE_NAME = "report.html"
 def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | None = None) -> Path:
     """Write the page to ``out/report.html`` (default: the lock's runs folder) and return its path."""
     from opalctl.compare.aggregate import compare
-    from opalctl.protocol.verify import verify
+    from opalctl.verify.command import verify
 
     result = compare(lock_path, runs_dir=runs_dir)
     verification = verify(lock_path)
@@ -52,8 +54,6 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
 
 
 def _identity(result: dict[str, Any], verification: dict[str, Any]) -> str:
-    from opalctl import __version__
-
     if verification["ok"]:
         status = f'<span class="ok">verifies: all {verification["checked"]} records match</span>'
     else:
@@ -115,8 +115,6 @@ def _forest_row(arm: dict[str, Any], figure: dict[str, Any]) -> dict[str, Any]:
 def _decision_counts(result: dict[str, Any]) -> str:
     """The agent arms' decisions counted from their run folders (compare/decisions.py), summed over seeds, with
     each count defined; a fixed arm has no row (no decisions, not zero of them)."""
-    from opalctl.compare.decisions import COUNTS, LEGEND
-
     arms = [a for a in result["arms"] if a.get("decisions")]
     if not arms:
         return ""

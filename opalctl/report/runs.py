@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opalctl.formats import Event, RecordDamaged
+from opalctl.driver.records import read_steps
+from opalctl.files import read_plain
+from opalctl.formats import PROGRAM_MAX_BYTES, Event, RecordDamaged
 from opalctl.layout import RunLayout
+from opalctl.opal.records import PROGRAM_FILES, DecisionRecord
 
 CURVE_POINTS = 1500
 
@@ -63,8 +66,6 @@ def loss_curve(run_dir: Path, every_update: bool = False) -> Curve:
 
 
 def _curve(path: Path, every_update: bool) -> Curve:
-    from opalctl.driver.records import read_steps
-
     lines = list(read_steps(path))
     on_cpu = bool(lines) and lines[0].get("cpu") is not None
     curve = Curve(seconds_key="train_cpu_seconds" if on_cpu else "train_wall_seconds")
@@ -97,8 +98,6 @@ def program_diff(run_dir: Path, decision: int, version: int | None, files: list[
     """The unified diff an applied decision made to the agent's programs: from the running programs the agent host
     was given to the ones it answered (its record of decision ``decision``); in a folder without the host's records,
     from the training process's versions (``version - 1 -> version``); '' if the program files are not there."""
-    from opalctl.opal.records import DecisionRecord
-
     layout = RunLayout.of(run_dir)
     record = DecisionRecord(layout.decision_folder(decision))
     if record.by_host:
@@ -112,7 +111,6 @@ def program_diff(run_dir: Path, decision: int, version: int | None, files: list[
         return "".join(parts)
     if not version or not files:
         return ""
-    from opalctl.opal.records import PROGRAM_FILES
 
     programs = layout.opal / "programs"
     parts = []
@@ -130,9 +128,6 @@ def program_diff(run_dir: Path, decision: int, version: int | None, files: list[
 
 def _program_text(path: Path) -> str | None:
     """A program file of the training process's records, or None when it is not a readable one (``read_plain``)."""
-    from opalctl.files import read_plain
-    from opalctl.formats import PROGRAM_MAX_BYTES
-
     try:
         return read_plain(path, PROGRAM_MAX_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError):

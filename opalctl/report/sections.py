@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.budget import clock_spec
+from opalctl.driver.show import show
+from opalctl.driver.show_render import rule_of
 from opalctl.errors import OpalctlError
 from opalctl.report import html
 from opalctl.report.runs import Curve, decision_marks, loss_curve, program_diff
@@ -27,8 +30,6 @@ class RunView:
 
     @classmethod
     def read(cls, run_dir: Path) -> RunView:
-        from opalctl.driver.show import show
-
         shown = show(run_dir)
         return cls(shown["arm"], shown["seed"], Path(run_dir), shown, loss_curve(run_dir))
 
@@ -72,8 +73,6 @@ def load_figures():
 def charge_label(clock: str) -> str | None:
     """The x label of the loss against the budget the protocol's clock charged; None under a clock that counts
     updates, where that axis is the updates axis already."""
-    from opalctl.driver.budget import clock_spec
-
     unit = clock_spec(clock).unit
     return None if unit == "updates" else f"budget charged by the {clock} clock ({unit})"
 
@@ -115,8 +114,6 @@ def decisions_section(runs: list[RunView]) -> str:
     """Every agent decision of these runs: when, what became of it, the rule that decided it (the heuristic's: which
     rule fired on which signal), the whole rationale and the diff. The decisions that changed something (applied,
     reverted, failed) come first; those that kept the program are folded under one line that counts them."""
-    from opalctl.driver.show_render import rule_of
-
     changes, kept = [], []
     for run in runs:
         for d in run.shown["decisions"] or []:

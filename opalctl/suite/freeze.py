@@ -9,9 +9,12 @@ data and parents are made by ``opalctl init``, which never overwrites a file wit
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from opalctl.errors import BadInput
 from opalctl.files import atomic_write_text, canonical_json, file_record, read_plain, sha256_bytes, storage
@@ -72,8 +75,6 @@ def freeze_suite(suite_path: str | Path, *, folder: str | Path | None = None, fo
 
 def _check(text: str, where: str, folder: Path) -> None:
     """A task's protocol checked whole, as ``freeze`` will check its file, before any protocol is written."""
-    import yaml
-
     from opalctl.protocol.schema import parse, validate
 
     data = yaml.safe_load(text)
@@ -88,6 +89,4 @@ def _differs(path: Path, text: str) -> bool:
 
 
 def _relative(path: Path, folder: Path) -> Path:
-    import os
-
     return Path(os.path.relpath(path.resolve(), folder.resolve()))

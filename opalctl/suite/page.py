@@ -10,13 +10,12 @@ from typing import Any
 
 from opalctl.files import atomic_write_text, storage
 from opalctl.report import html
+from opalctl.report.sections import load_figures
 
 PAGE_NAME = "suite.html"
 
 
 def write_suite_page(summary: dict[str, Any], out: str | Path) -> Path:
-    from opalctl.report.sections import load_figures
-
     figures = load_figures()
     steps = {arm: summary["profiles"]["arms"][arm]["steps"] for arm in summary["arms"]}
     page = html.document(

@@ -16,7 +16,9 @@ from typing import Any
 import yaml
 
 from opalctl.errors import BadInput
+from opalctl.protocol.yamlfile import load_yaml_with_lines
 from opalctl.suite.spec import Suite
+from opalctl.tasks import BUILTIN, builtin
 
 HEADER = ("# Written by `opalctl suite freeze {suite}` for its task {task}: the suite's arms and seeds over the task's\n"
           "# protocol. Edit the suite file, not this one, then freeze the suite again.\n")
@@ -33,9 +35,6 @@ def protocol_path(folder: Path, suite: Suite, task: str) -> Path:
 def base_protocol(suite: Suite, task: str, suite_path: Path, folder: Path, say) -> tuple[dict[str, Any], Path]:
     """The task's protocol before the suite's keys, and the folder its paths are relative to. A built-in task's
     data and parents are made here (``opalctl init``, with the task's settings)."""
-    from opalctl.protocol.yamlfile import load_yaml_with_lines
-    from opalctl.tasks import BUILTIN
-    from opalctl.tasks.builtin import init, protocol_text
 
     spec = suite.tasks[task]
     seeds = suite.seeds_of(task)
@@ -45,8 +44,8 @@ def base_protocol(suite: Suite, task: str, suite_path: Path, folder: Path, say) 
                            f"one of {', '.join(sorted(BUILTIN))}")
         where = task_folder(folder, task)
         say(f"init {spec.builtin} in {where} (data and one parent per seed; a minute or more for some tasks)")
-        init(spec.builtin, where, seeds, config=spec.config)
-        return yaml.safe_load(protocol_text(spec.builtin, seeds)), where
+        builtin.init(spec.builtin, where, seeds, config=spec.config)
+        return yaml.safe_load(builtin.protocol_text(spec.builtin, seeds)), where
     source = (suite_path.parent / spec.protocol).resolve()
     if not source.is_file():
         raise BadInput(f"{suite_path}: tasks.{task}.protocol: {spec.protocol} is not a file; give a protocol file's "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 from opalctl import console
@@ -64,17 +66,12 @@ def _range(values: list[float]) -> str:
 
 def print_run_end(result: dict[str, Any]) -> None:
     """The last line of ``suite run --json``, after each grid's JSON lines: the suite's result on one line."""
-    import json
-    import sys
-
     sys.stdout.write(json.dumps({"event": "suite", **result}, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
 
 
 def render_run_end(result: dict[str, Any], suite_lock: str) -> None:
     """The end of ``suite run`` for people: each task's finished runs, and the next command when all finished."""
-    from opalctl import console
-
     for task, grid in result["tasks"].items():
         done = sum(1 for run in grid["runs"] if run["state"] in ("finished", "resumed", "skipped"))
         console.message(f"task {task}: {done} of {len(grid['runs'])} runs finished")

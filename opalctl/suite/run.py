@@ -9,6 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import BadInput
+from opalctl.grid import run_grid
+from opalctl.grid.signals import StopRequest
+from opalctl.grid.status import grid_status
+from opalctl.opal.agents import registry
+from opalctl.protocol.lock import read_lock
 from opalctl.suite.lock import SUFFIX, SuiteLock, check_suite_file, read_suite_lock, suite_lock_path
 
 
@@ -21,7 +27,6 @@ def open_suite(target: str | Path, folder: str | Path | None = None) -> SuiteLoc
     target = Path(target)
     if target.name.endswith(SUFFIX):
         if folder is not None:
-            from opalctl.errors import BadInput
 
             raise BadInput(f"--dir names where a suite file's tasks go; {target} is a suite lock already, so leave "
                            f"--dir out")
@@ -49,9 +54,6 @@ def run_suite(lock: SuiteLock, *, jobs: int | None = None, executor: str = "loca
               display_for: Callable[[str], Any] | None = None,
               say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every task's grid in the suite's order; ``display_for(task)`` gives each grid its display."""
-    from opalctl.grid import run_grid
-    from opalctl.grid.signals import StopRequest
-
     refuse_unready(lock)
     results: dict[str, Any] = {}
     with StopRequest() as stop:
@@ -71,10 +73,6 @@ def run_suite(lock: SuiteLock, *, jobs: int | None = None, executor: str = "loca
 def refuse_unready(lock: SuiteLock) -> None:
     """An agent arm whose backend cannot answer here (its key unset, its binary missing) refused before any task
     starts: every task runs every arm, so its runs would fail on each task in turn."""
-    from opalctl.errors import BadInput
-    from opalctl.opal.agents import registry
-    from opalctl.protocol.lock import read_lock
-
     for task in lock.tasks:
         if missing := registry.unready_arms(read_lock(lock.lock_of(task)).protocol()):
             raise BadInput(f"suite {lock.name}: {missing[0]}; provide it, or comment the arm out of the suite file "
@@ -83,8 +81,6 @@ def refuse_unready(lock: SuiteLock) -> None:
 
 def suite_status(lock: SuiteLock, *, runs_dir=None) -> dict[str, Any]:
     """Where every run of every task stands (``grid --status`` for each task's lock)."""
-    from opalctl.grid.status import grid_status
-
     tasks = {task: grid_status(lock.lock_of(task), runs_dir=runs_dir) for task in lock.tasks}
     return {"suite_lock": str(lock.path), "suite_sha256": lock.sha256, "tasks": tasks,
             "ok": all(status["ok"] for status in tasks.values())}

@@ -16,6 +16,8 @@ from typing import Any
 
 from opalctl.compare.profiles import TAU_MAX, profiles
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
+from opalctl.errors import BadInput
+from opalctl.protocol.lock import read_lock
 from opalctl.suite.lock import SuiteLock
 from opalctl.suite.spec import tuned_per_task
 
@@ -26,8 +28,6 @@ def _time(value: float | None) -> float:
 
 def summarise(lock: SuiteLock, *, runs_dir=None, resamples: int = 10_000) -> dict[str, Any]:
     from opalctl.compare.aggregate import compare
-    from opalctl.errors import BadInput
-    from opalctl.protocol.lock import read_lock
 
     arms = list(lock.data["arms"])
     tasks: dict[str, Any] = {}

@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 from opalctl.errors import BadInput
+from opalctl.tasks.calls import CalledTask, task_failed
 
 BUILTIN = {
     "digits": "opalctl.tasks.digits:Digits",
@@ -58,8 +59,6 @@ def task_source_file(entry: str) -> Path:
 def make_task(entry: str, config: dict):
     """The task of ``entry`` with ``config``, as opalctl calls it: every call into it checked, its failure one
     sentence naming the task and the method (opalctl/tasks/calls.py)."""
-    from opalctl.tasks.calls import CalledTask, task_failed
-
     cls = load_task_class(entry)
     try:
         return CalledTask(cls(config), entry)

@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from opalctl.errors import BadInput
 from opalctl.files import storage
 from opalctl.tasks import BUILTIN, make_task
@@ -43,8 +45,6 @@ def init(task_name: str, folder: str | Path = ".", seeds: list[int] | None = Non
     with storage(folder, then=f"run `opalctl init {task_name}` again (or give --dir a folder that can be written)"):
         folder.mkdir(parents=True, exist_ok=True)
         text = protocol_text(task_name, seeds)
-        import yaml
-
         config = {**yaml.safe_load(text)["task"].get("config", {}), **(config or {})}
         task = make_task(BUILTIN[task_name], config)
         say(f"preparing {task_name} in {folder} (data files and one parent per seed)...")

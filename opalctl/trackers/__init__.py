@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.records import read_steps
+from opalctl.driver.show import agent_decisions
 from opalctl.errors import OpalctlError
+from opalctl.export import verified_runs
+from opalctl.formats import StartRecord, read_record
+from opalctl.layout import RunLayout
+from opalctl.report.runs import loss_curve
 
 DECISION_COLUMNS = ("decision", "update", "outcome", "changed", "summary", "rationale")
 
@@ -67,18 +73,11 @@ class TrackedRun:
 
 def tracked_runs(lock_path: str | Path, runs_dir=None) -> tuple[Any, list[TrackedRun]]:
     """The lock and each of its finished runs read for a tracker, every folder verified before any is read."""
-    from opalctl.export import verified_runs
-
     lock, runs = verified_runs(lock_path, runs_dir)
     return lock, [_tracked(lock, run) for run in runs]
 
 
 def _tracked(lock, run) -> TrackedRun:
-    from opalctl.driver.show import agent_decisions
-    from opalctl.formats import StartRecord, read_record
-    from opalctl.layout import RunLayout
-    from opalctl.report.runs import loss_curve
-
     layout = RunLayout.of(run.folder)
     start = read_record(layout.start, StartRecord)
     protocol = {key: value for key, value in lock.resolved.items() if key != "arms"}
@@ -109,8 +108,6 @@ def learning_rates(steps: Path) -> Iterator[tuple[int, int, float]]:
     """Each (update, parameter group, learning rate) of a steps file's ``lrs``: none from a line without them (an
     opalctl older than the field, or an update that stepped no torch optimizer: null), none for a group whose value
     is no finite number."""
-    from opalctl.driver.records import read_steps
-
     if not steps.is_file():
         return
     for line in read_steps(steps):

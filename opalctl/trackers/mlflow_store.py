@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, OpalctlError
+from opalctl.files import storage
 from opalctl.trackers import (
     DECISION_COLUMNS,
     TrackedRun,
@@ -43,6 +44,7 @@ from opalctl.trackers import (
     flattened,
     missing_package,
     stage_metric_name,
+    tracked_runs,
 )
 
 DATABASE = "mlflow.db"
@@ -58,9 +60,6 @@ def store_uri(folder: str | Path) -> str:
 
 def export_mlflow(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
     """Write the runs into the store; returns the experiment, each run's id, and the command that opens them."""
-    from opalctl.files import storage
-    from opalctl.trackers import tracked_runs
-
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise BadInput(f"--mlflow {target} is a file; give a folder for the MLflow store")

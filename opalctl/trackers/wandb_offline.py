@@ -23,13 +23,15 @@ else in DIR is touched.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.trackers import DECISION_COLUMNS, TrackedRun, environment, missing_package, stage_metric_name
+from opalctl.files import storage
+from opalctl.trackers import DECISION_COLUMNS, TrackedRun, environment, missing_package, stage_metric_name, tracked_runs
 
 STAGING = "wandb-staging"
 AGAIN = "run `opalctl export` again (or give --wandb a folder that can be written)"
@@ -37,9 +39,6 @@ AGAIN = "run `opalctl export` again (or give --wandb a folder that can be writte
 
 def export_wandb(lock_path: str | Path, folder: str | Path, *, runs_dir=None) -> dict[str, Any]:
     """Write the offline runs; returns their folders, one per run, and the command that uploads them."""
-    from opalctl.files import storage
-    from opalctl.trackers import tracked_runs
-
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise BadInput(f"--wandb {target} is a file; give a folder for the offline W&B runs")
@@ -93,8 +92,6 @@ class IsolatedWandb:
 
 def _write_run(wandb, lock, run: TrackedRun, target: Path) -> Path:
     """One offline run, written whole before the earlier export's folders of its id are removed."""
-    import os
-
     identity = run_id(lock, run)
     staging = target / STAGING / identity
     staging.mkdir(parents=True, exist_ok=True)

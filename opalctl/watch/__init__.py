@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
+from opalctl.grid.plan import plan_grid
 from opalctl.layout import RunLayout
 from opalctl.watch.reader import FINAL, RunWatch
+from opalctl.watch.render import display_for
 
 INTERVAL_SECONDS = 1.5
 WHAT_TO_GIVE = "give a run folder (runs/NAME-SHA12/ARM/seed-S) or a lock (NAME.lock.json, its runs under --runs-dir)"
@@ -62,7 +64,6 @@ def watched(target: str | os.PathLike, runs_dir: str | os.PathLike | None = None
         number = path.name.removeprefix("seed-")
         seed = int(number) if number.isdigit() else None
         return Watched(str(path), False, [RunWatch(path.resolve().parent.name, seed, path)])
-    from opalctl.grid.plan import plan_grid
 
     try:
         plan = plan_grid(path, runs_dir=runs_dir)
@@ -78,8 +79,6 @@ def watch(target: str | os.PathLike, *, runs_dir: str | os.PathLike | None = Non
           once: bool = False, json_mode: bool = False, sleep=time.sleep) -> dict[str, Any] | None:
     """Watch ``target`` until every run has ended (or once, or until Ctrl-C); the view's last state when
     ``once`` and ``json_mode`` (the CLI prints it), else None (the view printed itself)."""
-    from opalctl.watch.render import display_for
-
     subject = watched(target, runs_dir)
     changes = subject.look()
     if once and json_mode:

@@ -25,7 +25,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from opalctl.driver.show import agent_decisions, stage_row
 from opalctl.errors import OpalctlError
+from opalctl.formats import StageRecord, read_record
+from opalctl.grid.progress import RunProgress
+from opalctl.grid.status import state_word
 from opalctl.layout import RUNNING, RunLayout
 
 KEPT_LINES = 400  # the steps lines kept for the loss curve: the recent training, not the whole run
@@ -35,8 +39,6 @@ FINAL = ("finished", "failed")  # the states a run does not leave by itself (int
 
 def observed_state(layout: RunLayout) -> str:
     """Where the run stands as a watcher sees it, in ``grid --status``'s words (module docstring)."""
-    from opalctl.grid.status import state_word
-
     holders = layout.lock_holders()
     held = bool(holders) if holders is not None else layout.held()
     held = held or posix_lock_seen(layout.folder_lock)
@@ -66,8 +68,6 @@ class RunWatch:
     dict with ``event``: ``state``, ``progress``, ``stage``, ``decision``); ``view()`` where it stands now."""
 
     def __init__(self, arm: str, seed: int | None, run_dir: Path):
-        from opalctl.grid.progress import RunProgress
-
         self.arm, self.seed, self.run_dir = arm, seed, Path(run_dir)
         self.layout = RunLayout.of(self.run_dir)
         self.progress = RunProgress(self.run_dir, keep=KEPT_LINES)
@@ -110,9 +110,6 @@ class RunWatch:
         return {**head, **fields}
 
     def _new_stages(self) -> list[dict[str, Any]]:
-        from opalctl.driver.show import stage_row
-        from opalctl.formats import StageRecord, read_record
-
         changes = []
         for path in self.layout.stage_records():
             number = int(path.stem.removeprefix("stage-"))
@@ -128,8 +125,6 @@ class RunWatch:
         return changes
 
     def _new_decisions(self) -> list[dict[str, Any]]:
-        from opalctl.driver.show import agent_decisions
-
         events, folder = self.layout.opal / "events.jsonl", self.layout.decisions
         signature = (_stamp(events), _stamp(folder), tuple(_stamp(path) for path in sorted(folder.glob("[0-9]*"))))
         if signature == self._decisions_read:

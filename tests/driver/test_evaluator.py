@@ -47,11 +47,11 @@ import atexit
 import json
 import sys
 
-import opalctl.protocol.verify
+import opalctl.protocol.recheck
 
 opened = []
 checked = []  # the lock's re-hash of every file is done: from here on the run works
-require_unchanged = opalctl.protocol.verify.require_unchanged
+require_unchanged = opalctl.protocol.recheck.require_unchanged
 
 
 def after_the_check(lock):
@@ -71,7 +71,7 @@ def write():
 
 atexit.register(write)
 sys.addaudithook(hook)
-opalctl.protocol.verify.require_unchanged = after_the_check
+opalctl.protocol.recheck.require_unchanged = after_the_check
 
 from opalctl.cli import main
 

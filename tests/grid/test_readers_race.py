@@ -64,7 +64,7 @@ def closing_steps(run_dir):
 def read_during_close(monkeypatch, run_dir, reader, at: int, stepwise: bool):
     """``reader(run_dir)`` while the close runs: every remaining write done before the reader's ``at``-th record
     read (or one write before each read from there on, ``stepwise``)."""
-    from opalctl.protocol import verify
+    from opalctl.verify import folder as verify
 
     steps = closing_steps(run_dir)
     real, reads = verify._record, [0]
@@ -89,7 +89,7 @@ def read_during_close(monkeypatch, run_dir, reader, at: int, stepwise: bool):
 def test_show_and_verify_during_the_close_see_a_run_unfinished_or_finished_never_damaged(finished_copy, tmp_path,
                                                                                           monkeypatch, stepwise):
     from opalctl.driver.show import show
-    from opalctl.protocol.verify import verify_run
+    from opalctl.verify.command import verify_run
 
     base, run = finished_copy
     at, seen = 0, set()

@@ -189,14 +189,14 @@ def test_a_task_module_inside_the_project_is_relative_to_the_lock(digits_project
     assert_reported(cli("verify", lock), "source.task", "mytask_inside.py", "changed")
 
 
-ROLE = "source.opalctl/protocol/verify.py"
+ROLE = "source.opalctl/protocol/recheck.py"
 
 
 def test_opalctl_modules_are_recorded_relative_to_the_installed_package(digits_project, cli_inprocess, helpers):
     freeze(cli_inprocess, digits_project)
     record = read_lock(digits_project)["records"][ROLE]
-    real = PACKAGE / "protocol" / "verify.py"
-    assert record == {"base": "opalctl", "path": "protocol/verify.py", "bytes": real.stat().st_size,
+    real = PACKAGE / "protocol" / "recheck.py"
+    assert record == {"base": "opalctl", "path": "protocol/recheck.py", "bytes": real.stat().st_size,
                       "sha256": helpers.sha256_of(real)}
     assert load_lock(digits_project / LOCK_NAME).record_path(record) == real
 
@@ -213,11 +213,11 @@ def test_a_changed_opalctl_module_is_named(digits_project, cli_inprocess, cli, c
         record["bytes"] += 1
     edited = write_lock(digits_project / LOCK_NAME, lock)
     result = cli("verify", edited)
-    assert_reported(result, ROLE, str(PACKAGE / "protocol" / "verify.py"), status)
+    assert_reported(result, ROLE, str(PACKAGE / "protocol" / "recheck.py"), status)
     body = verify(cli_inprocess, edited, "--json")
     assert body.code == 3
     assert [(p["role"], p["path"], p["status"]) for p in body.json()["problems"]] == [
-        (ROLE, str(PACKAGE / "protocol" / "verify.py"), status)]
+        (ROLE, str(PACKAGE / "protocol" / "recheck.py"), status)]
 
 
 def test_an_opalctl_module_the_lock_does_not_record_is_reported_added(digits_project, cli_inprocess):
@@ -229,10 +229,10 @@ def test_an_opalctl_module_the_lock_does_not_record_is_reported_added(digits_pro
     result = verify(cli_inprocess, edited, "--json")
     assert result.code == 3, result.output
     body = result.json()
-    assert body["problems"] == [{"role": ROLE, "path": str(PACKAGE / "protocol" / "verify.py"), "status": "added"}]
+    assert body["problems"] == [{"role": ROLE, "path": str(PACKAGE / "protocol" / "recheck.py"), "status": "added"}]
     assert body["checked"] == len(lock["records"])
     human = verify(cli_inprocess, edited)
-    assert_reported(human, ROLE, str(PACKAGE / "protocol" / "verify.py"), "added")
+    assert_reported(human, ROLE, str(PACKAGE / "protocol" / "recheck.py"), "added")
 
 
 def test_an_opalctl_record_of_a_file_gone_from_the_package_is_missing(digits_project, cli_inprocess):

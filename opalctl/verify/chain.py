@@ -3,7 +3,7 @@
 The chain (its shapes are formats.py's, its module docstring says what names what): ``start.json`` -> the lock
 and ``initial.pt``; ``anchor.json`` -> its own digest; each ``stage-NN.json`` -> its checkpoint and the anchor;
 ``last.json`` and ``selected.json`` -> a stage's checkpoint; ``report.json`` -> every one of them, the steps file
-and itself. ``protocol/verify.py`` reads a run folder into a ``RunFolder`` (the only part that touches files);
+and itself. ``verify/folder.py`` reads a run folder into a ``RunFolder`` (the only part that touches files);
 ``check_run`` says everything wrong with it, one ``Finding`` per mismatch, each naming its file.
 
 A finding is ``damaged`` (the file is missing or cannot be read as its record), ``changed`` (it reads, but no
@@ -28,14 +28,17 @@ from opalctl.formats import (
     anchor_sha256,
     report_sha256,
 )
-from opalctl.layout import LAST, REPORT, SELECTED, START, stage_name
+from opalctl.layout import LAST, REPORT, SELECTED, START, STEPS, RunLayout
 
 DAMAGED, CHANGED, NOTE = "damaged", "changed", "note"
+
+# the names of a run folder's records, which lie at its root: what a finding calls a file, as the layout names it
+RECORDS = RunLayout(".")
 
 
 def record_name(stage: int) -> str:
     """``stage-NN.json``, stage ``stage``'s record as the layout names it."""
-    return f"{stage_name(stage)}.json"
+    return RECORDS.stage_record(stage).name
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Finding:
 
 
 @dataclass
-class RecordFile:
+class RecordRead:
     """A JSON record as read: its sha256 (None: missing), its value, or why it cannot be read."""
 
     name: str
@@ -64,7 +67,7 @@ class RecordFile:
 
 
 @dataclass
-class CheckpointFile:
+class CheckpointRead:
     """A checkpoint as read: its file's sha256 (None: missing) and, when it was loaded, its ``model_sha256`` or
     the sentence that refused it."""
 
@@ -76,13 +79,13 @@ class CheckpointFile:
 
 
 @dataclass
-class StepsFile:
+class StepsRead:
     """``steps.jsonl.gz`` as read (``name``: relative to the run folder): its sha256 (None: missing), its complete
     lines, the last one's update and running digest, whether every line is numbered in turn, or why it cannot be
     read."""
 
     sha256: str | None
-    name: str = "steps.jsonl.gz"
+    name: str = STEPS
     lines: int = 0
     last_update: int | None = None
     last_seen: str | None = None
@@ -108,22 +111,22 @@ class AgentRecords:
 class RunFolder:
     """Everything of one run folder the chain names, as read."""
 
-    start: RecordFile
-    stages: list[RecordFile]  # every stage-NN.json, in order
-    last: RecordFile
-    selected: RecordFile
-    report: RecordFile
-    anchor: RecordFile
-    steps: StepsFile
+    start: RecordRead
+    stages: list[RecordRead]  # every stage-NN.json, in order
+    last: RecordRead
+    selected: RecordRead
+    report: RecordRead
+    anchor: RecordRead
+    steps: StepsRead
     # by their names relative to the run folder: "initial.pt", "training/stage-01.pt"
-    checkpoints: dict[str, CheckpointFile] = field(default_factory=dict)
+    checkpoints: dict[str, CheckpointRead] = field(default_factory=dict)
     # each stage record's name -> the name of the checkpoint the layout puts beside it (opalctl/layout.py)
     stage_checkpoints: dict[str, str] = field(default_factory=dict)
     resumable: bool = False  # a resume checkpoint is there
     agent: AgentRecords | None = None  # an agent arm's records, where the agent host kept its own
 
 
-def _shape(cls, record: RecordFile, findings: list[Finding]):
+def _shape(cls, record: RecordRead, findings: list[Finding]):
     """The record as ``cls``, or None with a finding: missing or unreadable (damaged), or not of that shape."""
     if record.sha256 is None:
         findings.append(Finding(record.name, "is missing", DAMAGED))
@@ -144,7 +147,7 @@ def _short(digest: Any) -> str:
 
 # -- the records before the verdict ----------------------------------------------------------------------------
 
-def check_start(start: StartRecord, initial: CheckpointFile | None, lock_sha256: str | None) -> list[Finding]:
+def check_start_links(start: StartRecord, initial: CheckpointRead | None, lock_sha256: str | None) -> list[Finding]:
     """``start.json`` against the lock (when known) and ``initial.pt``."""
     out = []
     if lock_sha256 is not None and start.lock_sha256 != lock_sha256:
@@ -154,7 +157,7 @@ def check_start(start: StartRecord, initial: CheckpointFile | None, lock_sha256:
     return out
 
 
-def check_checkpoint(checkpoint: CheckpointFile, named: dict[str, Any], by: str) -> list[Finding]:
+def check_checkpoint(checkpoint: CheckpointRead, named: dict[str, Any], by: str) -> list[Finding]:
     """A checkpoint file against the record that names it (``by``): the file's sha256, then what it loads to."""
     if checkpoint.sha256 is None:
         return [Finding(checkpoint.name, f"is missing ({by} names it)", DAMAGED)]
@@ -188,7 +191,7 @@ def check_anchor(anchor: AnchorRecord, name: str, start: StartRecord | None) -> 
     return out
 
 
-def check_stage(stage: StageRecord, name: str, checkpoint: CheckpointFile | None, own_checkpoint: str | None,
+def check_stage(stage: StageRecord, name: str, checkpoint: CheckpointRead | None, own_checkpoint: str | None,
                 anchor_digest: str | None) -> list[Finding]:
     """One stage record: its number, its checkpoint file (``own_checkpoint``: the name the layout gives it) and the
     anchor it was judged against."""
@@ -266,7 +269,7 @@ def check_selected(selected: SelectedRecord, stages: list[StageRecord], anchor: 
     return []
 
 
-def check_steps(steps: StepsFile, stages: list[StageRecord]) -> list[Finding]:
+def check_steps_reach_stages(steps: StepsRead, stages: list[StageRecord]) -> list[Finding]:
     name = steps.name
     if steps.sha256 is None:
         return [Finding(name, "is missing", DAMAGED)]
@@ -398,7 +401,7 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     out: list[Finding] = []
     start = _shape(StartRecord, folder.start, out)
     if start is not None:
-        out += check_start(start, folder.checkpoints.get(str(start.initial.get("file"))), lock_sha256)
+        out += check_start_links(start, folder.checkpoints.get(str(start.initial.get("file"))), lock_sha256)
     anchor = _shape(AnchorRecord, folder.anchor, out) if folder.anchor.sha256 is not None else None
     if anchor is not None:
         out += check_anchor(anchor, folder.anchor.name, start)
@@ -414,7 +417,7 @@ def check_run(folder: RunFolder, lock_sha256: str | None = None, anchor_required
     out += check_sequence(named, list(start.budget.get("fractions") or []) if start is not None else None)
     out += check_completion(folder)
     out += check_agent_records(folder.agent) if folder.agent is not None else []
-    out += check_steps(folder.steps, stages) if folder.report.sha256 is not None or folder.steps.sha256 else []
+    out += check_steps_reach_stages(folder.steps, stages) if folder.report.sha256 is not None or folder.steps.sha256 else []
     if folder.report.sha256 is None:
         return out + _anchor_missing(folder, anchor_required)
     if (last := _shape(LastRecord, folder.last, out)) is not None:

@@ -1,0 +1,258 @@
+"""How opalctl's modules import each other, read statically (``ast``) from the source: no import cycle among them,
+and no import inside a function but one that keeps a heavy package out of start-up (``opalctl --help`` imports
+none of them).
+
+An import inside a function hides a cycle (two modules each needing the other) and makes a module's dependencies
+hard to see; the one reason kept for it is start-up time: torch and the other packages in ``HEAVY`` take seconds
+to import, and ``opalctl --help`` must not wait for them. A module is heavy when its top-level imports reach one
+of them, directly or through other modules of opalctl (importing ``a.b.c`` runs ``a`` and ``a.b`` too).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import opalctl
+
+PACKAGE = Path(opalctl.__file__).resolve().parent
+# what start-up leaves out: the machine-learning stack, the trackers, the agent SDK, the statistics and plotting
+# stack, the protocol's validation (pydantic) and the Slurm client (submitit, with asyncio: half a second)
+HEAVY = frozenset({"torch", "transformers", "lightning", "wandb", "mlflow", "anthropic", "scipy", "matplotlib",
+                   "numpy", "sklearn", "pydantic", "submitit"})
+
+# Imports inside functions in files other helpers of issue 29 own and are rewriting (the records helper: driver/run.py,
+# closing.py, evaluator.py, judge.py, records.py, formats.py, layout.py; the settings helper: opal/). The lead
+# removes this set at merge, once their branches are in.
+OTHER_HELPERS_INNER_IMPORTS = frozenset({
+    'opalctl/driver/closing.py: from opalctl.files import sha256_file',
+    'opalctl/driver/closing.py: from opalctl.formats import RunDigests, record_sha256, report_sha256',
+    'opalctl/driver/evaluator.py: from opalctl.driver.build import choose_arm',
+    'opalctl/driver/evaluator.py: from opalctl.errors import InputChanged',
+    'opalctl/driver/evaluator.py: from opalctl.protocol.lock import read_lock',
+    'opalctl/driver/evaluator.py: from opalctl.tasks import make_task',
+    'opalctl/driver/evaluator.py: from opalctl.driver.kernel_account import KernelAccount, SessionCpu',
+    'opalctl/driver/evaluator.py: from opalctl.driver.sharing import MachineWatch',
+    'opalctl/driver/evaluator.py: from opalctl import checkpoints',
+    'opalctl/driver/evaluator.py: from opalctl.driver.kernel_account import SessionCpu',
+    'opalctl/driver/evaluator.py: from opalctl.training_folder import training_folder_bytes, training_folder_excess',
+    'opalctl/driver/evaluator.py: from opalctl.files import atomic_write_json',
+    'opalctl/driver/evaluator.py: from opalctl.files import sha256_file',
+    'opalctl/driver/judge.py: from opalctl.driver.promotion import decide',
+    'opalctl/driver/records.py: from opalctl.sandbox import Bounds, confine_process, training_paths',
+    'opalctl/driver/records.py: from opalctl.files import read_plain',
+    'opalctl/driver/records.py: from opalctl.formats import STEPS_MAX_BYTES',
+    'opalctl/driver/run.py: from opalctl.driver.budget import clock_spec',
+    'opalctl/driver/run.py: from opalctl import checkpoints',
+    'opalctl/driver/run.py: from opalctl.opal.agents.host import release_secrets',
+    'opalctl/driver/run.py: from opalctl.training_folder import clear_strays',
+    'opalctl/driver/run.py: from opalctl.driver.budget import BudgetMeter, clock_spec, make_clock',
+    'opalctl/driver/run.py: from opalctl.sandbox import confine_process, training_bounds, training_paths',
+    'opalctl/driver/run.py: from opalctl.sandbox import bound_refusal',
+    'opalctl/driver/run.py: from opalctl.tasks.calls import TaskFailed',
+    'opalctl/driver/run.py: from opalctl.compare.decisions import RunEnding',
+    'opalctl/driver/run.py: from opalctl.protocol.lock import read_lock',
+    'opalctl/opal/agents/__init__.py: from opalctl.opal.agents import registry',
+    'opalctl/opal/agents/anthropic.py: from opalctl.opal.records import SecretRedaction',
+    'opalctl/opal/agents/anthropic.py: from opalctl.opal.messages import prompt_text',
+    'opalctl/opal/agents/anthropic.py: from opalctl.opal.handover import handed_over_names',
+    'opalctl/opal/agents/claude_code.py: from opalctl.opal.messages import prompt_text',
+    'opalctl/opal/agents/dry_run.py: from opalctl.opal.records import secret_names',
+    'opalctl/opal/agents/dry_run.py: from opalctl.sandbox import Bounds, confine_process, training_paths',
+    'opalctl/opal/agents/dry_run.py: from opalctl.opal.agents.workspace import PROGRAM_FILES, read_program',
+    'opalctl/opal/agents/dry_run.py: from opalctl.opal.programs import ProgramRejected, check_program, load_program',
+    'opalctl/opal/agents/dry_run.py: from opalctl.opal.programs import load_program',
+    'opalctl/opal/agents/dry_run.py: from opalctl.opal.roles import role_of',
+    'opalctl/opal/agents/host.py: from opalctl.opal.handover import release',
+    'opalctl/opal/agents/host.py: from opalctl.opal.handover import secret_names',
+    'opalctl/opal/agents/host.py: from opalctl.opal.agents.workspace import FixedWorkspace, WorkspaceMoved',
+    'opalctl/opal/agents/host.py: from opalctl.opal.records import HostRecords, SecretRedaction',
+    'opalctl/opal/agents/host.py: from opalctl.formats import HostRefusal',
+    'opalctl/opal/agents/host.py: from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES',
+    'opalctl/opal/agents/host.py: from opalctl.formats import HostDecisionRecord',
+    'opalctl/opal/agents/host.py: from opalctl.opal.agents.workspace import WorkspaceMoved, sweep',
+    'opalctl/opal/agents/host.py: from opalctl.opal.records import program_sha256, redact_json',
+    'opalctl/opal/agents/host.py: from opalctl.opal.handover import take',
+    'opalctl/opal/agents/mailbox.py: from opalctl.errors import BadInput',
+    'opalctl/opal/agents/mailbox.py: from opalctl.opal.mailbox.box import Mailbox',
+    'opalctl/opal/agents/mailbox.py: from opalctl.opal.mailbox.folder import LocalMailboxFolder',
+    'opalctl/opal/agents/mailbox.py: from opalctl.formats import MailboxRequest',
+    'opalctl/opal/agents/mailbox.py: from opalctl.opal.mailbox.box import new_request_id',
+    'opalctl/opal/agents/mailbox.py: from opalctl.formats import RecordDamaged',
+    'opalctl/opal/agents/mailbox.py: from opalctl.opal.mailbox.folder import MailboxRefusal',
+    'opalctl/opal/agents/mailbox.py: from opalctl.formats import MailboxAnswer, RecordDamaged',
+    'opalctl/opal/agents/mailbox.py: from opalctl.opal.mailbox.box import decoded',
+    'opalctl/opal/agents/registry.py: from opalctl.errors import BadInput',
+    'opalctl/opal/agents/registry.py: from opalctl.opal.messages import prompt_text',
+    'opalctl/opal/agents/worker.py: from opalctl.opal.agents import Answer, registry',
+    'opalctl/opal/agents/worker.py: from opalctl.opal.agents import registry',
+    'opalctl/opal/decisions.py: from opalctl.layout import WORKSPACE',
+    'opalctl/opal/decisions.py: from opalctl.opal.estimate import FIGURES, MEASURED_EFFORT, MEASURED_MODEL',
+    'opalctl/opal/decisions.py: from opalctl.opal.notes import read_new',
+    'opalctl/opal/mailbox/serve.py: from opalctl.errors import BadInput',
+    'opalctl/opal/mailbox/serve.py: from opalctl.opal.agents import registry',
+    'opalctl/opal/mailbox/serve.py: from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host',
+    'opalctl/opal/mailbox/serve.py: from opalctl.opal.mailbox.folder import LocalMailboxFolder',
+    'opalctl/opal/mailbox/serve.py: from opalctl.opal.mailbox.ssh import SshMailboxFolder',
+    'opalctl/opal/notes.py: from opalctl.files import NotAPlainFile, read_beneath',
+    'opalctl/opal/notes.py: from opalctl.formats import decode_record',
+    'opalctl/opal/notes.py: from opalctl.files import atomic_write_json, storage',
+    'opalctl/opal/notes.py: from opalctl.formats import StartRecord, read_record',
+    'opalctl/opal/notes.py: from opalctl.layout import FINISHED, RunLayout',
+    'opalctl/opal/notes.py: from opalctl.formats import Event, read_jsonl',
+    'opalctl/opal/notes.py: from opalctl.layout import RunLayout',
+    'opalctl/opal/optimizer.py: from opalctl.opal.provenance import current, differences',
+    'opalctl/opal/records.py: from opalctl.files import read_plain',
+    'opalctl/opal/records.py: from opalctl.formats import PROGRAM_MAX_BYTES',
+    'opalctl/opal/records.py: from opalctl.formats import read_record',
+    'opalctl/opal/records.py: from opalctl.formats import PROGRAM_MAX_BYTES, RecordChanged, RecordDamaged, read_bounded',
+})
+
+
+class Modules:
+    """Every module of opalctl with its imports: at the top level (run when it is imported) and in functions."""
+
+    def __init__(self, root: Path = PACKAGE):
+        self.files: dict[str, Path] = {}
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root.parent).with_suffix("").parts)
+            self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.top: dict[str, list[ast.stmt]] = {}
+        self.inner: dict[str, list[ast.stmt]] = {}
+        for name in self.files:
+            self.top[name], self.inner[name] = self._imports(name)
+        self._heavy: dict[str, bool] = {}
+
+    def _imports(self, name: str) -> tuple[list[ast.stmt], list[ast.stmt]]:
+        top: list[ast.stmt] = []
+        inner: list[ast.stmt] = []
+
+        def walk(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    continue  # for the type checker alone: never run
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    (inner if in_function else top).append(child)
+                walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        walk(ast.parse(self.files[name].read_text(encoding="utf-8")), False)
+        return top, inner
+
+    def targets(self, name: str, node: ast.stmt) -> list[str]:
+        """The modules an import statement names (``from a import b`` names ``a.b`` when that is a module)."""
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        base = node.module or ""
+        if node.level:
+            package = name.split(".") if self.files[name].name == "__init__.py" else name.split(".")[:-1]
+            base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+        return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in self.files else base for alias in node.names]
+
+    def runs(self, name: str, node: ast.stmt) -> set[str]:
+        """What importing runs: each module named and the packages above it, but those ``name`` itself lies in."""
+        out = set()
+        for target in self.targets(name, node):
+            parts = target.split(".")
+            for end in range(1, len(parts) + 1):
+                module = ".".join(parts[:end])
+                if module == target or not (name == module or name.startswith(module + ".")):
+                    out.add(module)
+        return out - {name}
+
+    def graph(self) -> dict[str, set[str]]:
+        """Each module of opalctl -> the modules of opalctl its top-level imports run."""
+        return {name: {m for node in self.top[name] for m in self.runs(name, node) if m in self.files}
+                for name in self.files}
+
+    def heavy(self, module: str, seen: frozenset[str] = frozenset()) -> bool:
+        """Whether importing ``module`` imports a package of ``HEAVY``."""
+        if module not in self.files:
+            return module.split(".")[0] in HEAVY
+        if module in seen:
+            return False
+        if module not in self._heavy:
+            self._heavy[module] = any(self.heavy(m, seen | {module}) for node in self.top[module]
+                                      for m in self.runs(module, node))
+        return self._heavy[module]
+
+    def where(self, name: str, node: ast.stmt) -> str:
+        return f"{self.files[name].relative_to(PACKAGE.parent).as_posix()}: {ast.unparse(node)}"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of ``graph`` as one path through it (Tarjan's strongly connected components, then a path)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                found.append(_path_through(sorted(component), graph))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _path_through(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """One cycle inside a strongly connected component, from its first module back to it."""
+    start, inside = component[0], set(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for other in sorted(graph[node] & inside):
+            if other == start:
+                return paths[node] + [start]
+            if other not in paths:
+                paths[other] = paths[node] + [other]
+                queue.append(other)
+    return component
+
+
+def test_no_module_of_opalctl_imports_itself_back_through_others():
+    found = cycles(Modules().graph())
+    assert found == [], "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in found)
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_import_inside_a_function_keeps_a_heavy_package_out_of_start_up():
+    modules = Modules()
+    light = [modules.where(name, node) for name in modules.files for node in modules.inner[name]
+             if all(target.startswith("opalctl") for target in modules.targets(name, node))
+             and not any(modules.heavy(m) for m in modules.runs(name, node))]
+    unexplained = sorted(set(light) - OTHER_HELPERS_INNER_IMPORTS)
+    assert unexplained == [], ("imports inside functions of modules that import nothing heavy (move them to the top "
+                               "of the module):\n" + "\n".join(unexplained))
+
+
+def test_importing_the_command_line_imports_no_heavy_package():
+    result = subprocess.run([sys.executable, "-c", "import sys, opalctl.cli; print(' '.join(sys.modules))"],
+                            capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    imported = {name.split(".")[0] for name in result.stdout.split()}
+    assert sorted(imported & HEAVY) == []
