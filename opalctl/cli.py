@@ -15,46 +15,9 @@ import traceback
 
 import click
 
-from opalctl import __version__, console
-from opalctl.compare.csv_table import write_csv
-from opalctl.compare.decisions import COUNTS
-from opalctl.demo import MINUTES as DEMO_MINUTES
-from opalctl.demo import StateLines
-from opalctl.demo import demo as run_demo
-from opalctl.driver.forecast import grid_lines, run_lines
-from opalctl.driver.pilot import pilot as run_pilot
-from opalctl.driver.ranks import prints_here
-from opalctl.driver.show import show as run_show
-from opalctl.driver.show_render import render_show
-from opalctl.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_CHANGED,
-    EXIT_FAILURE,
-    EXIT_SIGNALLED,
-    BadInput,
-    Interrupted,
-    OpalctlError,
-)
-from opalctl.export import export_tensorboard
-from opalctl.grid import live_display, run_grid
-from opalctl.grid.forecast import forecast_grid
-from opalctl.grid.settings import load_settings, parse_sbatch_options
-from opalctl.grid.status import grid_status
-from opalctl.grid.status import render_status as render_grid_status
-from opalctl.grid.summary import closing_compare, exit_code, print_json_end, render_end
+from opalctl import __version__
+from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, BadInput, Interrupted, OpalctlError
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
-from opalctl.opal.estimate import estimate as run_estimate
-from opalctl.opal.estimate import format_lines
-from opalctl.opal.handover import HandoverTooLarge, reexec_without_secrets, settle
-from opalctl.opal.mailbox.serve import Server, line_of, mailbox_folder
-from opalctl.opal.notes import say as leave_note
-from opalctl.report.run_page import write_run_page
-from opalctl.suite.page import write_suite_page
-from opalctl.suite.run import TaskDisplay, open_suite, run_suite, suite_status
-from opalctl.tasks.builtin import init as run_init
-from opalctl.trackers.mlflow_store import export_mlflow
-from opalctl.trackers.wandb_offline import export_wandb
-from opalctl.watch import watch as run_watch
 
 json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
 
@@ -86,6 +49,9 @@ def cli() -> None:
 @json_option
 def init(task: str, folder: str, seeds: str | None, json_mode: bool) -> None:
     """Write a ready protocol for a built-in TASK (digits, pylm, modular, illcond), its data files and parents."""
+    from opalctl import console
+    from opalctl.tasks.builtin import init as run_init
+
     result = run_init(task, folder, _seeds(seeds), say=console.message)
     if json_mode:
         console.print_json(result)
@@ -100,6 +66,7 @@ def init(task: str, folder: str, seeds: str | None, json_mode: bool) -> None:
 @json_option
 def freeze(protocol: str, force: bool, json_mode: bool) -> None:
     """Validate PROTOCOL, hash every input and write NAME.lock.json beside it."""
+    from opalctl import console
     from opalctl.protocol.freeze import freeze as run_freeze
 
     result = run_freeze(protocol, force=force)
@@ -128,6 +95,8 @@ def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) 
     """Re-hash every record of a lock, or check a run folder's chain of digests; exit 3 naming each mismatch.
 
     TARGET is a lock file (with --runs, its run folders too) or a run folder (runs/NAME-SHA/ARM/seed-S)."""
+    from opalctl import console
+    from opalctl.errors import EXIT_CHANGED
     from opalctl.verify.command import run_failure, verify_target
 
     result = verify_target(target, runs=with_runs, runs_dir=runs_dir)
@@ -164,6 +133,10 @@ def verify(target: str, with_runs: bool, runs_dir: str | None, json_mode: bool) 
 def pilot(source: str, arm: str, steps: int, seconds: float, seed: int | None, json_mode: bool) -> None:
     """Measure an arm's throughput on public inputs only and forecast its run's wall time; never formal, writes
     nothing."""
+    from opalctl import console
+    from opalctl.driver.forecast import run_lines
+    from opalctl.driver.pilot import pilot as run_pilot
+
     with console.progress(f"pilot {arm}", json_mode) as progress:
         result = run_pilot(source, arm, steps=steps, seconds=seconds, seed=seed, progress=progress)
     if json_mode:
@@ -185,6 +158,7 @@ def pilot(source: str, arm: str, steps: int, seconds: float, seed: int | None, j
     for note in result["notes"]:
         console.message(f"note: {note}")
     if "agent_forecast" in result:
+        from opalctl.opal.estimate import format_lines
 
         sys.stdout.write("agent forecast:\n" + "\n".join("  " + line for line in format_lines(result["agent_forecast"]))
                          + "\n")
@@ -205,6 +179,11 @@ def pilot(source: str, arm: str, steps: int, seconds: float, seed: int | None, j
 def estimate(total_steps: int, sec_per_step: float, decisions: int | None, no_blocking: bool, auto_blocking: bool,
              max_lag: int, model: str, effort: str, json_mode: bool) -> None:
     """Forecast how long training waits for the agent and what the agent costs."""
+    from opalctl import console
+    from opalctl.errors import BadInput
+    from opalctl.opal.estimate import estimate as run_estimate
+    from opalctl.opal.estimate import format_lines
+
     if no_blocking and auto_blocking:
         raise BadInput("--no-blocking and --auto exclude each other; choose one")
     blocking = "auto" if auto_blocking else (not no_blocking)
@@ -235,6 +214,8 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, run
 
     A lock whose training.ranks is N > 1 is run by torchrun on one machine:
     torchrun --nproc-per-node N -m opalctl run LOCK --arm ARM --seed SEED"""
+    from opalctl import console
+    from opalctl.driver.ranks import prints_here
     from opalctl.driver.run import run as formal_run
 
     say = None if json_mode else console.message
@@ -254,6 +235,9 @@ def run_command(lock: str, arm: str, seed: int, resume: bool, restart: bool, run
 
 
 def _run_summary(arm: str, seed: int, report: dict) -> None:
+    from opalctl import console
+    from opalctl.compare.decisions import COUNTS
+
     budget = report["budget"]
     selected = report["selected"]
     console.pairs(f"opalctl run {arm} seed {seed}", [
@@ -282,7 +266,9 @@ def _run_summary(arm: str, seed: int, report: dict) -> None:
 def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...], csv_mode: bool,
             runs_dir: str | None, json_mode: bool) -> None:
     """The arms of LOCK side by side across seeds, with paired differences to the baseline and a verdict."""
+    from opalctl import console
     from opalctl.compare.aggregate import compare as run_compare
+    from opalctl.compare.csv_table import write_csv
     from opalctl.compare.render import render_compare
 
     result = run_compare(lock, baseline=baseline, runs_dir=runs_dir, stage=stage, metrics=list(metrics))
@@ -305,6 +291,7 @@ def compare(lock: str, baseline: str | None, stage: str, metrics: tuple[str, ...
 def control(lock: str, arm: str, from_seed: int | None, force: bool, runs_dir: str | None, json_mode: bool) -> None:
     """Write a post-hoc control lock for an agent arm of LOCK: its decisions on one seed replayed on the others
     (and the fixed arm its programs equal, when LOCK lacks one). Run it with `opalctl grid`; `compare LOCK` shows it."""
+    from opalctl import console
     from opalctl.protocol.add_control import make_control
 
     result = make_control(lock, arm, from_seed=from_seed, runs_dir=runs_dir, force=force)
@@ -327,8 +314,13 @@ def control(lock: str, arm: str, from_seed: int | None, force: bool, runs_dir: s
 @json_option
 def show(run_dir: str, reasons: bool, html_path: str | None, json_mode: bool) -> None:
     """One run: its stages, promotions and the reasons for each decision."""
+    from opalctl import console
+    from opalctl.driver.show import show as run_show
+    from opalctl.driver.show_render import render_show
+
     result = run_show(run_dir)
     if html_path:
+        from opalctl.report.run_page import write_run_page
 
         console.message(f"wrote {write_run_page(run_dir, html_path)}")
     if json_mode:
@@ -345,6 +337,9 @@ def say(run_dir: str, text: str, json_mode: bool) -> None:
     """Leave a note for the agent of a running agent arm: shown at its next decision, and recorded (who, when,
     which decision saw it); compare and the report mark the runs that received notes. The arm's protocol must
     allow notes (agent: {notes: allowed})."""
+    from opalctl import console
+    from opalctl.opal.notes import say as leave_note
+
     note = leave_note(run_dir, text)
     if json_mode:
         console.print_json(note)
@@ -361,6 +356,7 @@ def say(run_dir: str, text: str, json_mode: bool) -> None:
 @json_option
 def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool) -> None:
     """Write one offline HTML page of LOCK's runs: verdicts, tables, plots, decisions, limitations."""
+    from opalctl import console
     from opalctl.report.grid_page import write_grid_page
 
     path = write_grid_page(lock, runs_dir=runs_dir, out=out_dir)
@@ -383,20 +379,25 @@ def report(lock: str, out_dir: str | None, runs_dir: str | None, json_mode: bool
 def export(lock: str, tensorboard_dir: str | None, wandb_dir: str | None, mlflow_dir: str | None,
            runs_dir: str | None, json_mode: bool) -> None:
     """Write LOCK's finished runs for a tracker: TensorBoard, W&B (offline) or MLflow (a local store)."""
+    from opalctl import console
+
     chosen = [(flag, folder) for flag, folder in
               (("--tensorboard", tensorboard_dir), ("--wandb", wandb_dir), ("--mlflow", mlflow_dir)) if folder]
     if len(chosen) != 1:
         raise click.UsageError("give one of --tensorboard DIR, --wandb DIR or --mlflow DIR (one tracker per export)")
     if tensorboard_dir:
+        from opalctl.export import export_tensorboard
 
         result = export_tensorboard(lock, tensorboard_dir, runs_dir=runs_dir)
         next_step = f"tensorboard --logdir {result['tensorboard']}"
         lines = result["runs"]
     elif wandb_dir:
+        from opalctl.trackers.wandb_offline import export_wandb
 
         result = export_wandb(lock, wandb_dir, runs_dir=runs_dir)
         next_step, lines = result["upload"], result["runs"]
     else:
+        from opalctl.trackers.mlflow_store import export_mlflow
 
         result = export_mlflow(lock, mlflow_dir, runs_dir=runs_dir)
         next_step = result["open"]
@@ -433,11 +434,19 @@ def grid(lock: str, arms: tuple[str, ...], seeds: tuple[int, ...], jobs: int | N
          account: str | None, time_limit_minutes: int | None, sbatch: tuple[str, ...], runs_dir: str | None,
          json_mode: bool) -> None:
     """Every arm and seed of LOCK, each an `opalctl run` of its own, then the comparison (docs/grid.md)."""
+    from opalctl import console
+    from opalctl.grid import live_display, run_grid
+    from opalctl.grid.settings import load_settings, parse_sbatch_options
+    from opalctl.grid.status import grid_status, render_status
+    from opalctl.grid.summary import closing_compare, exit_code, print_json_end, render_end
+
     if status_only:
         result = grid_status(lock, arms=list(arms) or None, seeds=list(seeds) or None, runs_dir=runs_dir)
-        console.print_json(result) if json_mode else render_grid_status(result)
+        console.print_json(result) if json_mode else render_status(result)
         return
     if forecast_only:
+        from opalctl.driver.forecast import grid_lines
+        from opalctl.grid.forecast import forecast_grid
 
         result = forecast_grid(lock, arms=list(arms) or None, seeds=list(seeds) or None, jobs=jobs,
                                runs_dir=runs_dir, say=console.message)
@@ -470,6 +479,7 @@ suite_dir_option = click.option("--dir", "folder", default=None, type=click.Path
 @json_option
 def suite_freeze(suite_file: str, folder: str | None, force: bool, json_mode: bool) -> None:
     """Write and freeze every task's protocol of SUITE_FILE, then the suite lock naming their locks."""
+    from opalctl import console
     from opalctl.suite.freeze import freeze_suite
     from opalctl.suite.render import render_freeze
 
@@ -493,7 +503,11 @@ def suite_freeze(suite_file: str, folder: str | None, force: bool, json_mode: bo
 def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor: str, slurm_config: str | None,
               runs_dir: str | None, json_mode: bool) -> None:
     """Run every task's grid of a frozen suite (SUITE_TARGET: the suite lock, or the suite file), resumable."""
+    from opalctl import console
+    from opalctl.grid import live_display
+    from opalctl.grid.settings import load_settings
     from opalctl.suite.render import print_run_end, render_run_end
+    from opalctl.suite.run import TaskDisplay, open_suite, run_suite
 
     lock = open_suite(suite_target, folder)
     settings = load_settings(slurm_config) if slurm_config else None
@@ -511,9 +525,12 @@ def suite_run(suite_target: str, folder: str | None, jobs: int | None, executor:
 @json_option
 def suite_status_command(suite_target: str, folder: str | None, runs_dir: str | None, json_mode: bool) -> None:
     """Where every run of every task of the suite stands (read from the run folders)."""
+    from opalctl import console
+    from opalctl.suite.render import render_status
+    from opalctl.suite.run import open_suite, suite_status
 
     result = suite_status(open_suite(suite_target, folder), runs_dir=runs_dir)
-    console.print_json(result) if json_mode else render_grid_status(result)
+    console.print_json(result) if json_mode else render_status(result)
 
 
 @suite.command("summary")
@@ -526,7 +543,10 @@ def suite_status_command(suite_target: str, folder: str | None, runs_dir: str | 
 def suite_summary(suite_target: str, folder: str | None, runs_dir: str | None, out: str | None,
                   json_mode: bool) -> None:
     """Each task's time-to-target per arm, every arm's performance profile and score, and what they can say."""
+    from opalctl import console
+    from opalctl.suite.page import write_suite_page
     from opalctl.suite.render import render_summary
+    from opalctl.suite.run import open_suite
     from opalctl.suite.summary import summarise
 
     summary = summarise(open_suite(suite_target, folder), runs_dir=runs_dir)
@@ -550,6 +570,9 @@ def suite_summary(suite_target: str, folder: str | None, runs_dir: str | None, o
 def suite_report(suite_target: str, folder: str | None, runs_dir: str | None, out: str | None,
                  json_mode: bool) -> None:
     """Write the suite's page: the profiles figure, the scores, the statement and every task's tables."""
+    from opalctl import console
+    from opalctl.suite.page import write_suite_page
+    from opalctl.suite.run import open_suite
     from opalctl.suite.summary import summarise
 
     lock = open_suite(suite_target, folder)
@@ -570,20 +593,28 @@ def suite_report(suite_target: str, folder: str | None, runs_dir: str | None, ou
 def watch(target: str, interval: float, once: bool, runs_dir: str | None, json_mode: bool) -> None:
     """A live view of one run (TARGET a run folder) or every run of a lock (TARGET a lock), read from the run
     folders alone: state, budget, ETA, loss, learning rate, stages as judged, decisions as made."""
+    from opalctl import console
+    from opalctl.watch import watch as run_watch
+
     result = run_watch(target, runs_dir=runs_dir, interval=interval, once=once, json_mode=json_mode)
     if result is not None:
         console.print_json(result)
 
 
-@cli.command(help=f"One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
-                  f"its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
-                  f"verdict and the report page (about {DEMO_MINUTES} minutes on 2 cores).")
+# the minutes are demo.MINUTES, written out so that --help does not import the demo's grid (tests/test_demo.py)
+@cli.command(help="One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
+                  "its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
+                  "verdict and the report page (about 3 minutes on 2 cores).")
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
 @runs_dir_option
 @json_option
 def demo(folder: str, runs_dir: str | None, json_mode: bool) -> None:
+    from opalctl import console
     from opalctl.compare.render import render_compare
+    from opalctl.demo import StateLines
+    from opalctl.demo import demo as run_demo
+    from opalctl.grid import live_display
 
     display = None if json_mode else live_display() if console.rich_enabled(sys.stdout) else StateLines(
         console.message)
@@ -628,6 +659,9 @@ def agent_serve(mailbox: str, backend: str, model: str | None, max_concurrent: i
                 ssh_target: str | None, json_mode: bool) -> None:
     """Answer the decisions asked in MAILBOX (runs with `backend: mailbox`) until Ctrl-C, which releases every
     lease so that the next server answers at once."""
+    from opalctl import console
+    from opalctl.opal.mailbox.serve import Server, line_of, mailbox_folder
+
     def show(event: dict) -> None:
         if json_mode:
             sys.stdout.write(json.dumps(event) + "\n")
@@ -651,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
             # a process opalctl owns: `opalctl run` starts again at once without the secret-looking variables,
             # which wait in a pipe for its agent host alone (opalctl.opal.handover); the pipe is kept from every
             # other child
+            from opalctl.opal.handover import HandoverTooLarge, reexec_without_secrets, settle
+
             try:
                 reexec_without_secrets(sys.argv[1:])
             except HandoverTooLarge as error:
