@@ -50,7 +50,8 @@ SLOW_MODULES = frozenset({
     "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
     "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
-    "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py"})
+    "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py",
+    "tasks/test_shapes_runs.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ from opalctl.tasks.common import torch_threads, write_arrays
 from opalctl.tasks.shapes import NEW, OLD, PER_CLASS, SHAPES, SIZE, Shapes, draw
 
 SPLITS = ("train", "development", "selection", "retention")
-TINY = {"channels": 8, "groups": 4, "parent_updates": 150, "parent_batch": 64, "parent_lr": 1e-2}
+TINY = {"channels": 8, "groups": 4, "parent_updates": 600, "parent_batch": 64, "parent_lr": 1e-2}
 # the sha256 of draw(shape, id) for every shape and ids (shape, 1000 + shape, 99999), as drawn on the development
 # machine: drawing uses only correctly rounded operations, so any machine must give these bits
 DRAWN_SHA256 = "7c38f7a5048cc5f2dd91710d356d1373e190cf1d356f9342930423e4d2a30c4e"
@@ -206,7 +206,7 @@ def test_the_parent_knows_the_old_shapes_and_not_the_new(prepared):
     # at this tiny size the parent is only past chance (the default one answers about 85 %: docs/tasks.md)
     untrained = task.build(None, {}, seed=0).model
     assert retention["loss"] < task.evaluate(untrained, data["retention"])["loss"]
-    assert retention["correct"] > retention["total"] / len(OLD)  # four shapes: chance is a quarter
+    assert retention["correct"] > 1.2 * retention["total"] / len(OLD)  # four shapes: chance is a quarter
     new_rows = {key: value[np.isin(data["selection"]["y"], NEW)] for key, value in data["selection"].items()}
     assert task.evaluate(parent, new_rows)["correct"] == 0  # it never learnt to answer a new shape
     assert selection["correct"] <= PER_CLASS["selection"][OLD[0]] * len(OLD)
