@@ -48,7 +48,7 @@ def cli() -> None:
 @click.option("--seeds", default=None, help="Seeds to write parents for, e.g. 1,2,3 (default 1,2,3).")
 @json_option
 def init(task: str, folder: str, seeds: str | None, json_mode: bool) -> None:
-    """Write a ready protocol for a built-in TASK (digits, pylm, modular, illcond), its data files and parents."""
+    """Write a ready protocol for a built-in TASK (digits, pylm, modular, illcond, shapes), its data files and parents."""
     from opalctl import console
     from opalctl.tasks.builtin import init as run_init
 

@@ -51,7 +51,7 @@ SLOW_MODULES = frozenset({
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
     "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
     "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py",
-    "driver/test_record_shapes.py", "suite/test_shipped_suite.py"})
+    "driver/test_record_shapes.py", "suite/test_shipped_suite.py", "tasks/test_shapes_runs.py"})
 
 
 def pytest_collection_modifyitems(config, items):

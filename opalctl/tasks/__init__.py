@@ -16,6 +16,7 @@ BUILTIN = {
     "pylm": "opalctl.tasks.pylm:PyLM",
     "modular": "opalctl.tasks.modular:Modular",
     "illcond": "opalctl.tasks.illcond:IllConditioned",
+    "shapes": "opalctl.tasks.shapes:Shapes",
 }
 
 
