@@ -5,31 +5,21 @@ again; every test reads the runs the module made once."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.cli import call_cli, run_cli
+from tests.support.cli import call_cli, child_env, opalctl_command, run_cli
 
 UPDATES = 600
 ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
         "agent": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "heuristic", "decisions": 4}}}
 TIMEOUT = 300
-
-
-def _opalctl(*args) -> list[str]:
-    return [sys.executable, "-m", "opalctl", *map(str, args)]
-
-
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "OPALCTL_DEBUG"}, "NO_COLOR": "1"}
 
 
 def _lines(text: str) -> list[dict]:
@@ -59,9 +49,9 @@ def watched_grid(digits_init_folder, tmp_path_factory):
     (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
     lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
     runs = root / "runs"
-    grid = subprocess.Popen(_opalctl("grid", lock, "--jobs", 2, "--runs-dir", runs, "--json"), env=_env(),
+    grid = subprocess.Popen(opalctl_command("grid", lock, "--jobs", 2, "--runs-dir", runs, "--json"), env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watch = subprocess.Popen(_opalctl("watch", lock, "--runs-dir", runs, "--json", "--interval", 0.3), env=_env(),
+    watch = subprocess.Popen(opalctl_command("watch", lock, "--runs-dir", runs, "--json", "--interval", 0.3), env=child_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         watched, watch_err = watch.communicate(timeout=TIMEOUT)
@@ -141,8 +131,8 @@ def test_watch_writes_nothing_into_the_run_folders(watched_grid):
 
 def test_ctrl_c_ends_the_watch_with_exit_0_and_an_end_line(watched_grid, tmp_path):
     # the lock's runs under an empty folder: nothing started, so the watch waits until told to stop
-    watch = subprocess.Popen(_opalctl("watch", watched_grid["lock"], "--runs-dir", tmp_path, "--json",
-                                      "--interval", 0.2), env=_env(), stdout=subprocess.PIPE,
+    watch = subprocess.Popen(opalctl_command("watch", watched_grid["lock"], "--runs-dir", tmp_path, "--json",
+                                      "--interval", 0.2), env=child_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     first = watch.stdout.readline()  # the first state line: it is watching
