@@ -43,7 +43,11 @@ SLOW_MODULES = frozenset({
     "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
     "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
-    "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py"})
+    "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py",
+    # formal runs to their end (and a resume, a replay, a report or an export of them): the fast lane's slowest
+    # modules under --durations (issue 29)
+    "driver/test_run.py", "driver/test_confined_run.py", "driver/test_storage_faults.py", "driver/test_compare_flags.py",
+    "driver/test_agent_code_charge.py", "test_write_faults.py", "opal/test_replay.py", "opal/test_claude_code.py"})
 
 
 def pytest_collection_modifyitems(config, items):
