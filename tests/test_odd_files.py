@@ -126,7 +126,7 @@ def test_an_odd_file_where_a_record_lies_is_refused_at_once_by_every_reader(copi
     assert path.is_file()
     with replaced(path, ODD[odd]):
         for command in COMMANDS:
-            result, seconds = within_time(*command_line(command, copied, run, tmp_path))
+            result, seconds = within_time(call_cli, *command_line(command, copied, run, tmp_path))
             assert_refused_naming(result, seconds, path.name)
     assert call_cli("verify", copied["base"] / run).code == 0, "the folder is whole again"
 
@@ -137,10 +137,10 @@ def test_an_odd_file_in_place_of_the_lock_is_refused_at_once_by_every_reader(cop
     with replaced(lock, ODD[odd]):
         for command in ("verify", "compare", "report", "export"):
             line = ("verify", lock) if command == "verify" else command_line(command, copied, RUN, tmp_path)
-            result, seconds = within_time(*line)
+            result, seconds = within_time(call_cli, *line)
             assert_refused_naming(result, seconds, lock.name)
             assert result.code == 2 and result.stderr.count("\n") == 1, result.output
-        result, seconds = within_time("run", lock, "--arm", "idle", "--seed", "1", "--runs-dir",
+        result, seconds = within_time(call_cli, "run", lock, "--arm", "idle", "--seed", "1", "--runs-dir",
                                       tmp_path / "runs")
         assert_refused_naming(result, seconds, lock.name)
         assert not (tmp_path / "runs").exists()
@@ -156,7 +156,7 @@ def test_json_nested_a_hundred_thousand_deep_is_one_sentence_not_a_recursion_err
     path = copied["base"] / relative
     with replaced(path, lambda target: target.write_bytes(DEEP + b"\n")):
         for command in COMMANDS:
-            result, seconds = within_time(*command_line(command, copied, run, tmp_path))
+            result, seconds = within_time(call_cli, *command_line(command, copied, run, tmp_path))
             assert_refused_naming(result, seconds, path.name)
             assert "Recursion" not in result.output
 
@@ -184,7 +184,7 @@ def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, 
     """freeze reads the lock already there (to keep it if it is replaced): never a FIFO waited on."""
     lock = digits_project / "digits.lock.json"
     ODD[odd](lock)
-    result, seconds = within_time("freeze", digits_project / "digits.yaml", "--force")
+    result, seconds = within_time(call_cli, "freeze", digits_project / "digits.yaml", "--force")
     assert result.code == 2 and result.stderr.count("\n") == 1, result.output
     assert f"{lock} is where the lock goes, and it cannot be read as one" in result.stderr
     assert seconds < SECONDS_PER_CASE and not stat.S_ISREG(os.lstat(lock).st_mode)
@@ -200,7 +200,7 @@ def test_grid_status_reads_past_an_odd_file_where_its_progress_lies(copied, kind
     os.replace(report, report.with_name("report.json.aside"))  # the run reads as one that has not finished
     try:
         with replaced(path, ODD[odd]):
-            result, seconds = within_time("grid", copied["lock"], "--status", "--runs-dir",
+            result, seconds = within_time(call_cli, "grid", copied["lock"], "--status", "--runs-dir",
                                           copied["runs"])
     finally:
         os.replace(report.with_name("report.json.aside"), report)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import call_cli
+from tests.support.cli import call_cli, run_cli
 
 wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install 'opalctl[wandb]')")
 mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'opalctl[mlflow]')")
@@ -102,8 +102,8 @@ def _lock(grid) -> dict:
 
 # -- W&B ---------------------------------------------------------------------------------------------------------
 
-def _export(grid, flag, folder, *extra):
-    return call_cli("export", grid["lock"], "--runs-dir", grid["runs"], flag, folder, *extra)
+def _export(grid, flag, folder, *extra, runner=call_cli):
+    return runner("export", grid["lock"], "--runs-dir", grid["runs"], flag, folder, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_exporting_to_wandb_again_replaces_each_run(grid, tmp_path):
     first = json.loads(_export(grid, "--wandb", folder, "--json").stdout)
     before = [_content(Path(path)) for path in first["runs"]]
     (folder / "notes.txt").write_text("mine")
-    second = _export(grid, "--wandb", folder, "--json")  # a process of its own: W&B's service writes nothing
+    second = _export(grid, "--wandb", folder, "--json", runner=run_cli)  # a process of its own: W&B's service writes nothing
     assert (second.code, second.stderr) == (0, ""), second.stderr  # on the terminal's descriptors either
     again = json.loads(second.stdout)
     assert sorted(p.name for p in (folder / "wandb").glob("offline-run-*")) == \
@@ -324,7 +324,7 @@ def test_exporting_to_mlflow_again_replaces_each_run(grid, tmp_path):
     folder = tmp_path / "store"
     first = json.loads(_export(grid, "--mlflow", folder, "--json").stdout)
     before = _store_content(first["tracking_uri"], first["experiment"])
-    second = _export(grid, "--mlflow", folder, "--json")  # a process of its own, as a user runs it
+    second = _export(grid, "--mlflow", folder, "--json", runner=run_cli)  # a process of its own, as a user runs it
     assert (second.code, second.stderr) == (0, ""), second.stderr
     again = json.loads(second.stdout)
     assert _store_content(again["tracking_uri"], again["experiment"]) == before, \
