@@ -14,8 +14,10 @@ POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"re
           "nondecreasing": ["selection.correct"], "improve_any": ["selection.correct"]}
 
 
-@pytest.fixture
-def finished(project):
+@pytest.fixture(scope="module")
+def finished(made_project):
+    """One finished run for the module's tests, read-only (a test that changes it copies the folder first)."""
+    project = made_project("show-finished")
     project.freeze(budget={"clock": "updates", "amount": 60}, arms={"adamw": support.ADAMW}, selection=POLICY)
     project.run("adamw", 1)
     run_dir = project.run_dir("adamw", 1)
