@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS ?= ci/constraints-cpu.txt
 JOBS ?= 2
+# by test module: a module's module-scoped fixtures (a grid, a torchrun world, a killed run) are built once, not
+# once in each worker that gets one of its tests
+DIST ?= loadfile
 
 .PHONY: install demo test test-fast test-gpu bench lint clean
 
@@ -19,11 +22,11 @@ demo: install
 	$(BIN)/opalctl demo
 
 test: install
-	$(BIN)/python -m pytest -n $(JOBS) tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) tests
 
 # the quick lane while working: every test but those that start real runs, grids and browsers (tests/conftest.py)
 test-fast: install
-	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tests
+	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) -m "not slow" tests
 
 # the CUDA tests (tests/gpu): refused, saying so, where no CUDA device is visible, so a pass means they ran
 test-gpu: install

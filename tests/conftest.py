@@ -1,9 +1,9 @@
-"""Shared fixtures: one built-in digits project per test session, copies of it per test, and two ways to run the CLI.
+"""Shared fixtures and hooks: one built-in digits project per test session, copies of it per test, finished runs.
 
 ``opalctl init digits`` trains a parent per seed, which is the slow part (a few seconds), so it runs once per
 session (once per xdist worker) into a folder that no test touches; ``digits_project`` hands each test its own
-copy to break as it likes. ``run_cli`` runs the real command in a subprocess (what a user types); ``call_cli``
-runs ``opalctl.cli.main`` in this process, which is much faster and is what the fuzz test uses.
+copy to break as it likes. What tests share beyond fixtures (the CLI runners, building runs, reading folders) is in
+the importable ``tests.support`` package.
 ``finished_runs`` is one frozen protocol's finished runs (five arms by two seeds), made once per session for
 every worker, which compare, the report page and export read (tests that edit runs copy them first). ``sshd`` is a
 real OpenSSH server on loopback with its own keys and an ssh config file naming it (``LoopbackSshd``).
@@ -15,17 +15,12 @@ A test that needs a system component (Landlock, chromium, Slurm, ...) skips with
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import hashlib
-import io
-import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-SEEDS = [1, 2]
-SYSTEM_SKIP = "needs a system component:"
-
+from tests.support.cli import call_cli, run_cli
+from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 
 # The modules whose tests start real runs, grids or browsers and take most of the suite's time: marked ``slow``, so
 # that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs everything.
@@ -51,7 +44,11 @@ SLOW_MODULES = frozenset({
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
     "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
     "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py",
-    "driver/test_record_shapes.py", "suite/test_shipped_suite.py", "tasks/test_shapes_runs.py"})
+    "driver/test_record_shapes.py", "suite/test_shipped_suite.py", "tasks/test_shapes_runs.py",
+    # formal runs to their end (and a resume, a replay, a report or an export of them): the fast lane's slowest
+    # modules under --durations (issue 29)
+    "driver/test_run.py", "driver/test_confined_run.py", "driver/test_storage_faults.py", "driver/test_compare_flags.py",
+    "driver/test_agent_code_charge.py", "test_write_faults.py", "opal/test_replay.py", "opal/test_claude_code.py"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,74 +65,6 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and os.environ.get("OPALCTL_REQUIRE_SYSTEM") == "1" and SYSTEM_SKIP in str(report.longrepr):
         report.outcome = "failed"
         report.longrepr = f"skipped under OPALCTL_REQUIRE_SYSTEM=1 (CI must run it): {report.longrepr}"
-
-
-@dataclass
-class CliResult:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def json(self):
-        return json.loads(self.stdout)
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("OPALCTL_DEBUG", None)
-    env["NO_COLOR"] = "1"
-    env.update(extra or {})
-    return env
-
-
-def run_cli(*args, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-            timeout: float = 180) -> CliResult:
-    """``python -m opalctl ARGS`` in a subprocess; ``env`` adds to (not replaces) the current environment."""
-    completed = subprocess.run([sys.executable, "-m", "opalctl", *map(str, args)], cwd=cwd, env=_env(env),
-                               capture_output=True, text=True, timeout=timeout)
-    return CliResult(completed.returncode, completed.stdout, completed.stderr)
-
-
-def call_cli(*args) -> CliResult:
-    """``opalctl.cli.main(ARGS)`` in this process, with stdout and stderr captured and SystemExit caught."""
-    from opalctl.cli import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    code: int | str | None = 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exit_:
-            code = exit_.code
-    if code is None:
-        code = 0
-    if not isinstance(code, int):  # sys.exit("text") prints the text and exits 1
-        stderr.write(f"{code}\n")
-        code = 1
-    return CliResult(code, stdout.getvalue(), stderr.getvalue())
-
-
-def flip_byte(path: Path, offset: int | None = None) -> int:
-    """Flip every bit of one byte of ``path`` (the middle one by default); the size stays the same."""
-    data = bytearray(path.read_bytes())
-    offset = len(data) // 2 if offset is None else offset
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-    return offset
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def tree(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (relative path -> sha256), to compare a folder before and after."""
-    folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): sha256_of(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="session")
@@ -156,31 +85,28 @@ def digits_project(digits_init_folder, tmp_path) -> Path:
     return target
 
 
+# The fixtures that stood in for imports before tests/support could be imported: kept, as thin aliases, for the
+# test modules other work has open at the moment (tests/opal, tests/suite, driver/test_chain.py,
+# driver/test_run_folder.py); a module moved to ``tests.support`` no longer asks for them.
+
 @pytest.fixture(scope="session")
 def cli():
-    """Run the CLI as a real subprocess: ``cli(*args, cwd=None, env=None)`` -> CliResult."""
+    """``tests.support.cli.run_cli``."""
     return run_cli
 
 
 @pytest.fixture(scope="session")
 def cli_inprocess():
-    """Run the CLI in this process through ``opalctl.cli.main``: ``cli_inprocess(*args)`` -> CliResult."""
+    """``tests.support.cli.call_cli``."""
     return call_cli
 
 
 @pytest.fixture(scope="session")
 def helpers():
-    """Small helpers the test modules share (conftest is not importable under --import-mode=importlib)."""
+    """``tests.support``."""
+    import tests.support
 
-    class Helpers:
-        flip_byte = staticmethod(flip_byte)
-        sha256_of = staticmethod(sha256_of)
-        tree = staticmethod(tree)
-        SYSTEM_SKIP = SYSTEM_SKIP
-        SEEDS = tuple(SEEDS)
-        REPO = REPO
-
-    return Helpers
+    return tests.support
 
 
 # Finished runs that compare, report and export read -----------------------------------------------------------

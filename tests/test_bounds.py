@@ -25,6 +25,7 @@ from opalctl.layout import RunLayout
 from opalctl.protocol.schema import Limits
 from opalctl.sandbox import SYSCALLS, bound_refusal, memory_bound, process_filter, training_bounds
 from opalctl.training_folder import clear_strays, training_folder_bytes, training_folder_excess
+from tests import support
 
 SYSTEM_SKIP = "needs a system component:"
 MiB = 1 << 20
@@ -579,13 +580,13 @@ def test_clear_strays_removes_nothing_from_a_folder_made_before_training_existed
                                                             "start.json"]
 
 
-def test_clear_strays_removes_nothing_from_what_a_real_agent_run_wrote(finished_runs, tmp_path, helpers):
+def test_clear_strays_removes_nothing_from_what_a_real_agent_run_wrote(finished_runs, tmp_path):
     source = finished_runs["base"] / "agent" / "seed-1"
     copy = tmp_path / "seed-1"
     shutil.copytree(source, copy, symlinks=True)
     layout = RunLayout(copy)
     assert not layout.legacy and (layout.opal / "events.jsonl").is_file() and layout.stage_checkpoint(4).is_file()
     assert list((layout.opal / "decisions").glob("*/meta.json")) and list((layout.opal / "programs").glob("v*/*.py"))
-    before = helpers.tree(copy)
+    before = support.tree(copy)
     assert clear_strays(layout) == []
-    assert helpers.tree(copy) == before
+    assert support.tree(copy) == before

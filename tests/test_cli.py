@@ -9,6 +9,8 @@ import textwrap
 import pytest
 
 import opalctl
+from tests import support
+from tests.support.cli import call_cli, run_cli
 
 NO_TORCH = textwrap.dedent("""
     import sys
@@ -43,23 +45,23 @@ def test_help_exits_0_without_importing_torch(args):
     assert result.stdout.strip()
 
 
-def test_the_real_help_command(cli):
-    result = cli("--help")
+def test_the_real_help_command():
+    result = run_cli("--help")
     assert result.code == 0
     assert "Usage: opalctl" in result.stdout
     for command in ("init", "freeze", "verify", "pilot", "compare", "show", "report", "export"):
         assert command in result.stdout
 
 
-def test_the_new_flags_are_in_the_help(cli_inprocess):
+def test_the_new_flags_are_in_the_help():
     for command, flags in (("compare", ("--stage", "--metric", "--csv")), ("show", ("--reasons", "--html")),
                            ("report", ("--out", "--runs-dir")), ("export", ("--tensorboard",))):
-        result = cli_inprocess(command, "--help")
+        result = call_cli(command, "--help")
         assert result.code == 0 and all(flag in result.stdout for flag in flags), command
 
 
-def test_version(cli_inprocess):
-    result = cli_inprocess("--version")
+def test_version():
+    result = call_cli("--version")
     assert result.code == 0 and opalctl.__version__ in result.stdout
 
 
@@ -71,32 +73,32 @@ def test_version(cli_inprocess):
     ["pilot", "x.lock.json", "--arm", "adamw", "--steps", "0"],
     ["pilot", "x.lock.json", "--arm", "adamw", "--steps", "many"],
 ])
-def test_a_bad_flag_exits_2_with_one_line(cli_inprocess, args):
-    result = cli_inprocess(*args)
+def test_a_bad_flag_exits_2_with_one_line(args):
+    result = call_cli(*args)
     assert result.code == 2, result.output
     assert result.stderr.startswith("opalctl: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert "Traceback" not in result.output
 
 
-def test_a_bad_flag_exits_2_in_a_real_process(cli):
-    result = cli("verify", "--colour", "x.lock.json")
+def test_a_bad_flag_exits_2_in_a_real_process():
+    result = run_cli("verify", "--colour", "x.lock.json")
     assert result.code == 2
     assert result.stderr.startswith("opalctl: error: No such option") and "--colour" in result.stderr
     assert result.stderr.count("\n") == 1 and result.stdout == ""
 
 
 @pytest.mark.parametrize("command", ["freeze", "pilot"])
-def test_a_missing_protocol_file_exits_2(tmp_path, cli_inprocess, command):
+def test_a_missing_protocol_file_exits_2(tmp_path, command):
     missing = tmp_path / "nowhere.yaml"
     extra = ["--arm", "adamw"] if command == "pilot" else []
-    result = cli_inprocess(command, missing, *extra)
+    result = call_cli(command, missing, *extra)
     assert result.code == 2
     assert result.stderr == (f"opalctl: error: protocol {missing} does not exist; check the path (or write one "
                              f"with `opalctl init`)\n")
 
 
-def test_a_missing_protocol_file_exits_2_in_a_real_process(tmp_path, cli):
-    result = cli("freeze", tmp_path / "nowhere.yaml")
+def test_a_missing_protocol_file_exits_2_in_a_real_process(tmp_path):
+    result = run_cli("freeze", tmp_path / "nowhere.yaml")
     assert result.code == 2 and result.stderr.startswith("opalctl: error: protocol ")
     assert "Traceback" not in result.output
 
@@ -106,16 +108,16 @@ def test_a_missing_protocol_file_exits_2_in_a_real_process(tmp_path, cli):
 
 
 @pytest.fixture
-def frozen_project(digits_project, cli_inprocess):
-    result = cli_inprocess("freeze", digits_project / "digits.yaml")
+def frozen_project(digits_project):
+    result = call_cli("freeze", digits_project / "digits.yaml")
     assert result.code == 0, result.output
     return digits_project
 
 
-def test_pilot_reports_throughput_and_writes_nothing(frozen_project, tmp_path, cli, helpers):
+def test_pilot_reports_throughput_and_writes_nothing(frozen_project, tmp_path):
     lock = frozen_project / "digits.lock.json"
-    before = helpers.tree(tmp_path)
-    result = cli("pilot", lock, "--arm", "adamw", "--steps", "4", "--seconds", "0", "--json", cwd=tmp_path)
+    before = support.tree(tmp_path)
+    result = run_cli("pilot", lock, "--arm", "adamw", "--steps", "4", "--seconds", "0", "--json", cwd=tmp_path)
     assert result.code == 0, result.output
     report = result.json()
     assert report["formal"] is False and report["arm"] == "adamw" and report["seed"] == 1
@@ -125,27 +127,27 @@ def test_pilot_reports_throughput_and_writes_nothing(frozen_project, tmp_path, c
     assert report["projected_updates"] == pytest.approx(20 / report["cpu_seconds_per_update"])
     assert report["checkpoint_bytes"] > 4 * report["parameters"] > 0  # float32 weights at the least
     assert report["budget"] == {"clock": "cpu", "amount": 20.0, "fractions": [0.25, 0.5, 0.75, 1.0]}
-    assert helpers.tree(tmp_path) == before  # no file written, changed or removed anywhere under tmp_path
+    assert support.tree(tmp_path) == before  # no file written, changed or removed anywhere under tmp_path
     assert not (tmp_path / "runs").exists() and not (frozen_project / "runs").exists()
 
 
-def test_pilot_of_an_unknown_arm_exits_2(frozen_project, cli_inprocess):
-    result = cli_inprocess("pilot", frozen_project / "digits.lock.json", "--arm", "sgd")
+def test_pilot_of_an_unknown_arm_exits_2(frozen_project):
+    result = call_cli("pilot", frozen_project / "digits.lock.json", "--arm", "sgd")
     assert result.code == 2
     assert "has no arm 'sgd'; its arms are adamw, adamw-anneal-end, adamw-cosine, adamw-long, agent" in result.stderr
     assert result.stderr.count("\n") == 1
 
 
-def test_pilot_of_an_unknown_seed_exits_2(frozen_project, cli_inprocess):
-    result = cli_inprocess("pilot", frozen_project / "digits.lock.json", "--arm", "adamw", "--seed", "9")
+def test_pilot_of_an_unknown_seed_exits_2(frozen_project):
+    result = call_cli("pilot", frozen_project / "digits.lock.json", "--arm", "adamw", "--seed", "9")
     assert result.code == 2 and "seed 9 is not one of the protocol's seeds" in result.stderr
 
 
 @pytest.mark.parametrize("relative, role", [("data/digits/train.npz", "data.train"),
                                             ("parents/digits/seed-1.pt", "parent.seed-1")])
-def test_pilot_of_a_lock_whose_input_changed_exits_3(frozen_project, cli_inprocess, helpers, relative, role):
-    helpers.flip_byte(frozen_project / relative)
-    result = cli_inprocess("pilot", frozen_project / "digits.lock.json", "--arm", "adamw", "--steps", "1")
+def test_pilot_of_a_lock_whose_input_changed_exits_3(frozen_project, relative, role):
+    support.flip_byte(frozen_project / relative)
+    result = call_cli("pilot", frozen_project / "digits.lock.json", "--arm", "adamw", "--steps", "1")
     assert result.code == 3, result.output
     assert result.stderr.startswith("opalctl: error: ") and result.stderr.count("\n") == 1
     assert f"{role} {relative} changed" in result.stderr
@@ -156,9 +158,9 @@ def test_pilot_of_a_lock_whose_input_changed_exits_3(frozen_project, cli_inproce
 # init
 
 
-def test_init_refuses_bad_input_before_it_says_it_is_preparing(tmp_path, cli):
+def test_init_refuses_bad_input_before_it_says_it_is_preparing(tmp_path):
     folder = tmp_path / "project"
-    result = cli("init", "nope", "--dir", folder)
+    result = run_cli("init", "nope", "--dir", folder)
     assert result.code == 2, result.output
     assert result.stderr.startswith("opalctl: error: there is no built-in task 'nope'"), result.stderr
     assert result.stderr.count("\n") == 1 and "preparing" not in result.stderr and result.stdout == ""
@@ -169,7 +171,7 @@ def test_init_refuses_bad_input_before_it_says_it_is_preparing(tmp_path, cli):
 # errors
 
 
-def test_the_details_of_an_error_are_printed_indented_under_its_sentence(monkeypatch, cli_inprocess):
+def test_the_details_of_an_error_are_printed_indented_under_its_sentence(monkeypatch):
     from opalctl.errors import BadInput
     from opalctl.protocol import freeze
 
@@ -177,5 +179,5 @@ def test_the_details_of_an_error_are_printed_indented_under_its_sentence(monkeyp
         raise BadInput("the sentence", details=["one thing", "another"])
 
     monkeypatch.setattr(freeze, "freeze", refuse)
-    result = cli_inprocess("freeze", "x.yaml")
+    result = call_cli("freeze", "x.yaml")
     assert result.code == 2 and result.stderr == "opalctl: error: the sentence\n  one thing\n  another\n"

@@ -11,12 +11,13 @@ import yaml
 from opalctl import demo
 from opalctl.compare.statistics import paired
 from opalctl.compare.verdict import verdict as compare_verdict
+from tests.support.cli import call_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_demo_help_and_the_readme_say_the_same_time(cli_inprocess):
-    shown = cli_inprocess("demo", "--help")
+def test_demo_help_and_the_readme_say_the_same_time():
+    shown = call_cli("demo", "--help")
     assert shown.code == 0
     assert f"about {demo.MINUTES} minutes on 2 cores" in " ".join(shown.stdout.split())
     readme = (REPO / "README.md").read_text(encoding="utf-8")
@@ -29,7 +30,7 @@ def test_the_shipped_demo_protocol_is_what_the_demo_writes():
 
 
 def test_the_demo_protocol_has_a_control_for_the_agents_schedule_and_a_reproducible_clock(digits_init_folder,
-                                                                                         tmp_path, cli_inprocess):
+                                                                                         tmp_path):
     protocol = yaml.safe_load(demo.DEMO_PROTOCOL)
     assert protocol["name"] != "digits", "its runs must not meet the README's first session (runs/digits-SHA12)"
     assert protocol["budget"]["clock"] == "updates"
@@ -43,7 +44,7 @@ def test_the_demo_protocol_has_a_control_for_the_agents_schedule_and_a_reproduci
     folder = tmp_path / "demo"
     shutil.copytree(digits_init_folder, folder)  # the session's project has seeds 1 and 2; the demo also runs 3
     shutil.copy(folder / "parents" / "digits" / "seed-2.pt", folder / "parents" / "digits" / "seed-3.pt")
-    frozen = cli_inprocess("freeze", demo.write_protocol(folder), "--json")
+    frozen = call_cli("freeze", demo.write_protocol(folder), "--json")
     assert frozen.code == 0, frozen.output
     assert frozen.json()["arms"] == list(arms)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import call_cli
+
 SECONDS_PER_CASE = 20
 RUN = "adamw/seed-1"
 AGENT_RUN = "agent/seed-1"
@@ -117,28 +119,28 @@ def assert_refused_naming(result, seconds: float, name: str) -> None:
 
 @pytest.mark.parametrize("odd", list(ODD))
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_an_odd_file_where_a_record_lies_is_refused_at_once_by_every_reader(copied, cli_inprocess, tmp_path, kind,
+def test_an_odd_file_where_a_record_lies_is_refused_at_once_by_every_reader(copied, tmp_path, kind,
                                                                             odd):
     relative, run = KINDS[kind]
     path = copied["base"] / relative
     assert path.is_file()
     with replaced(path, ODD[odd]):
         for command in COMMANDS:
-            result, seconds = within_time(cli_inprocess, *command_line(command, copied, run, tmp_path))
+            result, seconds = within_time(call_cli, *command_line(command, copied, run, tmp_path))
             assert_refused_naming(result, seconds, path.name)
-    assert cli_inprocess("verify", copied["base"] / run).code == 0, "the folder is whole again"
+    assert call_cli("verify", copied["base"] / run).code == 0, "the folder is whole again"
 
 
 @pytest.mark.parametrize("odd", list(ODD))
-def test_an_odd_file_in_place_of_the_lock_is_refused_at_once_by_every_reader(copied, cli_inprocess, tmp_path, odd):
+def test_an_odd_file_in_place_of_the_lock_is_refused_at_once_by_every_reader(copied, tmp_path, odd):
     lock = copied["lock"]
     with replaced(lock, ODD[odd]):
         for command in ("verify", "compare", "report", "export"):
             line = ("verify", lock) if command == "verify" else command_line(command, copied, RUN, tmp_path)
-            result, seconds = within_time(cli_inprocess, *line)
+            result, seconds = within_time(call_cli, *line)
             assert_refused_naming(result, seconds, lock.name)
             assert result.code == 2 and result.stderr.count("\n") == 1, result.output
-        result, seconds = within_time(cli_inprocess, "run", lock, "--arm", "idle", "--seed", "1", "--runs-dir",
+        result, seconds = within_time(call_cli, "run", lock, "--arm", "idle", "--seed", "1", "--runs-dir",
                                       tmp_path / "runs")
         assert_refused_naming(result, seconds, lock.name)
         assert not (tmp_path / "runs").exists()
@@ -148,21 +150,21 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
 
 
 @pytest.mark.parametrize("kind", ["start.json", "report.json", "anchor.json", "events.jsonl", "decision record"])
-def test_json_nested_a_hundred_thousand_deep_is_one_sentence_not_a_recursion_error(copied, cli_inprocess, tmp_path,
+def test_json_nested_a_hundred_thousand_deep_is_one_sentence_not_a_recursion_error(copied, tmp_path,
                                                                                    kind):
     relative, run = KINDS[kind]
     path = copied["base"] / relative
     with replaced(path, lambda target: target.write_bytes(DEEP + b"\n")):
         for command in COMMANDS:
-            result, seconds = within_time(cli_inprocess, *command_line(command, copied, run, tmp_path))
+            result, seconds = within_time(call_cli, *command_line(command, copied, run, tmp_path))
             assert_refused_naming(result, seconds, path.name)
             assert "Recursion" not in result.output
 
 
-def test_a_lock_nested_a_hundred_thousand_deep_is_one_sentence(tmp_path, cli_inprocess):
+def test_a_lock_nested_a_hundred_thousand_deep_is_one_sentence(tmp_path):
     lock = tmp_path / "deep.lock.json"
     lock.write_bytes(b'{"format": "opalctl-lock/1", "x": ' + DEEP + b"}")
-    result = cli_inprocess("verify", lock)
+    result = call_cli("verify", lock)
     assert result.code == 2 and result.stderr.count("\n") == 1, result.output
     assert f"lock {lock} is not valid JSON (it is nested deeper than" in result.stderr
 
@@ -178,11 +180,11 @@ def test_a_record_over_its_kinds_limit_is_refused_before_it_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("odd", list(ODD))
-def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, cli_inprocess, odd):
+def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, odd):
     """freeze reads the lock already there (to keep it if it is replaced): never a FIFO waited on."""
     lock = digits_project / "digits.lock.json"
     ODD[odd](lock)
-    result, seconds = within_time(cli_inprocess, "freeze", digits_project / "digits.yaml", "--force")
+    result, seconds = within_time(call_cli, "freeze", digits_project / "digits.yaml", "--force")
     assert result.code == 2 and result.stderr.count("\n") == 1, result.output
     assert f"{lock} is where the lock goes, and it cannot be read as one" in result.stderr
     assert seconds < SECONDS_PER_CASE and not stat.S_ISREG(os.lstat(lock).st_mode)
@@ -190,7 +192,7 @@ def test_freeze_refuses_an_odd_file_where_its_lock_goes_at_once(digits_project, 
 
 @pytest.mark.parametrize("odd", list(ODD))
 @pytest.mark.parametrize("kind", ["start.json", "steps"])
-def test_grid_status_reads_past_an_odd_file_where_its_progress_lies(copied, cli_inprocess, kind, odd):
+def test_grid_status_reads_past_an_odd_file_where_its_progress_lies(copied, kind, odd):
     """``grid --status`` reads the budget from start.json and the progress from the steps file of a run that has not
     finished: a FIFO there is never waited on and /dev/zero never read, the status is shown without those figures."""
     relative, run = KINDS[kind]
@@ -198,7 +200,7 @@ def test_grid_status_reads_past_an_odd_file_where_its_progress_lies(copied, cli_
     os.replace(report, report.with_name("report.json.aside"))  # the run reads as one that has not finished
     try:
         with replaced(path, ODD[odd]):
-            result, seconds = within_time(cli_inprocess, "grid", copied["lock"], "--status", "--runs-dir",
+            result, seconds = within_time(call_cli, "grid", copied["lock"], "--status", "--runs-dir",
                                           copied["runs"])
     finally:
         os.replace(report.with_name("report.json.aside"), report)

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from tests import support
+
 
 def _run_pytest(folder, require: bool) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "OPALCTL_REQUIRE_SYSTEM"}
@@ -16,26 +18,26 @@ def _run_pytest(folder, require: bool) -> subprocess.CompletedProcess:
                            str(folder)], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
 
-def _project(tmp_path, helpers):
+def _project(tmp_path):
     folder = tmp_path / "suite"
     folder.mkdir()
-    shutil.copy(helpers.REPO / "tests" / "conftest.py", folder / "conftest.py")
+    shutil.copy(support.REPO / "tests" / "conftest.py", folder / "conftest.py")
     (folder / "test_probe.py").write_text(
         "import pytest\n\n"
         "def test_needs_a_component():\n"
-        f"    pytest.skip({helpers.SYSTEM_SKIP + ' frobnicator is not installed'!r})\n\n"
+        f"    pytest.skip({support.SYSTEM_SKIP + ' frobnicator is not installed'!r})\n\n"
         "def test_skips_for_another_reason():\n"
         "    pytest.skip('needs CUDA')\n")
     return folder
 
 
-def test_a_system_component_skip_is_a_skip_on_a_laptop(tmp_path, helpers):
-    result = _run_pytest(_project(tmp_path, helpers), require=False)
+def test_a_system_component_skip_is_a_skip_on_a_laptop(tmp_path):
+    result = _run_pytest(_project(tmp_path), require=False)
     assert result.returncode == 0, result.stdout
     assert "2 skipped" in result.stdout
 
 
-def test_a_system_component_skip_fails_when_ci_requires_the_components(tmp_path, helpers):
-    result = _run_pytest(_project(tmp_path, helpers), require=True)
+def test_a_system_component_skip_fails_when_ci_requires_the_components(tmp_path):
+    result = _run_pytest(_project(tmp_path), require=True)
     assert result.returncode == 1, result.stdout
     assert "1 failed" in result.stdout and "1 skipped" in result.stdout

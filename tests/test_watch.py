@@ -5,29 +5,21 @@ again; every test reads the runs the module made once."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.support.cli import call_cli, child_env, opalctl_command, run_cli
+
 UPDATES = 600
 ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
         "agent": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "heuristic", "decisions": 4}}}
 TIMEOUT = 300
-
-
-def _opalctl(*args) -> list[str]:
-    return [sys.executable, "-m", "opalctl", *map(str, args)]
-
-
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "OPALCTL_DEBUG"}, "NO_COLOR": "1"}
 
 
 def _lines(text: str) -> list[dict]:
@@ -57,9 +49,9 @@ def watched_grid(digits_init_folder, tmp_path_factory):
     (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
     lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
     runs = root / "runs"
-    grid = subprocess.Popen(_opalctl("grid", lock, "--jobs", 2, "--runs-dir", runs, "--json"), env=_env(),
+    grid = subprocess.Popen(opalctl_command("grid", lock, "--jobs", 2, "--runs-dir", runs, "--json"), env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watch = subprocess.Popen(_opalctl("watch", lock, "--runs-dir", runs, "--json", "--interval", 0.3), env=_env(),
+    watch = subprocess.Popen(opalctl_command("watch", lock, "--runs-dir", runs, "--json", "--interval", 0.3), env=child_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         watched, watch_err = watch.communicate(timeout=TIMEOUT)
@@ -101,9 +93,9 @@ def test_watching_a_running_grid_sees_each_run_start_train_judge_decide_and_end(
     assert any(line["event"] == "progress" for line in agent[first_decision:])
 
 
-def test_once_json_on_finished_runs_gives_their_stages_decisions_and_state(watched_grid, cli):
+def test_once_json_on_finished_runs_gives_their_stages_decisions_and_state(watched_grid):
     agent_dir = next(Path(run["run_dir"]) for run in watched_grid["grid"][-1]["runs"] if run["arm"] == "agent")
-    result = cli("watch", agent_dir, "--once", "--json")
+    result = run_cli("watch", agent_dir, "--once", "--json")
     assert result.code == 0, result.stderr
     view = result.json()
     assert view["kind"] == "run" and view["ended"] and len(view["runs"]) == 1
@@ -116,31 +108,31 @@ def test_once_json_on_finished_runs_gives_their_stages_decisions_and_state(watch
     assert all(d["said"] for d in run["decisions"])
     assert run["loss"] is not None and run["lrs"] and len(run["recent_losses"]) > 0
 
-    whole = cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once", "--json")
+    whole = run_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once", "--json")
     assert whole.code == 0, whole.stderr
     assert {r["arm"]: r["state"] for r in whole.json()["runs"]} == {"adamw": "finished", "agent": "finished"}
     assert whole.json()["runs"][0]["decisions"] == [] or whole.json()["runs"][1]["decisions"] == []
 
-    shown = cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once")
+    shown = run_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once")
     assert shown.code == 0, shown.stderr
     assert "agent seed 1" in shown.stdout and "adamw seed 1" in shown.stdout and "finished" in shown.stdout
 
 
-def test_watch_writes_nothing_into_the_run_folders(watched_grid, cli):
+def test_watch_writes_nothing_into_the_run_folders(watched_grid):
     base = watched_grid["runs"]
     before = _folder_state(base)
     for args in (("--once",), ("--once", "--json"), ("--json", "--interval", "0.2"), ()):
-        result = cli("watch", watched_grid["lock"], "--runs-dir", base, *args)
+        result = run_cli("watch", watched_grid["lock"], "--runs-dir", base, *args)
         assert result.code == 0, result.stderr
         agent_dir = next(p for p in base.glob("*/agent/seed-1"))
-        assert cli("watch", agent_dir, *args).code == 0
+        assert run_cli("watch", agent_dir, *args).code == 0
     assert _folder_state(base) == before
 
 
 def test_ctrl_c_ends_the_watch_with_exit_0_and_an_end_line(watched_grid, tmp_path):
     # the lock's runs under an empty folder: nothing started, so the watch waits until told to stop
-    watch = subprocess.Popen(_opalctl("watch", watched_grid["lock"], "--runs-dir", tmp_path, "--json",
-                                      "--interval", 0.2), env=_env(), stdout=subprocess.PIPE,
+    watch = subprocess.Popen(opalctl_command("watch", watched_grid["lock"], "--runs-dir", tmp_path, "--json",
+                                      "--interval", 0.2), env=child_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     first = watch.stdout.readline()  # the first state line: it is watching
@@ -159,10 +151,9 @@ def test_ctrl_c_ends_the_watch_with_exit_0_and_an_end_line(watched_grid, tmp_pat
     (lambda tmp: tmp, "is a folder but not a run folder"),
     (lambda tmp: (tmp / "notes.yaml", (tmp / "notes.yaml").write_text("a: 1\n"))[0], "neither a run folder nor a lock"),
 ])
-def test_a_path_that_is_neither_a_run_folder_nor_a_lock_is_refused_in_one_sentence(make, words, tmp_path,
-                                                                                   cli_inprocess):
+def test_a_path_that_is_neither_a_run_folder_nor_a_lock_is_refused_in_one_sentence(make, words, tmp_path):
     path = make(tmp_path)
-    result = cli_inprocess("watch", path, "--once")
+    result = call_cli("watch", path, "--once")
     assert result.code == 2
     assert result.stdout == "" and words in result.stderr and str(path) in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -14,11 +14,14 @@ import subprocess
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli, run_cli
+
 
 @pytest.fixture
-def tmpfs(tmp_path, helpers):
+def tmpfs(tmp_path):
     """``tmpfs(name, size="1m")``: a tmpfs mounted at ``tmp_path / name``, unmounted at the end."""
-    reason = f"{helpers.SYSTEM_SKIP} a tmpfs mount (root and mount(8))"
+    reason = f"{support.SYSTEM_SKIP} a tmpfs mount (root and mount(8))"
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip(reason)
     mounted = []
@@ -63,45 +66,44 @@ def snapshot(folder):
 
 
 def test_report_export_and_show_html_on_a_read_only_disk_each_say_so_and_keep_what_they_wrote_before(
-        finished_runs, cli_inprocess, tmpfs):
+        finished_runs, tmpfs):
     lock, runs = finished_runs["lock"], finished_runs["runs"]
     run_dir = finished_runs["base"] / "adamw" / "seed-1"
     disk = tmpfs("disk")
-    assert cli_inprocess("report", lock, "--runs-dir", runs, "--out", disk / "pages").code == 0
-    assert cli_inprocess("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
-    assert cli_inprocess("show", run_dir, "--html", disk / "pages" / "run.html").code == 0
+    assert call_cli("report", lock, "--runs-dir", runs, "--out", disk / "pages").code == 0
+    assert call_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
+    assert call_cli("show", run_dir, "--html", disk / "pages" / "run.html").code == 0
     read_only(disk)
     before = snapshot(disk)
 
-    said = one_sentence(cli_inprocess("report", lock, "--runs-dir", runs, "--out", disk / "pages"),
+    said = one_sentence(call_cli("report", lock, "--runs-dir", runs, "--out", disk / "pages"),
                         disk / "pages" / "report.html", "read-only", "make the folder writable")
     assert said.endswith("then run `opalctl report` again (or give --out a folder that can be written)"), said
-    said = one_sentence(cli_inprocess("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb"),
+    said = one_sentence(call_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb"),
                         disk / "tb", "read-only")
     assert "run `opalctl export` again" in said, said
-    one_sentence(cli_inprocess("show", run_dir, "--html", disk / "pages" / "run.html"),
+    one_sentence(call_cli("show", run_dir, "--html", disk / "pages" / "run.html"),
                  disk / "pages" / "run.html", "read-only", "run `opalctl show --html` again")
-    one_sentence(cli_inprocess("report", lock, "--runs-dir", runs, "--out", disk / "new" / "folder"),
+    one_sentence(call_cli("report", lock, "--runs-dir", runs, "--out", disk / "new" / "folder"),
                  disk / "new" / "folder" / "report.html", "read-only")
     assert snapshot(disk) == before
 
 
 def test_an_export_that_fills_the_disk_keeps_the_earlier_export_and_leaves_no_part_of_its_own(
-        finished_runs, cli, tmpfs):
+        finished_runs, tmpfs):
     lock, runs = finished_runs["lock"], finished_runs["runs"]
     disk = tmpfs("disk")
-    assert cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
+    assert run_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
     earlier = snapshot(disk / "tb")
     fill(disk)
 
-    result = cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb")
+    result = run_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb")
     said = one_sentence(result, disk / "tb", "the disk is full", "free space there")
     assert "run `opalctl export` again" in said and "Exception in thread" not in result.stderr, said
     assert snapshot(disk / "tb") == earlier
 
 
-def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_on(digits_project, cli_inprocess,
-                                                                               tmpfs):
+def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_on(digits_project, tmpfs):
     disk = tmpfs("disk", size="8m")
     shutil.copy(digits_project / "digits.yaml", disk / "digits.yaml")
     shutil.copytree(digits_project / "data", disk / "data")
@@ -109,11 +111,11 @@ def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_
     read_only(disk)
     before = snapshot(disk)
 
-    said = one_sentence(cli_inprocess("init", "digits", "--dir", disk / "new"), disk / "new", "read-only")
+    said = one_sentence(call_cli("init", "digits", "--dir", disk / "new"), disk / "new", "read-only")
     assert said.endswith("then run `opalctl init digits` again (or give --dir a folder that can be written)"), said
-    said = one_sentence(cli_inprocess("freeze", disk / "digits.yaml"), disk / "digits.lock.json", "read-only")
+    said = one_sentence(call_cli("freeze", disk / "digits.yaml"), disk / "digits.lock.json", "read-only")
     assert said.endswith("make the folder writable, then freeze again"), said
-    demo = cli_inprocess("demo", "--dir", disk / "demo")
+    demo = call_cli("demo", "--dir", disk / "demo")
     assert demo.code == 1 and "Traceback" not in demo.stderr, demo.output
     assert demo.stderr.strip().splitlines()[-1] == (
         f"opalctl: error: cannot write {disk / 'demo'}: the file system is read-only (Read-only file system); make "
@@ -122,26 +124,26 @@ def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_
 
 
 def test_a_file_where_a_folder_must_be_is_named_by_run_report_export_init_and_show_html(
-        finished_runs, cli, cli_inprocess, tmp_path):
+        finished_runs, tmp_path):
     lock, runs = finished_runs["lock"], finished_runs["runs"]
     run_dir = finished_runs["base"] / "adamw" / "seed-1"
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
     in_the_way = f"{blocker} is a file, not a folder; move it away or choose another place"
 
-    result = cli("run", lock, "--arm", "adamw", "--seed", "1", env={"OPALCTL_RUNS": str(blocker)})
+    result = run_cli("run", lock, "--arm", "adamw", "--seed", "1", env={"OPALCTL_RUNS": str(blocker)})
     said = one_sentence(result, blocker, in_the_way)
     assert said.endswith(f"then `opalctl run {lock} --arm adamw --seed 1` continues the run"), said
-    one_sentence(cli_inprocess("report", lock, "--runs-dir", runs, "--out", blocker / "pages"), blocker, in_the_way)
-    one_sentence(cli_inprocess("export", lock, "--runs-dir", runs, "--tensorboard", blocker / "tb"), blocker, in_the_way)
-    one_sentence(cli_inprocess("init", "digits", "--dir", blocker / "project"), blocker, in_the_way)
-    one_sentence(cli_inprocess("show", run_dir, "--html", blocker / "run.html"), blocker, in_the_way)
+    one_sentence(call_cli("report", lock, "--runs-dir", runs, "--out", blocker / "pages"), blocker, in_the_way)
+    one_sentence(call_cli("export", lock, "--runs-dir", runs, "--tensorboard", blocker / "tb"), blocker, in_the_way)
+    one_sentence(call_cli("init", "digits", "--dir", blocker / "project"), blocker, in_the_way)
+    one_sentence(call_cli("show", run_dir, "--html", blocker / "run.html"), blocker, in_the_way)
     assert blocker.read_text() == "not a folder\n"
 
 
-def test_show_html_into_a_folder_not_made_yet_makes_it(finished_runs, cli_inprocess, tmp_path):
+def test_show_html_into_a_folder_not_made_yet_makes_it(finished_runs, tmp_path):
     run_dir = finished_runs["base"] / "adamw" / "seed-1"
     target = tmp_path / "not" / "made" / "yet" / "run.html"
-    result = cli_inprocess("show", run_dir, "--html", target)
+    result = call_cli("show", run_dir, "--html", target)
     assert result.code == 0 and f"wrote {target}" in result.stderr, result.output
     assert target.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")

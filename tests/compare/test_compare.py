@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import call_cli
+
 SEEDS = [1, 2]
 METRICS = ["selection.correct", "retention.correct"]
 
@@ -23,21 +25,6 @@ def grid(finished_runs):
     """The session's finished runs (tests/conftest.py): among its arms ``twin``, the baseline's twin, ties on every
     seed, ``still`` learns nothing and keeps the anchor on every seed, ``idle`` never ran. Read-only."""
     return finished_runs
-
-
-@pytest.fixture
-def opalctl(capsys):
-    """``opalctl(*args)`` -> (exit code, stdout, stderr), through ``opalctl.cli.main`` in this process."""
-    from opalctl.cli import main
-
-    def call(*args):
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return exit_info.value.code or 0, captured.out, captured.err
-
-    return call
 
 
 def read(path):
@@ -61,8 +48,8 @@ def copy_runs(grid, tmp_path) -> Path:
     return target
 
 
-def test_compare_json_agrees_with_the_run_folders(grid, opalctl):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
+def test_compare_json_agrees_with_the_run_folders(grid):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["baseline"] == "adamw" and result["clock"] == "updates"
@@ -110,13 +97,13 @@ def test_compare_json_agrees_with_the_run_folders(grid, opalctl):
         assert pair["mean_difference"] == pair["ci_low"] == pair["ci_high"] == 0.0
 
 
-def test_compare_with_another_baseline_pairs_against_it(grid, opalctl):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json", "--baseline", "high")
+def test_compare_with_another_baseline_pairs_against_it(grid):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--json", "--baseline", "high")
     assert code == 0, err
     result = json.loads(out)
     rows = {row["arm"]: row for row in result["arms"]}
     assert result["baseline"] == "high" and rows["high"]["paired"] == {} and rows["high"]["baseline"]
-    code, out, _ = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
+    code, out, _ = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
     reverse = {row["arm"]: row for row in json.loads(out)["arms"]}["high"]["paired"]
     for metric in METRICS:
         pair = rows["adamw"]["paired"][metric]
@@ -125,17 +112,17 @@ def test_compare_with_another_baseline_pairs_against_it(grid, opalctl):
             (reverse[metric]["losses"], reverse[metric]["ties"], reverse[metric]["wins"])
 
 
-def test_compare_prints_a_table(grid, opalctl):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+def test_compare_prints_a_table(grid):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"])
     assert code == 0, err
     assert "adamw (baseline)" in out and "\nhigh " in out and "paired by seed against adamw" in out
     assert not out.lstrip().startswith("{")
 
 
-def test_compare_lists_unfinished_seeds(grid, opalctl, tmp_path):
+def test_compare_lists_unfinished_seeds(grid, tmp_path):
     runs = copy_runs(grid, tmp_path)
     unfinish(runs / grid["base"].name / "high" / "seed-2")
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs, "--json")
     assert code == 0, err
     high = {row["arm"]: row for row in json.loads(out)["arms"]}["high"]
     assert high["seeds"] == [1] and high["unfinished_seeds"] == [2]
@@ -143,39 +130,39 @@ def test_compare_lists_unfinished_seeds(grid, opalctl, tmp_path):
     assert pair["n"] == 1 and pair["unpaired"] == {"baseline": [2], "arm": []}
 
 
-def test_compare_refuses_a_report_of_another_lock(grid, opalctl, tmp_path):
+def test_compare_refuses_a_report_of_another_lock(grid, tmp_path):
     runs = copy_runs(grid, tmp_path)
     report_path = runs / grid["base"].name / "high" / "seed-1" / "report.json"
     report = read(report_path)
     report["lock_sha256"] = "f" * 64
     report_path.write_text(json.dumps(report))
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs, "--json")
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and str(report_path.parent) in lines[0] and "ffffffffffff" in lines[0]
 
 
 @pytest.mark.parametrize("baseline, words", [("nope", "is not an arm"), ("idle", "has no finished runs")])
-def test_compare_refuses_a_baseline_it_cannot_use(grid, opalctl, baseline, words):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--baseline", baseline)
+def test_compare_refuses_a_baseline_it_cannot_use(grid, baseline, words):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--baseline", baseline)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and words in err and repr(baseline) in err
 
 
-def test_compare_without_finished_runs_is_refused(grid, opalctl, tmp_path):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", tmp_path / "empty")
+def test_compare_without_finished_runs_is_refused(grid, tmp_path):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", tmp_path / "empty")
     assert code == 2 and out == "" and "there are no runs" in err and len(err.strip().splitlines()) == 1
     runs = copy_runs(grid, tmp_path)
     for report in (runs / grid["base"].name).glob("*/seed-*/report.json"):
         unfinish(report.parent)
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs)
     assert code == 2 and out == "" and "no finished runs" in err
 
 
-def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl, tmp_path):
+def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, tmp_path):
     from opalctl.compare.aggregate import REPORT_KEYS
 
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
     assert code == 0, err
     runs = copy_runs(grid, tmp_path)
     for path in (runs / grid["base"].name).glob("*/seed-*/report.json"):
@@ -186,7 +173,7 @@ def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl
         old["stages"] = [{k: s[k] for k in ("stage", "metrics", "train_cpu_seconds", "train_wall_seconds")}
                          for s in report["stages"]]
         path.write_text(json.dumps(old))
-    code, old_out, err = opalctl("compare", grid["lock"], "--runs-dir", runs, "--json")
+    code, old_out, err = call_cli("compare", grid["lock"], "--runs-dir", runs, "--json")
     assert code == 0, err
     old_result, new_result = json.loads(old_out), json.loads(out)
     for old_row, new_row in zip(old_result["arms"], new_result["arms"], strict=True):
@@ -203,13 +190,13 @@ def test_compare_reads_a_report_that_holds_only_what_compare_needs(grid, opalctl
     assert {**old_result, "runs": None} == {**new_result, "runs": None}
 
 
-def test_compare_refuses_a_report_that_lacks_what_it_needs_naming_the_file(grid, opalctl, tmp_path):
+def test_compare_refuses_a_report_that_lacks_what_it_needs_naming_the_file(grid, tmp_path):
     runs = copy_runs(grid, tmp_path)
     path = runs / grid["base"].name / "high" / "seed-1" / "report.json"
     report = read(path)
     del report["selected"]
     path.write_text(json.dumps(report))
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs)
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"{path} lacks selected" in lines[0] and "internal error" not in lines[0]
@@ -227,8 +214,8 @@ def test_compare_reads_only_fields_the_formats_define():
 
 # -- the wider compare -----------------------------------------------------------------------------------------
 
-def _json(opalctl, grid, *more, runs=None):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs or grid["runs"], "--json", *more)
+def _json(grid, *more, runs=None):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs or grid["runs"], "--json", *more)
     assert code == 0, err
     return json.loads(out), {row["arm"]: row for row in json.loads(out)["arms"]}
 
@@ -242,8 +229,8 @@ def _final_loss(run_dir: Path) -> float:
     return statistics.fmean(losses[-16:])
 
 
-def test_compare_shows_every_metric_the_task_reports_and_the_final_training_loss(grid, opalctl):
-    result, rows = _json(opalctl, grid)
+def test_compare_shows_every_metric_the_task_reports_and_the_final_training_loss(grid):
+    result, rows = _json(grid)
     reported = [m for m in read(grid["base"] / "adamw" / "seed-1" / "report.json")["anchor_metrics"]
                 if not m.endswith(".total")]
     assert set(result["metrics"]) == {*reported, "train.loss"} and "development.loss" in result["metrics"]
@@ -258,8 +245,8 @@ def test_compare_shows_every_metric_the_task_reports_and_the_final_training_loss
 
 
 @pytest.mark.parametrize("stage", ["last", "2"])
-def test_compare_of_the_last_stage_or_stage_n_reads_that_stage(grid, opalctl, stage):
-    result, rows = _json(opalctl, grid, "--stage", stage)
+def test_compare_of_the_last_stage_or_stage_n_reads_that_stage(grid, stage):
+    result, rows = _json(grid, "--stage", stage)
     assert result["stage"] == (stage if stage == "last" else int(stage))
     for arm, row in rows.items():
         for seed in SEEDS:
@@ -269,28 +256,28 @@ def test_compare_of_the_last_stage_or_stage_n_reads_that_stage(grid, opalctl, st
                 assert row["values"][metric][str(seed)] == record["metrics"][metric]
 
 
-def test_compare_refuses_a_stage_no_run_has(grid, opalctl):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "9")
+def test_compare_refuses_a_stage_no_run_has(grid):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "9")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "has no stage 9 (its stages: 1, 2, 3, 4)" in err
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "best")
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--stage", "best")
     assert code == 2 and "--stage 'best'" in err
 
 
-def test_metric_chooses_what_is_compared_and_an_unknown_one_is_refused(grid, opalctl):
-    result, rows = _json(opalctl, grid, "--metric", "train.loss", "--metric", "selection.loss")
+def test_metric_chooses_what_is_compared_and_an_unknown_one_is_refused(grid):
+    result, rows = _json(grid, "--metric", "train.loss", "--metric", "selection.loss")
     assert result["metrics"] == {"train.loss": "lower", "selection.loss": "lower"}
     assert set(rows["high"]["paired"]) == {"train.loss", "selection.loss"}
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--metric", "selection.acc")
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--metric", "selection.acc")
     assert code == 2 and out == "" and "--metric 'selection.acc' is not a metric" in err and "train.loss" in err
 
 
-def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid, opalctl):
+def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid):
     import csv
     import io
 
-    result, rows = _json(opalctl, grid)
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--csv")
+    result, rows = _json(grid)
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--csv")
     assert code == 0, err
     table = list(csv.DictReader(io.StringIO(out)))
     assert sorted((r["arm"], r["metric"]) for r in table) == sorted((a, m) for a in rows for m in result["metrics"])
@@ -309,11 +296,10 @@ def test_csv_has_one_row_per_arm_and_metric_equal_to_the_json(grid, opalctl):
                 assert line[key] == ("" if pair[key] is None else str(pair[key])), key
 
 
-def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_rule_that_refused_most(grid,
-                                                                                                   opalctl):
+def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_rule_that_refused_most(grid):
     from collections import Counter
 
-    _, rows = _json(opalctl, grid)
+    _, rows = _json(grid)
     refused = Counter()
     stages = 0
     for seed in SEEDS:
@@ -327,12 +313,12 @@ def test_an_arm_that_kept_the_anchor_on_every_seed_gets_one_sentence_naming_the_
         f"still kept the anchor on every seed (2 of 2): no stage qualified, so its selected values are the "
         f"anchor's; the rule that refused most often was {rule} on {metric} ({times} of {stages} stages).")
     assert all(rows[arm]["anchor_note"] is None for arm in rows if rows[arm]["selected_anchor"] < 2)
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"])
     assert "anchor: " + rows["still"]["anchor_note"] in out.splitlines()
 
 
-def test_verdicts_on_real_runs_say_tie_and_too_few_seeds(grid, opalctl):
-    _, rows = _json(opalctl, grid)
+def test_verdicts_on_real_runs_say_tie_and_too_few_seeds(grid):
+    _, rows = _json(grid)
     assert rows["twin"]["paired"]["selection.correct"]["verdict"] == \
         "twin vs adamw on selection.correct: identical on both seeds: no difference at all."
     high = rows["high"]["paired"]["selection.correct"]
@@ -346,7 +332,7 @@ def test_verdicts_on_real_runs_say_tie_and_too_few_seeds(grid, opalctl):
         assert high["seeds_needed"] == max(6, high["t_seeds_needed"])
     else:
         assert high["verdict"].endswith("6 seeds that agree as these do would let the exact test decide.")
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"])
     lines = out.splitlines()
     assert "verdict: " + high["verdict"] in lines and "verdict: " + rows["twin"]["paired"]["selection.correct"][
         "verdict"] in lines, "piped, each verdict is one whole line"
@@ -366,10 +352,10 @@ def _terminal(monkeypatch, width=100):
     return screen
 
 
-def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypatch):
-    result, rows = _json(opalctl, grid)
+def test_the_compare_table_stays_legible_at_100_columns(grid, monkeypatch):
+    result, rows = _json(grid)
     screen = _terminal(monkeypatch)
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"])
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"])
     assert code == 0, err
     shown = screen.getvalue() + out
     lines = shown.splitlines()
@@ -390,11 +376,11 @@ def test_the_compare_table_stays_legible_at_100_columns(grid, opalctl, monkeypat
         assert any(column.header in line for line in lines), column.header
 
 
-def test_the_n1_and_n0_notes_are_in_the_table(grid, opalctl, tmp_path):
+def test_the_n1_and_n0_notes_are_in_the_table(grid, tmp_path):
     runs = copy_runs(grid, tmp_path)
     for arm, seed in (("adamw", 2), ("high", 2), ("twin", 1)):  # adamw {1}, high {1}: n=1; twin {2}: n=0
         unfinish(runs / grid["base"].name / arm / f"seed-{seed}")
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", runs)
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", runs)
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()]
     high = [r for r in rows if r[:2] == ["high", "sel.corr"]][0]

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from opalctl.compare.controls import run_equivalence
+from tests.support.cli import run_cli
 
 TASK_FILE = Path(__file__).resolve().parents[1] / "tasks" / "char_gpt_task.py"
 OPTIMIZER = "{name: AdamW, lr: 0.003, betas: [0.9, 0.99], weight_decay: 0.1}"
@@ -40,12 +41,12 @@ selection:
 
 
 class Project:
-    def __init__(self, folder: Path, cli):
-        self.folder, self._cli = folder, cli
+    def __init__(self, folder: Path):
+        self.folder = folder
         self.env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
 
     def cli(self, *args, folder: Path | None = None):
-        return self._cli(*args, cwd=folder or self.folder, env=self.env, timeout=600)
+        return run_cli(*args, cwd=folder or self.folder, env=self.env, timeout=600)
 
     def ok(self, *args, folder: Path | None = None):
         done = self.cli(*args, folder=folder)
@@ -65,11 +66,11 @@ class Project:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, cli):
+def project(tmp_path_factory):
     """The project, frozen, its grid run once; then the post-hoc control made and run once."""
     folder = tmp_path_factory.mktemp("baby-gpt")
     shutil.copy(TASK_FILE, folder / TASK_FILE.name)
-    project = Project(folder, cli)
+    project = Project(folder)
     subprocess.run([sys.executable, "-c", "import pathlib, char_gpt_task as t; t.write_project(pathlib.Path('.'))"],
                    cwd=folder, env={**os.environ, **project.env}, check=True)
     (folder / "baby.yaml").write_text(PROTOCOL)

@@ -30,6 +30,8 @@ import pytest
 from opalctl import checkpoints
 from opalctl.driver.budget import Clock
 from opalctl.driver.records import read_steps
+from tests import support
+from tests.support.cli import call_cli
 
 AMOUNT = 300          # updates; checkpoint_every 0.05: a resume checkpoint every 15 updates
 EVERY = AMOUNT // 20
@@ -151,9 +153,9 @@ def without_timing(figures):
     return {k: v for k, v in figures.items() if k not in TIMING}
 
 
-def assert_same_agent_run(tools, got_dir, want_dir, resumes):
+def assert_same_agent_run(got_dir, want_dir, resumes):
     """``got_dir`` (interrupted and resumed, or a second run) ends exactly where ``want_dir`` ended."""
-    got, want = tools.read(got_dir / "report.json"), tools.read(want_dir / "report.json")
+    got, want = support.read(got_dir / "report.json"), support.read(want_dir / "report.json")
     for key in ("final_model_sha256", "rows_digest", "selected", "promoted_stages", "updates", "examples_seen",
                 "anchor_metrics", "nonfinite_losses"):
         assert got[key] == want[key], key
@@ -161,9 +163,9 @@ def assert_same_agent_run(tools, got_dir, want_dir, resumes):
     stage_keys = ("stage", "update", "budget_used", "metrics", "promoted")
     assert [{k: s[k] for k in stage_keys} for s in got["stages"]] == [{k: s[k] for k in stage_keys}
                                                                       for s in want["stages"]]
-    assert [s["checkpoint"]["model_sha256"] for s in tools.stage_files(got_dir)] == \
-        [s["checkpoint"]["model_sha256"] for s in tools.stage_files(want_dir)]
-    assert tools.read(got_dir / "selected.json") == tools.read(want_dir / "selected.json")
+    assert [s["checkpoint"]["model_sha256"] for s in support.stage_files(got_dir)] == \
+        [s["checkpoint"]["model_sha256"] for s in support.stage_files(want_dir)]
+    assert support.read(got_dir / "selected.json") == support.read(want_dir / "selected.json")
     assert got["resumes"] == resumes
 
     # the agent: same figures, same final program version, same programs, events, losses, reports and decisions
@@ -186,13 +188,13 @@ def assert_same_agent_run(tools, got_dir, want_dir, resumes):
 
 # -- 1. through the command line --------------------------------------------------------------------------------
 
-def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project, tools):
+def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project):
     from opalctl.opal.optimizer import default_sources
 
     result = agent_project.process(agent_project.run_args("agent", 1))
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = agent_project.run_dir("agent", 1)
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     figures = report["agent"]
     assert figures is not None
     assert figures["decisions_asked"] >= 1 and figures["decisions_applied"] >= 1
@@ -231,14 +233,13 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project, 
     steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in steps] == list(range(1, AMOUNT + 1))
     assert steps[-1]["seen"] == report["rows_digest"]
-    assert tools.read(run_dir / "start.json")["arm_config"]["agent"]["backend"] == "heuristic"
+    assert support.read(run_dir / "start.json")["arm_config"]["agent"]["backend"] == "heuristic"
     assert not (run_dir / "training" / "resume.pt").exists()
 
 
 # -- 2. determinism, and bit for bit the plain arm until the agent changes something -----------------------------
 
-def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_project, tools,
-                                                                                        tmp_path):
+def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_project, tmp_path):
     # one run in this process, one through the command line in a fresh process
     agent_project.run("agent", 1, runs_dir=tmp_path / "first")
     result = agent_project.process(agent_project.run_args("agent", 1, runs=tmp_path / "second"))
@@ -247,7 +248,7 @@ def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_
     second = agent_project.run_dir("agent", 1, runs=tmp_path / "second")
     applied = first_applied(first)
     assert applied is not None, "the heuristic agent must change the program at least once in this protocol"
-    assert_same_agent_run(tools, second, first, resumes=0)
+    assert_same_agent_run(second, first, resumes=0)
 
     # until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
     agent_project.run("adamw", 1, runs_dir=tmp_path / "first")
@@ -256,13 +257,13 @@ def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_
     plain_steps = list(read_steps(plain / "training" / "steps.jsonl.gz"))
     assert [(s["loss"], s["seen"]) for s in agent_steps[:applied["update"]]] == \
         [(s["loss"], s["seen"]) for s in plain_steps[:applied["update"]]]
-    agent_stages, plain_stages = tools.stage_files(first), tools.stage_files(plain)
+    agent_stages, plain_stages = support.stage_files(first), support.stage_files(plain)
     before = [i for i, s in enumerate(agent_stages) if s["update"] <= applied["update"]]
     assert before, "a stage comes before the first change"
     for i in before:
         assert agent_stages[i]["checkpoint"]["model_sha256"] == plain_stages[i]["checkpoint"]["model_sha256"]
     # ... and the change did change the training
-    assert tools.read(first / "report.json")["final_model_sha256"] != tools.read(plain / "report.json")[
+    assert support.read(first / "report.json")["final_model_sha256"] != support.read(plain / "report.json")[
         "final_model_sha256"]
     assert [s["seen"] for s in agent_steps] == [s["seen"] for s in plain_steps], "the same rows, in the same order"
 
@@ -287,9 +288,9 @@ def resume_state(run_dir):
     return payload["meta"]["update"], payload["extra"]["optimizer"]
 
 
-def finish(project, run_dir, main_cli):
+def finish(project, run_dir):
     """``opalctl run ... --resume`` (in this process: nothing kills it any more) until the run's end."""
-    code, _, err = main_cli(project.run_args("agent", 1, "--resume"))
+    code, _, err = call_cli(*project.run_args("agent", 1, "--resume"))
     assert code == 0, err[-3000:]
     assert (run_dir / "report.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
@@ -298,7 +299,7 @@ def checkpoint_at_or_after(update):
     return -(-update // EVERY) * EVERY
 
 
-def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tools, main_cli):
+def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash):
     """Killed inside an update before any change, then right after the agent answered the decision that changes
     the program (the edit is in the workspace, not yet applied); each time resumed, then run to the end."""
     log = events(crash.reference)
@@ -324,11 +325,11 @@ def test_agent_arm_killed_mid_update_and_while_deciding_then_resumed(crash, tool
     assert (run_dir / "agent" / "workspace" / "updater.py").read_text() == \
         (crash.reference / "training" / "opal" / "programs" / "v001" / "updater.py").read_text(), "the edit was made"
 
-    finish(crash, run_dir, main_cli)
-    assert_same_agent_run(tools, run_dir, crash.reference, resumes=2)
+    finish(crash, run_dir)
+    assert_same_agent_run(run_dir, crash.reference, resumes=2)
 
 
-def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash, tools, main_cli):
+def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash):
     """Killed during the new program's trial (resuming from a checkpoint taken after it was applied), then after
     its trial passed; each time resumed, then run to the end."""
     applied = first_applied(crash.reference)
@@ -360,31 +361,30 @@ def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash, to
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change]
     assert events(run_dir)[-1]["decision"] == late["decision"], "the decision was answered before the kill"
 
-    finish(crash, run_dir, main_cli)
-    assert_same_agent_run(tools, run_dir, crash.reference, resumes=2)
+    finish(crash, run_dir)
+    assert_same_agent_run(run_dir, crash.reference, resumes=2)
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change, after_trial]
 
 
-def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(crash, tools):
+def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(crash):
     crash.run("adamw", 1)  # evaluates the anchor of seed 1 in these runs
     crash.run("agent", 1)  # finds it and only checks it
-    assert_same_agent_run(tools, crash.run_dir("agent", 1), crash.reference, resumes=0)
+    assert_same_agent_run(crash.run_dir("agent", 1), crash.reference, resumes=0)
 
 
-def test_an_agent_arm_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash, tools,
-                                                                                            main_cli):
+def test_an_agent_arm_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash):
     run_dir = crash.run_dir("agent", 1)
     result = child(crash, resume=False, env={"KILL_EVALUATE_AT": "2"})
     assert result.returncode == 1 and "the evaluator of" in result.stderr, result.stderr[-2000:]
     assert not (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
-    code, _, err = main_cli(crash.run_args("agent", 1))
+    code, _, err = call_cli(*crash.run_args("agent", 1))
     assert code == 0, err
-    assert_same_agent_run(tools, run_dir, crash.reference, resumes=0)
+    assert_same_agent_run(run_dir, crash.reference, resumes=0)
 
 
 def test_an_agent_arm_killed_while_writing_its_first_resume_checkpoint_ends_like_an_uninterrupted_run(
-        crash, tools, main_cli):
+        crash):
     torn = '''
 import os, signal, sys, tempfile
 from pathlib import Path
@@ -407,9 +407,9 @@ main(sys.argv[1:])
     result = crash.process(crash.run_args("agent", 1), python=["-c", torn])
     assert result.returncode == KILLED, result.stderr[-2000:]
     assert (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
-    finish(crash, run_dir, main_cli)
+    finish(crash, run_dir)
     assert [e["kind"] for e in events(run_dir)].count("start") == 1
-    assert_same_agent_run(tools, run_dir, crash.reference, resumes=0)
+    assert_same_agent_run(run_dir, crash.reference, resumes=0)
 
 
 # -- 4. the agent's waiting is outside the budget clock ----------------------------------------------------------
@@ -485,7 +485,7 @@ def fake_clock_runs(project, monkeypatch, watch=None):
     return reports, clocks, decided
 
 
-def test_the_agents_waiting_is_not_charged_to_the_budget(project, tools, monkeypatch):
+def test_the_agents_waiting_is_not_charged_to_the_budget(project, monkeypatch):
     reports, clocks, decided = fake_clock_runs(project, monkeypatch)
     plain, agent = reports["adamw"], reports["agent"]
     run_dir = project.run_dir("agent", 1)
@@ -522,7 +522,7 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, tools, monkeyp
     assert [e["update"] for e in log if e["kind"] == "requested"] == due
 
 
-def test_no_agent_record_is_written_inside_a_timed_update(project, tools, monkeypatch):
+def test_no_agent_record_is_written_inside_a_timed_update(project, monkeypatch):
     _, clocks, _ = fake_clock_runs(project, monkeypatch, watch="opal")
     assert clocks["agent"].given == CHARGES
     assert clocks["agent"].changed == []
@@ -530,13 +530,13 @@ def test_no_agent_record_is_written_inside_a_timed_update(project, tools, monkey
 
 # -- 5. compare and show -----------------------------------------------------------------------------------------
 
-def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project, tools, main_cli):
+def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project):
     for arm in ("adamw", "agent"):
         for seed in (1, 2):
             agent_project.run(arm, seed)
-    reports = {seed: tools.read(agent_project.run_dir("agent", seed) / "report.json")["agent"] for seed in (1, 2)}
+    reports = {seed: support.read(agent_project.run_dir("agent", seed) / "report.json")["agent"] for seed in (1, 2)}
 
-    code, out, err = main_cli(["compare", agent_project.lock, "--runs-dir", agent_project.runs, "--json"])
+    code, out, err = call_cli("compare", agent_project.lock, "--runs-dir", agent_project.runs, "--json")
     assert code == 0, err
     rows = {row["arm"]: row for row in json.loads(out)["arms"]}
     assert set(rows) == {"adamw", "agent"} and rows["agent"]["seeds"] == [1, 2]
@@ -551,7 +551,7 @@ def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project,
 
     run_dir = agent_project.run_dir("agent", 1)
     log = events(run_dir)
-    code, out, err = main_cli(["show", run_dir, "--json"])
+    code, out, err = call_cli("show", run_dir, "--json")
     assert code == 0, err
     shown = json.loads(out)
     decisions = shown["decisions"]
@@ -567,7 +567,7 @@ def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project,
     assert sum(d["outcome"] == "applied" for d in decisions) == reports[1]["decisions_applied"]
     assert shown["report"]["agent"] == reports[1]
 
-    code, out, err = main_cli(["show", run_dir])
+    code, out, err = call_cli("show", run_dir)
     assert code == 0, err
     lines = out.splitlines()
     title = lines.index("agent decisions")
@@ -579,21 +579,21 @@ def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project,
         assert (decision["summary"] or decision["rationale"])[:40] in row
 
     # a plain arm shows no agent decisions
-    code, out, err = main_cli(["show", agent_project.run_dir("adamw", 1)])
+    code, out, err = call_cli("show", agent_project.run_dir("adamw", 1))
     assert code == 0 and "agent decisions" not in out
 
 
 # -- 6. an LLM backend that cannot work is refused before any work ----------------------------------------------
 
 @pytest.mark.parametrize("backend,needs", [("anthropic", "ANTHROPIC_API_KEY"), ("claude-code", "OPALCTL_CLAUDE_BIN")])
-def test_an_llm_backend_without_its_key_or_binary_is_refused_by_run(project, tools, main_cli, monkeypatch, backend,
+def test_an_llm_backend_without_its_key_or_binary_is_refused_by_run(project, monkeypatch, backend,
                                                                        needs):
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("OPALCTL_CLAUDE_BIN", str(project.folder / "no-such-claude"))
     lock = freeze_agent_protocol(project, arms={"adamw": ADAMW, "llm": {**ADAMW, "agent": {"backend": backend}}})
-    assert tools.read(lock)  # the protocol freezes: the schema accepts the backend
-    code, out, err = main_cli(project.run_args("llm", 1))
+    assert support.read(lock)  # the protocol freezes: the schema accepts the backend
+    code, out, err = call_cli(*project.run_args("llm", 1))
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("opalctl: error: ") and repr(backend) in lines[0]

@@ -67,7 +67,7 @@ def applied_at(run_dir) -> int:
     return applied["update"]
 
 
-def test_a_programs_build_is_charged_with_the_next_update_on_the_cpu_clock(project, tools, tmp_path):
+def test_a_programs_build_is_charged_with_the_next_update_on_the_cpu_clock(project, tmp_path):
     frozen(project, tmp_path, {"clock": "cpu", "amount": 3.0})
     report = project.run("agent", 1)
     run_dir = project.run_dir("agent", 1)
@@ -81,7 +81,7 @@ def test_a_programs_build_is_charged_with_the_next_update_on_the_cpu_clock(proje
     assert report["budget"]["used"] == sum(charges.values())
 
 
-def test_on_the_updates_clock_it_is_recorded_and_every_update_still_costs_one(project, tools, tmp_path):
+def test_on_the_updates_clock_it_is_recorded_and_every_update_still_costs_one(project, tmp_path):
     frozen(project, tmp_path, {"clock": "updates", "amount": 100})
     report = project.run("agent", 1)
     run_dir = project.run_dir("agent", 1)

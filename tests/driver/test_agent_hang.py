@@ -16,6 +16,7 @@ import pytest
 
 from opalctl import checkpoints
 from opalctl.errors import EXIT_PROGRAM_HUNG
+from tests import support
 
 AMOUNT = 300  # updates; a resume checkpoint every 15
 EVERY = AMOUNT // 20
@@ -85,7 +86,7 @@ def events(run_dir):
 
 
 @pytest.mark.parametrize("hang_at", [1, 40], ids=["at_its_first_step", "after_its_trial"])
-def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_version(project, tools, tmp_path,
+def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_version(project, tmp_path,
                                                                                   hang_at):
     original = recorded_original(tmp_path / "original", HANGING_UPDATER.format(hang_at=hang_at))
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
@@ -109,7 +110,7 @@ def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_versi
 
     finished = project.process(project.run_args("agent", 1, "--resume"))
     assert finished.returncode == 0, finished.stderr[-3000:]
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     assert report["updates"] == AMOUNT and report["agent"]["version"] == 0
     after = events(run_dir)
     after = after[max(i for i, e in enumerate(after) if e["kind"] == "resumed"):]

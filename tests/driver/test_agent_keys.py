@@ -21,6 +21,9 @@ import json
 import secrets
 import string
 
+from tests import support
+from tests.support.cli import call_cli
+
 UPDATES = 300
 
 PROBING_TASK = '''
@@ -132,22 +135,22 @@ def agent_arm() -> dict:
                       "every": 25, "trial_steps": 5}}
 
 
-def test_an_opalctl_run_keeps_the_key_out_of_its_training_process_and_its_host_has_it(project, tools):
+def test_an_opalctl_run_keeps_the_key_out_of_its_training_process_and_its_host_has_it(project):
     key = anthropic_key()
     entry = project.task_module(PROBING_TASK, "ProbingDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES}, arms={"agent": agent_arm()})
     run_dir = project.run_dir("agent", 1)
     out = run_dir / "training" / "probe"
-    ms = tools.messages_server()
-    script = [ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": tools.HALVED})),
-              ms.reply(ms.text(tools.RATIONALE + f"\n(my key: {key})"))]
+    ms = support.messages_server()
+    script = [ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": support.HALVED})),
+              ms.reply(ms.text(support.RATIONALE + f"\n(my key: {key})"))]
     with ms.MessagesServer(script) as server:
         env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=server.url, PROBE_OUT=str(out),
                           PROBE_REWRITE_AT=str(UPDATES - 20))
         result = project.process(project.run_args("agent", 1), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     # the run finished, and its agent host had the key: the server saw it on every request
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     assert report["updates"] == UPDATES and report["agent"]["decisions_applied"] == 1
     assert len(server.requests) == 2
     assert all(key in r["headers"].get("x-api-key", "") + r["headers"].get("authorization", "")
@@ -185,7 +188,7 @@ def test_an_opalctl_run_keeps_the_key_out_of_its_training_process_and_its_host_h
 # -- the host's records against a rewriting training process ----------------------------------------------------------
 
 def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_nor_what_show_shows(
-        project, tools, main_cli, tmp_path):
+        project, tmp_path):
     project.freeze(budget={"clock": "updates", "amount": 200},
                    arms={"agent": {"optimizer": {"name": "AdamW", "lr": 1.0e-3},
                                    "agent": {"backend": "heuristic", "decisions": 1, "schedule": [0.6],
@@ -196,7 +199,7 @@ def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_
     events = run_dir / "training" / "opal" / "events.jsonl"
     (applied,) = [event for event in map(json.loads, events.read_text().splitlines()) if event["kind"] == "applied"]
     assert applied["decision"] == 1  # at 60 % of the budget a rule of the heuristic always fires
-    hosts_before = tools.snapshot(host)
+    hosts_before = support.snapshot(host)
     running, answered = ((host / "001" / where / "updater.py").read_text() for where in ("running", "."))
     (new_line,) = [line for line in answered.splitlines() if line not in running.splitlines()]
 
@@ -209,8 +212,8 @@ def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_
     events.write_text("".join(json.dumps(event) + "\n" for event in lines))
     (run_dir / "training" / "opal" / "decisions" / "001" / "meta.json").write_text('{"forged": true}')
 
-    assert tools.snapshot(host) == hosts_before, "the host's records are untouched"
-    code, out, err = main_cli(["show", run_dir, "--json", "--html", tmp_path / "page.html"])
+    assert support.snapshot(host) == hosts_before, "the host's records are untouched"
+    code, out, err = call_cli("show", run_dir, "--json", "--html", tmp_path / "page.html")
     assert code == 0, err
     (shown,) = json.loads(out)["decisions"]
     rationale = (host / "001" / "response.md").read_text()
@@ -223,8 +226,8 @@ def test_a_training_process_that_rewrites_its_records_changes_neither_the_hosts_
     # and the program it says it applied put back to another: verify names the file, show refuses the folder
     version = run_dir / "training" / "opal" / "programs" / f"v{applied['version']:03d}" / "updater.py"
     version.write_text(running)
-    code, out, err = main_cli(["verify", run_dir])
+    code, out, err = call_cli("verify", run_dir)
     assert code == 3 and "training/opal/programs/v001/updater.py: is not the program the agent host answered at " \
                          "decision 1" in err, err
-    code, out, err = main_cli(["show", run_dir])
+    code, out, err = call_cli("show", run_dir)
     assert code == 3 and out == "" and str(version) in err and len(err.strip().splitlines()) == 1, err

@@ -18,6 +18,7 @@ import signal
 import pytest
 
 from opalctl import checkpoints
+from tests import support
 
 AMOUNT = 300  # updates; decision 1 at update 15, a resume checkpoint every 18 (the new version steps before one)
 CHECKPOINT_EVERY = 0.06
@@ -90,12 +91,12 @@ def events(run_dir):
     return [json.loads(line) for line in (opal_records(run_dir) / "events.jsonl").read_text().splitlines()]
 
 
-def frozen(project, tools, tmp_path, case):
+def frozen(project, tmp_path, case):
     updater, analysis, _ = PROGRAMS[case]
     original = recorded_original(tmp_path / "original", updater, analysis)
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
              "agent": {"backend": f"replay:{original}", "decisions": 8}}
-    project.freeze(entry=project.task_module(tools.KILLABLE_TASK, "KillableDigits"),
+    project.freeze(entry=project.task_module(support.KILLABLE_TASK, "KillableDigits"),
                    budget={"clock": "updates", "amount": AMOUNT}, training={"checkpoint_every": CHECKPOINT_EVERY},
                    arms={"agent": agent},
                    selection={"denominators": ["selection.total", "retention.total"],
@@ -115,8 +116,8 @@ def untimed(figures: dict) -> dict:
     return {key: value for key, value in figures.items() if "seconds" not in key}
 
 
-def assert_finished(run_dir, tools):
-    report = tools.read(run_dir / "report.json")
+def assert_finished(run_dir):
+    report = support.read(run_dir / "report.json")
     assert report["updates"] == AMOUNT and report["agent"]["version"] == 0
     assert report["agent"]["decisions_reverted"] == 1
     seconds = report["agent"]["agent_code_seconds"]
@@ -125,18 +126,18 @@ def assert_finished(run_dir, tools):
 
 
 @pytest.mark.parametrize("case", sorted(PROGRAMS))
-def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(project, tools, tmp_path, case):
-    frozen(project, tools, tmp_path, case)
+def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(project, tmp_path, case):
+    frozen(project, tmp_path, case)
     run_dir = project.run_dir("agent", 1)
     finished = project.process(project.run_args("agent", 1))
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert_finished(run_dir, tools)
+    assert_finished(run_dir)
     the_revert(run_dir, PROGRAMS[case][2])
 
 
-def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(project, tools, tmp_path):
+def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(project, tmp_path):
     case = "meta_tensor_in_state_dict"
-    frozen(project, tools, tmp_path, case)
+    frozen(project, tmp_path, case)
     first = project.run_dir("agent", 1)
     assert project.process(project.run_args("agent", 1)).returncode == 0
     reverted_at = the_revert(first, PROGRAMS[case][2])["update"]
@@ -153,9 +154,9 @@ def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and
 
     resumed = project.process(project.run_args("agent", 1, "--resume", runs=runs))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_finished(run_dir, tools)
+    assert_finished(run_dir)
     the_revert(run_dir, PROGRAMS[case][2])  # reverted once, before the kill; never loaded again after it
     after = events(run_dir)
     after = after[max(i for i, e in enumerate(after) if e["kind"] == "resumed"):]
     assert not any(e["kind"] in ("applied", "reverted", "trial_passed") for e in after)
-    assert untimed(tools.read(run_dir / "report.json")["agent"]) == untimed(tools.read(first / "report.json")["agent"])
+    assert untimed(support.read(run_dir / "report.json")["agent"]) == untimed(support.read(first / "report.json")["agent"])

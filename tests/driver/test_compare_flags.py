@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 
+from tests import support
+from tests.support.cli import call_cli
+
 AMOUNT = 100  # updates; stages at 25, 50, 75, 100
 SWAPPING_UPDATER = '''
 import torch
@@ -47,8 +50,7 @@ class Updater:
 '''
 
 
-def test_weights_moved_for_the_stage_checkpoints_only_are_flagged_in_compare_and_its_verdict(project, tools, tmp_path,
-                                                                                             cli_inprocess):
+def test_weights_moved_for_the_stage_checkpoints_only_are_flagged_in_compare_and_its_verdict(project, tmp_path):
     from opalctl.opal.optimizer import default_sources
 
     original = tmp_path / "original"
@@ -56,14 +58,14 @@ def test_weights_moved_for_the_stage_checkpoints_only_are_flagged_in_compare_and
     (original / "programs" / "v001" / "updater.py").write_text(SWAPPING_UPDATER)
     (original / "programs" / "v001" / "analysis.py").write_text(default_sources()["analysis.py"])
     (original / "events.jsonl").write_text(json.dumps({"kind": "applied", "decision": 1, "version": 1}) + "\n")
-    swapper = {**tools.ADAMW, "agent": {"backend": f"replay:{original}", "decisions": 1, "schedule": [0.05]}}
-    project.freeze(budget={"clock": "updates", "amount": AMOUNT}, arms={"adamw": tools.ADAMW, "swapper": swapper})
+    swapper = {**support.ADAMW, "agent": {"backend": f"replay:{original}", "decisions": 1, "schedule": [0.05]}}
+    project.freeze(budget={"clock": "updates", "amount": AMOUNT}, arms={"adamw": support.ADAMW, "swapper": swapper})
     project.run("adamw", 1)
     report = project.run("swapper", 1)
     assert report["agent"]["eval_integrity"]["flagged"] >= 1, report["agent"]["eval_integrity"]
-    result = cli_inprocess("compare", project.lock, "--runs-dir", project.runs, "--json")
+    result = call_cli("compare", project.lock, "--runs-dir", project.runs, "--json")
     [row] = [row for row in json.loads(result.stdout)["arms"] if row["arm"] == "swapper"]
     assert any(flag.startswith("evaluation integrity") for flag in row["flags"]), row["flags"]
     assert all("Flagged: evaluation integrity" in figure["verdict"] for figure in row["paired"].values())
-    shown = cli_inprocess("compare", project.lock, "--runs-dir", project.runs)
+    shown = call_cli("compare", project.lock, "--runs-dir", project.runs)
     assert "flagged: swapper: evaluation integrity: a program moved the parameters" in shown.stdout, shown.output

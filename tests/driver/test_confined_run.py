@@ -14,6 +14,8 @@ import socket
 
 import pytest
 
+from tests import support
+
 PROBING_TASK = '''
 import json
 import os
@@ -66,10 +68,10 @@ class ProbingDigits(Digits):
 
 
 def test_an_agent_arms_training_process_reads_no_split_reaches_no_network_and_writes_only_its_run_folder(
-        project, tools, tmp_path, helpers):
+        project, tmp_path):
     entry = project.task_module(PROBING_TASK, "ProbingDigits")
-    agent = {**tools.ADAMW, "agent": {"backend": "keep", "decisions": 1}}
-    project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW, "agent": agent})
+    agent = {**support.ADAMW, "agent": {"backend": "keep", "decisions": 1}}
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW, "agent": agent})
     protocol = project.protocol()
     split = project.folder / protocol["data"]["development"]
     outside = tmp_path / "escaped.txt"
@@ -91,10 +93,10 @@ def test_an_agent_arms_training_process_reads_no_split_reaches_no_network_and_wr
     assert probes(plain) == {"read_split": "ok", "connect": "ok", "write_outside": "ok",
                              "write_beside_the_records": "ok"}
     outside.unlink()
-    report = tools.read(project.run_dir("agent", 1) / "report.json")
+    report = support.read(project.run_dir("agent", 1) / "report.json")
     confinement = report["confinement"]
     if confinement["mechanism"] == "none":
-        pytest.skip(f"{helpers.SYSTEM_SKIP} Landlock ({confinement['reason']})")
+        pytest.skip(f"{support.SYSTEM_SKIP} Landlock ({confinement['reason']})")
     assert confinement["network_denied"] is True
     # it writes only training's own folder of the run: never the records of results beside it
     assert confinement["writable"] == [str(project.run_dir("agent", 1) / "training")]

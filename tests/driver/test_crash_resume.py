@@ -26,6 +26,8 @@ import pytest
 
 from opalctl import checkpoints
 from opalctl.driver.records import read_steps
+from tests import support
+from tests.support.cli import call_cli
 
 UPDATES = 200  # checkpoint_every 0.05: a resume checkpoint every 10 updates; stages at 50, 100, 150 and 200
 KILLED = -signal.SIGKILL
@@ -100,12 +102,12 @@ SELECTION = {"denominators": ["selection.total", "retention.total"], "floors": {
 
 
 @pytest.fixture
-def crash(project, tools, tmp_path):
+def crash(project, tmp_path):
     """A frozen protocol on the crash task, and the uninterrupted reference run of each arm it asks for."""
     entry = project.task_module(CRASH_TASK, "CrashDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES},
                    training={"checkpoint_every": 0.05},
-                   arms={"adamw": tools.ADAMW, "cosine": {**tools.ADAMW, "schedule": "cosine"}}, selection=SELECTION)
+                   arms={"adamw": support.ADAMW, "cosine": {**support.ADAMW, "schedule": "cosine"}}, selection=SELECTION)
     project.reference_runs = tmp_path / "reference"
     return project
 
@@ -172,8 +174,8 @@ STAGE_KEYS = ("stage", "fraction", "update", "budget_used", "examples", "metrics
               "incumbent_before", "incumbent_after", "shared_state_with", "loss")
 
 
-def assert_same_run(tools, crashed, uninterrupted, resumes):
-    got, want = tools.read(crashed / "report.json"), tools.read(uninterrupted / "report.json")
+def assert_same_run(crashed, uninterrupted, resumes):
+    got, want = support.read(crashed / "report.json"), support.read(uninterrupted / "report.json")
     for key in ("final_model_sha256", "rows_digest", "selected", "promoted_stages", "updates", "examples_seen",
                 "anchor_metrics", "nonfinite_losses"):
         assert got[key] == want[key], key
@@ -183,15 +185,15 @@ def assert_same_run(tools, crashed, uninterrupted, resumes):
     assert got["resumes"] == resumes and want["resumes"] == 0
     assert any("resumed" in line for line in got["limitations"])
 
-    got_stages, want_stages = tools.stage_files(crashed), tools.stage_files(uninterrupted)
+    got_stages, want_stages = support.stage_files(crashed), support.stage_files(uninterrupted)
     assert len(got_stages) == len(want_stages) == 4
     for mine, theirs in zip(got_stages, want_stages, strict=True):
         assert {k: mine[k] for k in STAGE_KEYS} == {k: theirs[k] for k in STAGE_KEYS}
         assert mine["checkpoint"]["model_sha256"] == theirs["checkpoint"]["model_sha256"]
         payload = checkpoints.load(crashed / mine["checkpoint"]["file"])
         assert payload["model_sha256"] == mine["checkpoint"]["model_sha256"]
-    assert tools.read(crashed / "selected.json") == tools.read(uninterrupted / "selected.json")
-    assert tools.read(crashed / "last.json")["model_sha256"] == tools.read(uninterrupted / "last.json")["model_sha256"]
+    assert support.read(crashed / "selected.json") == support.read(uninterrupted / "selected.json")
+    assert support.read(crashed / "last.json")["model_sha256"] == support.read(uninterrupted / "last.json")["model_sha256"]
 
     got_steps = list(read_steps(crashed / "training" / "steps.jsonl.gz"))
     want_steps = list(read_steps(uninterrupted / "training" / "steps.jsonl.gz"))
@@ -199,7 +201,7 @@ def assert_same_run(tools, crashed, uninterrupted, resumes):
     assert [{k: s[k] for k in STEP_KEYS} for s in got_steps] == [{k: s[k] for k in STEP_KEYS} for s in want_steps]
 
 
-def test_killed_mid_update_twice_then_resumed(crash, tools, main_cli):
+def test_killed_mid_update_twice_then_resumed(crash):
     """Killed inside update 75, resumed and killed inside update 105 (just after stage 2), resumed to the end."""
     expected = reference(crash, "cosine")
     run_dir = crash.run_dir("cosine", 1)
@@ -208,9 +210,9 @@ def test_killed_mid_update_twice_then_resumed(crash, tools, main_cli):
     assert resume_meta(run_dir)["update"] == 70
     assert [p.name for p in sorted(run_dir.glob("stage-*.json"))] == ["stage-01.json"]
     # an interrupted run is not restarted by accident: only --resume continues it
-    before = tools.snapshot(run_dir)
-    code, _, err = main_cli(crash.run_args("cosine", 1))
-    assert code == 2 and "--resume" in err and tools.snapshot(run_dir) == before
+    before = support.snapshot(run_dir)
+    code, _, err = call_cli(*crash.run_args("cosine", 1))
+    assert code == 2 and "--resume" in err and support.snapshot(run_dir) == before
 
     # resumed from update 70, the 35th update of this process is update 105
     assert_killed(child(crash, "cosine", resume=True, env={"KILL_LOSS_AT": "35"}), run_dir)
@@ -218,10 +220,10 @@ def test_killed_mid_update_twice_then_resumed(crash, tools, main_cli):
     assert len(list(run_dir.glob("stage-*.json"))) == 2
 
     finish(crash, "cosine", run_dir)
-    assert_same_run(tools, run_dir, expected, resumes=2)
+    assert_same_run(run_dir, expected, resumes=2)
 
 
-def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
+def test_killed_while_writing_checkpoints_then_resumed(crash):
     """Torn writes: the 4th resume.pt (update 30), then the 18th of the resumed session (update 200), just after
     the last stage was judged."""
     expected = reference(crash, "adamw")
@@ -237,7 +239,7 @@ def test_killed_while_writing_checkpoints_then_resumed(crash, tools):
     assert (run_dir / "stage-04.json").exists() and not (run_dir / "selected.json").exists()
 
     finish(crash, "adamw", run_dir)
-    assert_same_run(tools, run_dir, expected, resumes=2)
+    assert_same_run(run_dir, expected, resumes=2)
 
 
 def assert_evaluator_stopped(result, run_dir):
@@ -250,7 +252,7 @@ def assert_evaluator_stopped(result, run_dir):
     assert_no_evaluator_left(run_dir)
 
 
-def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sentence_and_it_resumes(crash, tools):
+def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sentence_and_it_resumes(crash):
     """Evaluations 1-3 are the anchor's (three splits), 4-6 stage 1's, 7-9 stage 2's: the evaluator dies inside
     stage 2's."""
     expected = reference(crash, "adamw")
@@ -263,10 +265,10 @@ def test_the_evaluator_killed_during_a_stage_evaluation_ends_the_run_in_one_sent
     assert resume_meta(run_dir)["update"] == 90
 
     finish(crash, "adamw", run_dir)
-    assert_same_run(tools, run_dir, expected, resumes=1)
+    assert_same_run(run_dir, expected, resumes=1)
 
 
-def test_resume_from_a_damaged_checkpoint_is_refused_naming_it(crash, tools, main_cli):
+def test_resume_from_a_damaged_checkpoint_is_refused_naming_it(crash):
     run_dir = crash.run_dir("adamw", 1)
     assert_killed(child(crash, "adamw", resume=False, env={"KILL_LOSS_AT": "25"}), run_dir)
     resume = run_dir / "training" / "resume.pt"
@@ -277,26 +279,26 @@ def test_resume_from_a_damaged_checkpoint_is_refused_naming_it(crash, tools, mai
     assert offset > 0
     data[offset + len(checkpoints.tensor_bytes(tensor)) // 2] ^= 0x10  # one bit inside the largest tensor
     resume.write_bytes(bytes(data))
-    before = tools.snapshot(crash.runs)
+    before = support.snapshot(crash.runs)
 
-    code, out, err = main_cli(crash.run_args("adamw", 1, "--resume"))
+    code, out, err = call_cli(*crash.run_args("adamw", 1, "--resume"))
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("opalctl: error: cannot resume: checkpoint ")
     assert str(resume) in lines[0] and name in lines[0]
-    assert tools.snapshot(crash.runs) == before, "a refused resume changes nothing"
+    assert support.snapshot(crash.runs) == before, "a refused resume changes nothing"
 
 
-def test_a_run_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash, tools, main_cli):
+def test_a_run_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash):
     run_dir = crash.run_dir("adamw", 1)
     result = child(crash, "adamw", resume=False, env={"KILL_EVALUATE_AT": "2"})
     assert_evaluator_stopped(result, run_dir)
     assert result.stderr.strip().endswith("start the run again")
     assert not (run_dir / "start.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
-    code, _, err = main_cli(crash.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*crash.run_args("adamw", 1, "--resume"))
     assert code == 2 and "start it without --resume" in err
-    code, _, err = main_cli(crash.run_args("adamw", 1))
+    code, _, err = call_cli(*crash.run_args("adamw", 1))
     assert code == 0, err
 
 

@@ -12,15 +12,17 @@ import json
 
 import pytest
 
+from tests import support
+
 DIVERGING = {"optimizer": {"name": "SGD", "lr": 1.0e36}}
 ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
 
 
 @pytest.fixture
-def diverging(project, tools):
+def diverging(project):
     """20 updates of a diverging SGD arm and an AdamW baseline, no clipping; stages at 10 and 20, a resume
     checkpoint every 5 updates; the pausing task (``FAIL_AT=N`` fails the N-th loss of a process)."""
-    entry = project.task_module(tools.PAUSE_TASK, "PausingDigits")
+    entry = project.task_module(support.PAUSE_TASK, "PausingDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": 20, "fractions": [0.5, 1.0]},
                    training={"checkpoint_every": 0.25, "gradient_clip": None},
                    arms={"sgd": DIVERGING, "adamw": ADAMW})
@@ -36,11 +38,11 @@ def _says_diverged(report: dict) -> None:
     assert last["selection.loss"] is None and isinstance(last["selection.correct"], int)
 
 
-def test_a_diverging_run_finishes_and_its_report_and_compare_say_so(diverging, tools):
+def test_a_diverging_run_finishes_and_its_report_and_compare_say_so(diverging):
     code = diverging.process(diverging.run_args("sgd", 1))
     assert code.returncode == 0, code.stderr
     run_dir = diverging.run_dir("sgd", 1)
-    _says_diverged(tools.read(run_dir / "report.json"))
+    _says_diverged(support.read(run_dir / "report.json"))
     assert diverging.process(["verify", str(run_dir)]).returncode == 0
     assert diverging.process(diverging.run_args("adamw", 1)).returncode == 0
     compared = diverging.process(["compare", str(diverging.lock), "--runs-dir", str(diverging.runs), "--stage",
@@ -58,12 +60,12 @@ def test_a_diverging_run_finishes_and_its_report_and_compare_say_so(diverging, t
         assert exported.returncode == 0, exported.stderr
 
 
-def test_a_diverged_run_stopped_after_its_first_stage_resumes_to_the_end(diverging, tools):
+def test_a_diverged_run_stopped_after_its_first_stage_resumes_to_the_end(diverging):
     first = diverging.process(diverging.run_args("sgd", 1), env=diverging.env(FAIL_AT="13"))
     assert first.returncode == 1, first.stderr
     run_dir = diverging.run_dir("sgd", 1)
     assert (run_dir / "stage-01.json").is_file() and not (run_dir / "report.json").exists()
     resumed = diverging.process(diverging.run_args("sgd", 1, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    _says_diverged(tools.read(run_dir / "report.json"))
+    _says_diverged(support.read(run_dir / "report.json"))
     assert diverging.process(["verify", str(run_dir)]).returncode == 0

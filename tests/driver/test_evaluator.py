@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from opalctl import checkpoints
+from tests import support
+from tests.support.cli import call_cli
+from tests.support.runs import killed_at
 
 UPDATES = 40  # stages at 10, 20, 30 and 40; a resume checkpoint every 2 updates
 
@@ -79,7 +82,7 @@ main(sys.argv[2:])
 '''
 
 
-def clean_metrics(project, tools, report, run_dir):
+def clean_metrics(project, report, run_dir):
     """Each stage checkpoint evaluated here, in a process no task or program patched."""
     from opalctl.driver.build import build_arm
     from opalctl.driver.judge import Judge, SavedStage
@@ -100,27 +103,27 @@ def clean_metrics(project, tools, report, run_dir):
 
 
 def test_a_task_that_patches_torch_in_the_training_process_still_gets_the_clean_metrics_of_its_checkpoints(
-        project, tools, tmp_path):
+        project, tmp_path):
     entry = project.task_module(PATCHING_TASK, "PatchingDigits")
-    project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     mark = tmp_path / "patched"
     result = project.process(project.run_args("adamw", 1), env=project.env(PATCHED_MARK=str(mark)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert mark.read_text() == "patched", "the training process was patched"
     run_dir = project.run_dir("adamw", 1)
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     metrics = [stage["metrics"] for stage in report["stages"]]
-    assert metrics == clean_metrics(project, tools, report, run_dir)
+    assert metrics == clean_metrics(project, report, run_dir)
     assert all(m["selection.correct"] < m["selection.total"] and m["selection.loss"] > 0 for m in metrics)
-    assert [tools.read(path)["metrics"] for path in sorted(run_dir.glob("stage-*.json"))] == metrics
+    assert [support.read(path)["metrics"] for path in sorted(run_dir.glob("stage-*.json"))] == metrics
 
 
-def test_the_training_process_never_opens_the_evaluation_split_files(project, tools, tmp_path):
+def test_the_training_process_never_opens_the_evaluation_split_files(project, tmp_path):
     """After the lock's check (which hashes every file before anything runs), the training process opens the
     train split and no other."""
     from opalctl.protocol.lock import read_lock
 
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     opened_file = tmp_path / "opened.json"
     result = project.process(project.run_args("adamw", 1), python=["-c", AUDITED_RUN, str(opened_file)])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -129,18 +132,26 @@ def test_the_training_process_never_opens_the_evaluation_split_files(project, to
     splits = {split: lock.data_path(split).resolve() for split in lock.protocol().data}
     assert splits["train"] in opened, "the audit sees the files the run opens"
     assert [split for split, path in splits.items() if path in opened] == ["train"]
-    assert tools.read(project.run_dir("adamw", 1) / "report.json")["anchor_metrics"]["selection.total"] > 0
+    assert support.read(project.run_dir("adamw", 1) / "report.json")["anchor_metrics"]["selection.total"] > 0
 
 
-def killed_after_stage_one(project, tools):
-    """A run killed inside update 15: its resume checkpoint (update 14) carries stage 1."""
-    entry = project.task_module(tools.KILLABLE_TASK, "KillableDigits")
+@pytest.fixture(scope="module")
+def killed(made_project):
+    """A run killed inside update 15, built once for the module: its resume checkpoint (update 14) carries
+    stage 1. Each test resumes its own copy (``killed.copy(tmp_path)``)."""
+    project = made_project("killed")
+    entry = project.task_module(support.KILLABLE_TASK, "KillableDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
-                   arms={"adamw": tools.ADAMW}, selection={**tools.LENIENT, "floors": {"retention.correct": 1000}})
-    run_dir = project.run_dir("adamw", 1)
-    result = project.process(project.run_args("adamw", 1), env=project.env(KILL_LOSS_AT="15"))
-    assert result.returncode != 0 and (run_dir / "stage-01.json").exists() and (run_dir / "training" / "resume.pt").exists()
-    return run_dir
+                   arms={"adamw": support.ADAMW}, selection={**support.LENIENT, "floors": {"retention.correct": 1000}})
+    run_dir = killed_at(project, "adamw", 1, 15)
+    assert (run_dir / "stage-01.json").exists() and (run_dir / "training" / "resume.pt").exists()
+    return project
+
+
+def killed_after_stage_one(killed, tmp_path, monkeypatch):
+    """This test's copy of the killed run: (its project, its run folder)."""
+    project = killed.copy(tmp_path, monkeypatch)
+    return project, project.run_dir("adamw", 1)
 
 
 def resume_claims(run_dir: Path, stages: int) -> None:
@@ -167,46 +178,46 @@ def better(record):
 
 @pytest.mark.parametrize("canonical, said", [(True, "does not match a new evaluation of"),
                                              (False, "is not as opalctl wrote it")])
-def test_a_forged_stage_record_is_refused_on_resume_naming_the_file(project, tools, main_cli, canonical, said):
-    run_dir = killed_after_stage_one(project, tools)
+def test_a_forged_stage_record_is_refused_on_resume_naming_the_file(killed, tmp_path, monkeypatch, canonical, said):
+    project, run_dir = killed_after_stage_one(killed, tmp_path, monkeypatch)
     forge_stage_file(run_dir, better, canonical)
-    before = tools.snapshot(run_dir)
-    code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    before = support.snapshot(run_dir)
+    code, out, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     lines = err.strip().splitlines()
     assert code == 3 and len(lines) == 1, err  # an edited record: it no longer matches (exit 3)
     assert said in lines[0] and str(run_dir / "stage-01.json") in lines[0]
     assert ("metrics" in lines[0]) == canonical and not (run_dir / "report.json").exists()
-    assert tools.snapshot(run_dir) == before, "a refused resume changes nothing"
+    assert support.snapshot(run_dir) == before, "a refused resume changes nothing"
 
 
-def test_a_resume_checkpoint_that_claims_other_stages_than_the_evaluators_records_is_refused(project, tools,
-                                                                                           main_cli):
-    run_dir = killed_after_stage_one(project, tools)
+def test_a_resume_checkpoint_that_claims_other_stages_than_the_evaluators_records_is_refused(killed, tmp_path,
+                                                                                           monkeypatch):
+    project, run_dir = killed_after_stage_one(killed, tmp_path, monkeypatch)
     resume_claims(run_dir, 0)  # stage 1 forgotten: the next stage the training process sends is stage 2
-    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     assert code == 1 and "sent stage(s) [2] where stage 1 was next" in err
     resume_claims(run_dir, 3)  # stages never judged: the evaluator has no record of them
-    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     assert code == 1 and f"{run_dir / 'stage-02.json'} is missing" in err, err
     assert not (run_dir / "report.json").exists()
 
 
-def test_an_honest_resume_is_judged_again_and_ends_with_the_records_of_an_uninterrupted_run(project, tools,
-                                                                                          tmp_path):
-    run_dir = killed_after_stage_one(project, tools)
+def test_an_honest_resume_is_judged_again_and_ends_with_the_records_of_an_uninterrupted_run(killed, tmp_path,
+                                                                                          monkeypatch):
+    project, run_dir = killed_after_stage_one(killed, tmp_path, monkeypatch)
     result = project.process(project.run_args("adamw", 1, "--resume"))
     assert result.returncode == 0, result.stderr[-2000:]
     reference = project.run("adamw", 1, runs_dir=tmp_path / "reference")
-    got = tools.read(run_dir / "report.json")
+    got = support.read(run_dir / "report.json")
     for key in ("final_model_sha256", "rows_digest", "selected", "promoted_stages", "anchor_metrics"):
         assert got[key] == reference[key], key
     assert [(s["metrics"], s["decision"]) for s in got["stages"]] == \
         [(s["metrics"], s["decision"]) for s in reference["stages"]]
 
 
-def test_the_report_and_start_record_say_which_confinement_the_training_process_had(project, tools):
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+def test_the_report_and_start_record_say_which_confinement_the_training_process_had(project):
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     report = project.run("adamw", 1)
-    start = tools.read(project.run_dir("adamw", 1) / "start.json")
+    start = support.read(project.run_dir("adamw", 1) / "start.json")
     # a plain arm runs no agent code: it is never confined
     assert report["confinement"] is None and "confinement" in start and start["confinement"] is None

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli
+
 TASK_SOURCE = (Path(__file__).resolve().parents[1] / "tasks" / "failing_task.py").read_text()
 ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
 
@@ -35,11 +38,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_hung_evaluate_is_ended_at_its_limit_with_a_sentence(project, tools, tmp_path):
+def test_a_hung_evaluate_is_ended_at_its_limit_with_a_sentence(project, tmp_path):
     _freeze(project, evaluate_seconds=2)
     hang = tmp_path / "evaluator.pid"
-    child = tools.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_HANG_PID=str(hang))
-    tools.wait_for(hang, child)
+    child = support.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_HANG_PID=str(hang))
+    support.wait_for(hang, child)
     hung_at = time.monotonic()
     out, err = child.communicate(timeout=120)
     waited = time.monotonic() - hung_at
@@ -51,12 +54,12 @@ def test_a_hung_evaluate_is_ended_at_its_limit_with_a_sentence(project, tools, t
     assert not _alive(int(hang.read_text()))
 
 
-def test_a_run_killed_while_its_evaluate_hangs_leaves_no_evaluator_and_resumes(project, tools, tmp_path):
+def test_a_run_killed_while_its_evaluate_hangs_leaves_no_evaluator_and_resumes(project, tmp_path):
     _freeze(project)  # the default limit (an hour): only the run's death can end the evaluator here
     hang = tmp_path / "evaluator.pid"
-    child = tools.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_FAIL_AT="4",
+    child = support.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_FAIL_AT="4",
                         TASK_HANG_PID=str(hang))  # the 4th evaluate: stage 1's first split
-    tools.wait_for(hang, child)
+    support.wait_for(hang, child)
     evaluator = int(hang.read_text())
     os.kill(child.pid, signal.SIGKILL)
     child.communicate(timeout=60)
@@ -69,15 +72,15 @@ def test_a_run_killed_while_its_evaluate_hangs_leaves_no_evaluator_and_resumes(p
     assert resumed.returncode == 0, resumed.stderr
     assert "another opalctl process" not in resumed.stderr
     assert time.monotonic() - started < 120
-    assert tools.read(project.run_dir("adamw", 1) / "report.json")["updates"] == 8
+    assert support.read(project.run_dir("adamw", 1) / "report.json")["updates"] == 8
 
 
-def test_a_sigterm_to_a_run_whose_evaluate_hangs_ends_it_and_its_evaluator_in_seconds(project, tools, tmp_path):
+def test_a_sigterm_to_a_run_whose_evaluate_hangs_ends_it_and_its_evaluator_in_seconds(project, tmp_path):
     _freeze(project)
     hang = tmp_path / "evaluator.pid"
-    child = tools.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_FAIL_AT="4",
+    child = support.spawn(project, project.run_args("adamw", 1), TASK_FAIL="hang_evaluate", TASK_FAIL_AT="4",
                         TASK_HANG_PID=str(hang))
-    tools.wait_for(hang, child)
+    support.wait_for(hang, child)
     evaluator = int(hang.read_text())
     signalled = time.monotonic()
     child.send_signal(signal.SIGTERM)
@@ -100,8 +103,7 @@ os._exit(0)
 '''
 
 
-def test_a_lock_held_by_a_live_process_that_did_not_take_it_is_refused_naming_its_pid(project, main_cli,
-                                                                                      monkeypatch):
+def test_a_lock_held_by_a_live_process_that_did_not_take_it_is_refused_naming_its_pid(project, monkeypatch):
     import opalctl.driver.run
     from opalctl.layout import RunLayout
 
@@ -114,18 +116,18 @@ def test_a_lock_held_by_a_live_process_that_did_not_take_it_is_refused_naming_it
     holder.stdout.close()
     try:
         monkeypatch.setattr(opalctl.driver.run, "LOCK_WAIT_SECONDS", 1.0)
-        code, _, err = main_cli(project.run_args("adamw", 1))
+        code, _, err = call_cli(*project.run_args("adamw", 1))
         assert code == 2, err
         assert f"another opalctl process (pid {pid}) is running" in err
     finally:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_limits_evaluate_seconds_is_frozen_with_its_default_and_refused_when_not_positive(project, tools):
+def test_limits_evaluate_seconds_is_frozen_with_its_default_and_refused_when_not_positive(project):
     from opalctl.errors import BadInput
 
-    assert tools.read(_freeze(project).lock)["protocol"]["limits"]["evaluate_seconds"] == 3600.0
-    assert tools.read(_freeze(project, evaluate_seconds=2).lock)["protocol"]["limits"]["evaluate_seconds"] == 2.0
+    assert support.read(_freeze(project).lock)["protocol"]["limits"]["evaluate_seconds"] == 3600.0
+    assert support.read(_freeze(project, evaluate_seconds=2).lock)["protocol"]["limits"]["evaluate_seconds"] == 2.0
     for seconds in (0, -1, "soon"):
         with pytest.raises(BadInput, match=r"limits.evaluate_seconds: input should be (greater than 0|a valid number)"):
             _freeze(project, evaluate_seconds=seconds)

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from opalctl.driver.forecast import PARTS, RunForecast, grid_forecast, grid_wall, run_lines, slowdown
+from tests.support.cli import call_cli, run_cli
 
 
 def a_run(**parts) -> RunForecast:
@@ -82,7 +83,7 @@ def test_the_resume_checkpoints_counted_are_the_runs():
 
 
 @pytest.fixture
-def frozen(digits_project, cli_inprocess, monkeypatch):
+def frozen(digits_project, monkeypatch):
     """The digits project on the updates clock, with an agent arm that keeps training waiting (no key needed to
     forecast it)."""
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
@@ -90,13 +91,13 @@ def frozen(digits_project, cli_inprocess, monkeypatch):
     arm = "  claude: {optimizer: {name: AdamW, lr: 1.0e-3}, agent: {backend: anthropic, decisions: 3}}\n"
     text = path.read_text(encoding="utf-8").replace("selection:\n", arm + "selection:\n", 1)
     path.write_text(text.replace("clock: cpu, amount: 20", "clock: updates, amount: 600"), encoding="utf-8")
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 0, result.output
     return digits_project / "digits.lock.json"
 
 
-def test_a_pilot_on_the_updates_clock_forecasts_the_runs_wall_time_and_says_what_it_assumed(frozen, cli):
-    result = cli("pilot", frozen, "--arm", "adamw-long", "--steps", "4", "--seconds", "0")
+def test_a_pilot_on_the_updates_clock_forecasts_the_runs_wall_time_and_says_what_it_assumed(frozen):
+    result = run_cli("pilot", frozen, "--arm", "adamw-long", "--steps", "4", "--seconds", "0")
     assert result.code == 0, result.output
     out = result.stdout
     assert "projected updates (1800 updates)" in out  # the multiplier of adamw-long
@@ -109,8 +110,8 @@ def test_a_pilot_on_the_updates_clock_forecasts_the_runs_wall_time_and_says_what
     assert "2 interpreters importing torch" in assumed[1] and "the lock checked twice" in assumed[1]
 
 
-def test_an_agent_arms_forecast_adds_estimates_waiting(frozen, cli_inprocess):
-    result = cli_inprocess("pilot", frozen, "--arm", "claude", "--steps", "4", "--seconds", "0", "--json")
+def test_an_agent_arms_forecast_adds_estimates_waiting(frozen):
+    result = call_cli("pilot", frozen, "--arm", "claude", "--steps", "4", "--seconds", "0", "--json")
     assert result.code == 0, result.output
     report = json.loads(result.stdout)
     waiting = report["agent_forecast"]["waiting_seconds"]["typical"]
@@ -119,13 +120,13 @@ def test_an_agent_arms_forecast_adds_estimates_waiting(frozen, cli_inprocess):
     assert forecast["components"]["agent_waiting"] == pytest.approx(waiting)
     assert forecast["total_seconds"] == pytest.approx(sum(forecast["components"].values()))
     assert any(line.startswith("agent: 3 decisions") for line in forecast["assumptions"])
-    plain = json.loads(cli_inprocess("pilot", frozen, "--arm", "adamw", "--steps", "4", "--seconds", "0",
+    plain = json.loads(call_cli("pilot", frozen, "--arm", "adamw", "--steps", "4", "--seconds", "0",
                                      "--json").stdout)
     assert plain["forecast"]["components"]["agent_waiting"] == 0.0
 
 
-def test_grid_forecast_pilots_each_arm_and_schedules_the_runs_left(frozen, cli_inprocess, tmp_path):
-    result = cli_inprocess("grid", frozen, "--forecast", "--arm", "adamw", "--arm", "adamw-cosine", "--jobs", "2",
+def test_grid_forecast_pilots_each_arm_and_schedules_the_runs_left(frozen, tmp_path):
+    result = call_cli("grid", frozen, "--forecast", "--arm", "adamw", "--arm", "adamw-cosine", "--jobs", "2",
                            "--runs-dir", tmp_path / "runs", "--json")
     assert result.code == 0, result.output
     forecast = json.loads(result.stdout)

@@ -13,6 +13,8 @@ import pytest
 
 from opalctl.driver.arm import schedule_factor
 from opalctl.driver.records import read_steps
+from tests import support
+from tests.support.cli import call_cli
 
 AMOUNT = 100  # the analysis runs every 25 updates: its reports at 25, 50, 75 and 100
 LR = 1.0e-3
@@ -36,9 +38,9 @@ ARMS = {"adamw": ADAMW, "cosine": {**ADAMW, "schedule": "cosine"},
 
 
 @pytest.fixture(scope="module")
-def project(digits_template, tmp_path_factory, tools):
+def project(digits_template, tmp_path_factory):
     patch = pytest.MonkeyPatch()
-    made = tools.Project(digits_template, tmp_path_factory.mktemp("lrs") / "project", patch)
+    made = support.Project(digits_template, tmp_path_factory.mktemp("lrs") / "project", patch)
     made.freeze(budget={"clock": "updates", "amount": AMOUNT}, arms=ARMS)
     for arm in ARMS:
         made.run(arm, 1)
@@ -56,19 +58,19 @@ def test_a_fixed_arms_lines_hold_the_schedules_learning_rate_of_each_group(proje
     assert [s["lrs"] for s in steps(project, "cosine")] == [[LR * schedule_factor("cosine", f)] for f in fractions]
 
 
-def assert_same_run(project, tools, arm: str, fixed: str) -> None:
+def assert_same_run(project, arm: str, fixed: str) -> None:
     """``arm``'s steps lines (but their wall times) and final weights are ``fixed``'s, bit for bit."""
     assert [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, arm)] == \
         [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, fixed)]
-    assert tools.read(project.run_dir(arm, 1) / "report.json")["final_model_sha256"] == \
-        tools.read(project.run_dir(fixed, 1) / "report.json")["final_model_sha256"]
+    assert support.read(project.run_dir(arm, 1) / "report.json")["final_model_sha256"] == \
+        support.read(project.run_dir(fixed, 1) / "report.json")["final_model_sha256"]
 
 
-def test_the_keep_agents_learning_rates_weights_and_lines_are_the_fixed_arms(project, tools):
-    assert_same_run(project, tools, "keep", "adamw")
+def test_the_keep_agents_learning_rates_weights_and_lines_are_the_fixed_arms(project):
+    assert_same_run(project, "keep", "adamw")
 
 
-def test_an_agent_arms_lines_hold_the_learning_rate_its_program_scaled_for_the_step(project, tools):
+def test_an_agent_arms_lines_hold_the_learning_rate_its_program_scaled_for_the_step(project):
     import json
 
     events = [json.loads(line) for line in
@@ -117,25 +119,25 @@ def test_a_warm_up_a_floor_and_wsd_give_each_update_the_learning_rate_of_their_f
     assert lines[0]["lrs"] == [0.0] and max(line["lrs"][0] for line in lines) == pytest.approx(LR)
 
 
-def test_the_keep_agent_keeps_a_recipes_schedule_bit_for_bit(project, tools):
-    assert_same_run(project, tools, "recipe-keep", "recipe")
+def test_the_keep_agent_keeps_a_recipes_schedule_bit_for_bit(project):
+    assert_same_run(project, "recipe-keep", "recipe")
 
 
-def test_each_group_steps_at_its_own_rate_times_the_schedules_factor(project, tools):
+def test_each_group_steps_at_its_own_rate_times_the_schedules_factor(project):
     lines = steps(project, "grouped")
     for line in lines:
         factor = _recipe_by_hand((line["update"] - 1) / AMOUNT)
         assert line["lrs"] == [pytest.approx(LR * 0.5 * factor, rel=1e-12, abs=1e-18),
                                pytest.approx(LR * factor, rel=1e-12, abs=1e-18),
                                pytest.approx(LR * factor, rel=1e-12, abs=1e-18)], line
-    start = tools.read(project.run_dir("grouped", 1) / "start.json")
+    start = support.read(project.run_dir("grouped", 1) / "start.json")
     assert [(g["parameters"], g["lr"], g["weight_decay"]) for g in start["groups"]] == [
         (["2.weight", "2.bias"], LR * 0.5, 0.01), (["0.bias"], LR, 0.0), (["0.weight"], LR, 0.01)]
-    assert "groups" not in tools.read(project.run_dir("recipe", 1) / "start.json")
+    assert "groups" not in support.read(project.run_dir("recipe", 1) / "start.json")
 
 
-def test_the_keep_agent_keeps_every_group_bit_for_bit(project, tools):
-    assert_same_run(project, tools, "grouped-keep", "grouped")
+def test_the_keep_agent_keeps_every_group_bit_for_bit(project):
+    assert_same_run(project, "grouped-keep", "grouped")
 
 
 def test_an_agents_program_scales_every_group_alike(project):
@@ -152,20 +154,20 @@ def test_an_agents_program_scales_every_group_alike(project):
 
 
 def test_a_grouped_run_killed_mid_update_resumes_to_the_uninterrupted_runs_lines_and_weights(
-        project, digits_template, tmp_path, monkeypatch, tools, main_cli):
+        project, digits_template, tmp_path, monkeypatch):
     """Each group's base learning rate and state come back from the resume checkpoint: killed at update 57 (the
     last resume checkpoint at 50), resumed, the run ends with the lines and weights of the run never killed."""
     import signal
 
-    killable = tools.Project(digits_template, tmp_path / "killable", monkeypatch)
-    killable.freeze(entry=killable.task_module(tools.KILLABLE_TASK, "KillableDigits"),
+    killable = support.Project(digits_template, tmp_path / "killable", monkeypatch)
+    killable.freeze(entry=killable.task_module(support.KILLABLE_TASK, "KillableDigits"),
                     budget={"clock": "updates", "amount": AMOUNT}, arms={"grouped": ARMS["grouped"]})
     killed = killable.process(killable.run_args("grouped", 1), env=killable.env(KILL_LOSS_AT="57"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    code, _, err = main_cli(killable.run_args("grouped", 1, "--resume"))
+    code, _, err = call_cli(*killable.run_args("grouped", 1, "--resume"))
     assert code == 0, err[-3000:]
     resumed = list(read_steps(killable.run_dir("grouped", 1) / "training" / "steps.jsonl.gz"))
     assert [{k: v for k, v in s.items() if k != "wall"} for s in resumed] == \
         [{k: v for k, v in s.items() if k != "wall"} for s in steps(project, "grouped")]
-    assert tools.read(killable.run_dir("grouped", 1) / "report.json")["final_model_sha256"] == \
-        tools.read(project.run_dir("grouped", 1) / "report.json")["final_model_sha256"]
+    assert support.read(killable.run_dir("grouped", 1) / "report.json")["final_model_sha256"] == \
+        support.read(project.run_dir("grouped", 1) / "report.json")["final_model_sha256"]

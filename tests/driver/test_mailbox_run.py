@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
+
 UPDATES = 200
 
 
@@ -46,17 +48,17 @@ def _agent(backend: str, mailbox: Path | None = None) -> dict:
     return {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": agent}
 
 
-def _answering(tools, hold: threading.Event | None = None):
+def _answering(hold: threading.Event | None = None):
     """The Messages API's answer to a request, from its content: a first turn writes the halved updater, a later
     one ends with the rationale. ``hold``: the first turn waits for it (a decision in the middle)."""
-    ms = tools.messages_server()
+    ms = support.messages_server()
 
     def answer(body: dict) -> dict:
         if ms.last_tool_results(body):
-            return ms.reply(ms.text(tools.RATIONALE))
+            return ms.reply(ms.text(support.RATIONALE))
         if hold is not None:
             hold.wait(120)
-        return ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": tools.HALVED}))
+        return ms.reply(ms.tool_use("write_file", {"path": "updater.py", "content": support.HALVED}))
 
     return answer
 
@@ -114,8 +116,8 @@ def _pieces(key: str) -> list[bytes]:
     return [key[i:i + 8].encode() for i in range(len(key) - 7)]
 
 
-def _weights(tools, run_dir: Path) -> list[str]:
-    return [stage["checkpoint"]["model_sha256"] for stage in tools.stage_files(run_dir)]
+def _weights(run_dir: Path) -> list[str]:
+    return [stage["checkpoint"]["model_sha256"] for stage in support.stage_files(run_dir)]
 
 
 @dataclass
@@ -131,17 +133,17 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(digits_template, tmp_path_factory, tools) -> Reference:
-    ms = tools.messages_server()
+def reference(digits_template, tmp_path_factory) -> Reference:
+    ms = support.messages_server()
     folder = tmp_path_factory.mktemp("mailbox-run")
     mailbox = folder / "mailbox"
     mailbox.mkdir()
     key = _key()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        project = tools.Project(digits_template, folder / "project", monkeypatch)
+        project = support.Project(digits_template, folder / "project", monkeypatch)
         project.freeze(budget={"clock": "updates", "amount": UPDATES},
                        arms={"local": _agent("anthropic"), "remote": _agent("mailbox", mailbox)})
-    with ms.MessagesServer([_answering(tools)] * 8) as api:
+    with ms.MessagesServer([_answering()] * 8) as api:
         local = project.process(project.run_args("local", 1),
                                 env=project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=api.url))
         requests = len(api.requests)
@@ -151,17 +153,17 @@ def reference(digits_template, tmp_path_factory, tools) -> Reference:
     return Reference(project, mailbox, key, local_dir, requests)
 
 
-def _same_as_the_reference(tools, reference: Reference, remote_dir: Path) -> None:
+def _same_as_the_reference(reference: Reference, remote_dir: Path) -> None:
     """The same programs applied at the same updates, the same final weights, as the local run's."""
     assert _applied(remote_dir) == _applied(reference.local_dir)
     assert _programs(remote_dir) == _programs(reference.local_dir)
-    assert _weights(tools, reference.local_dir) and _weights(tools, remote_dir) == _weights(tools, reference.local_dir)
-    local_report, remote_report = tools.read(reference.local_dir / "report.json"), tools.read(remote_dir / "report.json")
+    assert _weights(reference.local_dir) and _weights(remote_dir) == _weights(reference.local_dir)
+    local_report, remote_report = support.read(reference.local_dir / "report.json"), support.read(remote_dir / "report.json")
     assert remote_report["final_model_sha256"] == local_report["final_model_sha256"]
     assert local_report["agent"]["decisions_applied"] == remote_report["agent"]["decisions_applied"] == 1
     assert remote_report["agent"]["decisions_kept"] == 1
     for number in (1, 2):  # where each decision was answered, and its round trip
-        record = tools.read(remote_dir / "agent" / "decisions" / f"{number:03d}" / "answer.json")
+        record = support.read(remote_dir / "agent" / "decisions" / f"{number:03d}" / "answer.json")
         assert record["remote"]["server"].startswith(record["remote"]["host"] + ":")
         assert record["remote"]["round_trip_seconds"] > 0 and record["remote"]["refused"] == []
 
@@ -175,13 +177,13 @@ def _key_nowhere(reference: Reference, *folders: Path) -> None:
                 assert not any(piece in data for piece in _pieces(reference.key)), path
 
 
-def _answered_through(tools, reference: Reference, tmp_path: Path, start, *serve: str,
+def _answered_through(reference: Reference, tmp_path: Path, start, *serve: str,
                       env: dict[str, str] | None = None) -> tuple[Path, Serving, object]:
     """The remote arm, started by ``start(runs)`` (a finished CompletedProcess), while ``agent serve MAILBOX
     SERVE...`` answers it from the loopback Messages API: (the run folder, the stopped server, the API)."""
-    ms, project = tools.messages_server(), reference.project
+    ms, project = support.messages_server(), reference.project
     runs = tmp_path / "runs"
-    with ms.MessagesServer([_answering(tools)] * 8) as api:
+    with ms.MessagesServer([_answering()] * 8) as api:
         server = Serving(project, reference.mailbox, reference.key, api.url, *serve, env=env)
         try:
             finished = start(runs)
@@ -204,15 +206,15 @@ def _plain_run(reference: Reference):
     return lambda runs: project.process(project.run_args("remote", 1, runs=runs), env=project.env())  # no key
 
 
-def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tools, tmp_path):
+def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tmp_path):
     lock = json.loads(reference.project.lock.read_text())
     remote_agent = lock["protocol"]["arms"]["remote"]["agent"]
     assert remote_agent["backend"] == "mailbox" and remote_agent["answered_by"] == "anthropic"
     assert remote_agent["model"] == "claude-opus-4-5" and remote_agent["mailbox"] == str(reference.mailbox)
     assert "mailbox" not in lock["protocol"]["arms"]["local"]["agent"]  # another arm's lock is as it was
 
-    remote_dir, server, _ = _answered_through(tools, reference, tmp_path, _plain_run(reference))
-    _same_as_the_reference(tools, reference, remote_dir)
+    remote_dir, server, _ = _answered_through(reference, tmp_path, _plain_run(reference))
+    _same_as_the_reference(reference, remote_dir)
     show = reference.project.process(["show", str(remote_dir), "--json"])
     assert show.returncode == 0, show.stderr
     for decision in json.loads(show.stdout)["decisions"]:
@@ -220,13 +222,13 @@ def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_l
     _key_nowhere(reference, remote_dir, reference.mailbox)
 
 
-def test_a_run_answered_over_ssh_matches_the_same_backend_answering_locally(reference, tools, tmp_path, sshd):
+def test_a_run_answered_over_ssh_matches_the_same_backend_answering_locally(reference, tmp_path, sshd):
     """``agent serve MAILBOX --ssh HOST``: the server reaches the run's mailbox through a real sshd (its ssh config
     from ``OPALCTL_SSH_CONFIG``, as a user's would come from ~/.ssh/config)."""
-    remote_dir, server, _ = _answered_through(tools, reference, tmp_path, _plain_run(reference), "--ssh", sshd.host,
+    remote_dir, server, _ = _answered_through(reference, tmp_path, _plain_run(reference), "--ssh", sshd.host,
                                               env={"OPALCTL_SSH_CONFIG": str(sshd.config)})
     assert server.wait_for("serving")["mailbox"] == f"{sshd.host}:{reference.mailbox}"
-    _same_as_the_reference(tools, reference, remote_dir)
+    _same_as_the_reference(reference, remote_dir)
     _key_nowhere(reference, remote_dir, reference.mailbox)
 
 
@@ -240,8 +242,7 @@ def _slurm_missing() -> str | None:
     return None
 
 
-def test_a_slurm_grid_task_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tools,
-                                                                                                     tmp_path):
+def test_a_slurm_grid_task_answered_through_the_mailbox_matches_the_same_backend_answering_locally(reference, tmp_path):
     """``opalctl grid LOCK --executor slurm`` runs the remote arm as a Slurm job (the node has no key and no
     address of the API); ``agent serve`` answers its decisions over the shared folder."""
     missing = _slurm_missing()
@@ -253,15 +254,15 @@ def test_a_slurm_grid_task_answered_through_the_mailbox_matches_the_same_backend
         return project.process(["grid", str(project.lock), "--arm", "remote", "--seed", "1", "--jobs", "1",
                                 "--executor", "slurm", "--runs-dir", str(runs), "--json"], timeout=600)
 
-    remote_dir, _, _ = _answered_through(tools, reference, tmp_path, grid)
-    report = tools.read(remote_dir / "report.json")
+    remote_dir, _, _ = _answered_through(reference, tmp_path, grid)
+    report = support.read(remote_dir / "report.json")
     assert report["machine"]["slurm"]["job_id"], "trained in a Slurm job"
-    _same_as_the_reference(tools, reference, remote_dir)
+    _same_as_the_reference(reference, remote_dir)
     _key_nowhere(reference, remote_dir, reference.mailbox)
 
 
-def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_once(project, tools, tmp_path):
-    ms = tools.messages_server()
+def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_once(project, tmp_path):
+    ms = support.messages_server()
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
     key = _key()
@@ -269,7 +270,7 @@ def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_on
     agent["agent"].update(decisions=1, schedule=[0.5])
     project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"remote": agent})
     hold = threading.Event()
-    with ms.MessagesServer([_answering(tools, hold)] * 6) as api:
+    with ms.MessagesServer([_answering(hold)] * 6) as api:
         first = Serving(project, mailbox, key, api.url, "--lease-seconds", "3")
         run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
                                cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
@@ -294,15 +295,14 @@ def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_on
     assert taken["request"] == again["request"] == answered["request"] and again["generation"] == 2
     run_dir = project.run_dir("remote", 1)
     assert [decision for decision, _, _ in _applied(run_dir)] == [1]
-    record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
+    record = support.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
     assert record["remote"]["server"] == second.wait_for("serving")["server"] != first.wait_for("serving")["server"]
     assert record["remote"]["request"] == taken["request"]
     assert [event["event"] for event in second.events].count("answered") == 1
 
 
-def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_decision_once(project, tools,
-                                                                                             tmp_path):
-    ms = tools.messages_server()
+def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_decision_once(project, tmp_path):
+    ms = support.messages_server()
     mailbox = tmp_path / "mailbox"
     mailbox.mkdir()
     key = _key()
@@ -323,7 +323,7 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
     time.sleep(1.0)
     assert _posted(requests) == [old], "the killed job's request is still there"
 
-    with ms.MessagesServer([_answering(tools)] * 4) as api:
+    with ms.MessagesServer([_answering()] * 4) as api:
         resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
                                    cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
@@ -342,20 +342,20 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
     assert new != old
     run_dir = project.run_dir("remote", 1)
     assert [decision for decision, _, _ in _applied(run_dir)] == [1]
-    assert tools.read(run_dir / "report.json")["agent"]["decisions_applied"] == 1
+    assert support.read(run_dir / "report.json")["agent"]["decisions_applied"] == 1
     assert [event["request"] for event in server.events if event["event"] == "answered"] == [new[:-len(".json")]]
-    record = tools.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
+    record = support.read(run_dir / "agent" / "decisions" / "001" / "answer.json")
     assert record["remote"]["withdrew"] == [old[:-len(".json")]]
     assert len(api.requests) == 2
 
 
-def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, tools, tmp_path):
+def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, tmp_path):
     from opalctl.opal.agents.mailbox import Asking, MailboxBackend
     from opalctl.opal.mailbox.box import Mailbox
     from opalctl.opal.mailbox.folder import LocalMailboxFolder
     from opalctl.opal.optimizer import default_sources
 
-    ms = tools.messages_server()
+    ms = support.messages_server()
     mailbox, workspace = tmp_path / "mailbox", tmp_path / "runs" / "l" / "a" / "seed-1" / "agent" / "workspace"
     workspace.mkdir(parents=True)
     for name, text in default_sources().items():
@@ -366,7 +366,7 @@ def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, 
     asked = Asking(box, backend, workspace, "Decide.", {"decision": 1})
     box.post(asked.request)
     key, hold = _key(), threading.Event()
-    with ms.MessagesServer([_answering(tools, hold)] * 6) as api:
+    with ms.MessagesServer([_answering(hold)] * 6) as api:
         first = Serving(project, mailbox, key, api.url, "--lease-seconds", "600")
         try:
             first.wait_for("taken")
@@ -390,7 +390,7 @@ def test_ctrl_c_releases_the_lease_and_the_next_server_answers_at_once(project, 
     assert taken["generation"] == 1 and answered["request"] == asked.request.request and answered["failed"] is None
     (name,) = os.listdir(mailbox / "answers")
     answer = json.loads((mailbox / "answers" / name).read_text())
-    assert answer["answer"]["programs"]["updater.py"] == tools.HALVED and answer["server"] != first.events[0]["server"]
+    assert answer["answer"]["programs"]["updater.py"] == support.HALVED and answer["server"] != first.events[0]["server"]
 
 
 def test_a_mailbox_arm_whose_folder_is_missing_is_refused_before_any_work_and_needs_no_key(project, monkeypatch,

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from opalctl.driver.records import read_steps
+from tests.support.cli import run_cli
 
 TESTS = Path(__file__).resolve().parents[1]
 TASK_FILE = TESTS / "tasks" / "char_gpt_task.py"
@@ -53,7 +54,7 @@ def char_gpt():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cli) -> Path:
+def runs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("nanogpt-recipe")
     shutil.copy(TASK_FILE, folder / TASK_FILE.name)
     env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
@@ -66,7 +67,7 @@ def runs(tmp_path_factory, cli) -> Path:
                 "selection": {"denominators": ["val.total"], "nonincreasing": ["val.loss"]}}
     (folder / "recipe.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
     for args in (["freeze", "recipe.yaml"], ["grid", "shakespeare-char.lock.json", "--jobs", "2"]):
-        done = cli(*args, cwd=folder, env=env, timeout=600)
+        done = run_cli(*args, cwd=folder, env=env, timeout=600)
         assert done.code == 0, done.output
     (runs,) = (folder / "runs").iterdir()
     return runs

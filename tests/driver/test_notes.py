@@ -17,6 +17,7 @@ import socket
 import sys
 
 from opalctl.formats import read_jsonl
+from tests import support
 
 UPDATES = 300
 NOTE = "The loss plateaued near 0.3 last time with this setup; try a lower learning rate late. (said 'twice')"
@@ -33,11 +34,11 @@ def _first_message(body: dict) -> str:
     return content if isinstance(content, str) else "".join(block.get("text", "") for block in content)
 
 
-def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(project, tools):
+def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(project):
     import subprocess
 
     project.freeze(budget={"clock": "updates", "amount": UPDATES},
-                   arms={"adamw": tools.ADAMW, "agent": _agent(notes="allowed")})
+                   arms={"adamw": support.ADAMW, "agent": _agent(notes="allowed")})
     resolved = json.loads(project.lock.read_text())["protocol"]["arms"]
     assert resolved["agent"]["agent"]["notes"] == "allowed"
     project.run("adamw", 1)
@@ -50,7 +51,7 @@ def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(
                                      env=project.env(), capture_output=True, text=True, timeout=120)
         return ms.reply(ms.text("Observed: the loss falls.\nKept: the programs as they are."))
 
-    ms = tools.messages_server()
+    ms = support.messages_server()
     script = [leave_note_then_answer, ms.reply(ms.text("Observed: a note.\nKept: the programs as they are."))]
     with ms.MessagesServer(script) as server:
         env = project.env(ANTHROPIC_API_KEY="sk-ant-api03-" + "n" * 40, ANTHROPIC_BASE_URL=server.url)
@@ -101,12 +102,12 @@ def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(
     assert flag in (project.base / "report.html").read_text()
 
 
-def test_a_protocol_without_the_key_resolves_as_before(project, tools):
+def test_a_protocol_without_the_key_resolves_as_before(project):
     lock = project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"agent": _agent()})
-    digest = tools.lock_sha256(lock)
+    digest = support.sha256_of(lock)
     agent = json.loads(lock.read_text())["protocol"]["arms"]["agent"]["agent"]
     assert "notes" not in agent  # no key: the lock's bytes, and so its digest, are those of before notes
     verified = project.process(["verify", str(lock)])
     assert verified.returncode == 0, verified.stderr
     allowed = project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"agent": _agent(notes="allowed")})
-    assert tools.lock_sha256(allowed) != digest
+    assert support.sha256_of(allowed) != digest

@@ -18,6 +18,8 @@ from opalctl.driver.evaluation import _same_rng, evaluate_all, rng_state
 from opalctl.driver.ledger import Ledger
 from opalctl.driver.records import StepsWriter, locate, read_steps
 from opalctl.formats import StageRecord, step_line, step_line_plain
+from tests import support
+from tests.support.cli import call_cli
 
 NOISY_TASK = '''
 import torch
@@ -164,11 +166,11 @@ def test_the_ledger_state_is_the_resume_checkpoints_totals_and_a_load_counts_a_r
 # the judge and the build step
 
 
-def built_parts(project, tools, entry=None):
+def built_parts(project, entry=None):
     from opalctl.driver.build import build_arm
     from opalctl.protocol.lock import read_lock
 
-    lock = read_lock(project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW},
+    lock = read_lock(project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW},
                                     entry=entry))
     protocol = lock.protocol()
     parts = build_arm(protocol, protocol.arms["adamw"], 1, lock.parent_path(1),
@@ -176,11 +178,11 @@ def built_parts(project, tools, entry=None):
     return lock, protocol, parts
 
 
-def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that_saved_it(project, tools, tmp_path):
+def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that_saved_it(project, tmp_path):
     from opalctl.driver.arm import make_update
     from opalctl.driver.judge import Judge, SavedStage
 
-    lock, protocol, parts = built_parts(project, tools)
+    lock, protocol, parts = built_parts(project)
     before = rng_state()
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
     assert _same_rng(before, rng_state()) == [], "building the judge draws nothing from the run's generators"
@@ -202,7 +204,7 @@ def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that
                                   model_sha256=saved.model_sha256, bytes=initial.bytes))
 
 
-def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(project, tools, monkeypatch):
+def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(project, monkeypatch):
     from opalctl.driver.judge import Judge, SavedStage
 
     loaded = []
@@ -213,10 +215,10 @@ def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_proce
         return load(path, **kwargs)
 
     monkeypatch.setattr(checkpoints, "load", spy)
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     report = project.run("adamw", 1)
     assert not [name for name in loaded if name.startswith("stage-")], "the training process loads no stage"
-    lock, protocol, parts = built_parts(project, tools)
+    lock, protocol, parts = built_parts(project)
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
     run_dir = project.run_dir("adamw", 1)
     for stage in report["stages"]:
@@ -226,19 +228,19 @@ def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_proce
         assert judge.evaluate(saved) == stage["metrics"]
 
 
-def test_the_reports_stages_are_the_stage_records_themselves(project, tools):
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+def test_the_reports_stages_are_the_stage_records_themselves(project):
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     report = project.run("adamw", 1)
-    files = tools.stage_files(project.run_dir("adamw", 1))
+    files = support.stage_files(project.run_dir("adamw", 1))
     assert report["stages"] == files
     assert [StageRecord.from_json(stage).stage for stage in report["stages"]] == [1, 2, 3, 4]
 
 
-def test_the_pilot_measures_the_runs_own_first_updates(project, tools):
+def test_the_pilot_measures_the_runs_own_first_updates(project):
     from opalctl.driver.pilot import WARMUP, pilot
 
     entry = project.task_module(NOISY_TASK, "NoisyDigits")
-    lock = project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": tools.ADAMW}, entry=entry)
+    lock = project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": support.ADAMW}, entry=entry)
     measured = pilot(lock, "adamw", steps=2, seconds=0, seed=1)
     project.run("adamw", 1)
     losses = [line["loss"] for line in read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz")]
@@ -248,18 +250,18 @@ def test_the_pilot_measures_the_runs_own_first_updates(project, tools):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_cuda_run_on_a_machine_without_cuda_says_what_to_do(project, tools, main_cli):
+def test_a_cuda_run_on_a_machine_without_cuda_says_what_to_do(project):
     data = project.protocol()
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW},
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW},
                    training={**data["training"], "device": "cuda"})
-    code, _, err = main_cli(project.run_args("adamw", 1))
+    code, _, err = call_cli(*project.run_args("adamw", 1))
     assert code == 2 and "training.device is cuda but this machine has no CUDA device; run on a machine with a " \
                          "GPU or set training.device: cpu" in err
     assert not project.run_dir("adamw", 1).exists()
 
 
 @pytest.mark.parametrize("plant", ["symbolic link", "hard link", "folder link on the way", "fifo"])
-def test_the_judge_never_follows_a_stage_checkpoint_to_another_file(project, tools, tmp_path, plant):
+def test_the_judge_never_follows_a_stage_checkpoint_to_another_file(project, tmp_path, plant):
     """A stage checkpoint the training process replaced by a link to an evaluation split (or anything not a plain
     file it wrote) is refused in one sentence naming it: the unconfined evaluator opens nothing through it."""
     import os
@@ -267,7 +269,7 @@ def test_the_judge_never_follows_a_stage_checkpoint_to_another_file(project, too
     from opalctl.driver.judge import Judge, SavedStage
     from opalctl.formats import RecordDamaged
 
-    lock, protocol, parts = built_parts(project, tools)
+    lock, protocol, parts = built_parts(project)
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
     root = tmp_path / "run"
     (root / "training").mkdir(parents=True)

@@ -9,6 +9,9 @@ import json
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli
+
 ARMS = {
     "claude": "  claude: {optimizer: {name: AdamW, lr: 1.0e-3}, agent: {backend: anthropic, decisions: 2}}\n",
     "coder": "  coder: {optimizer: {name: AdamW, lr: 1.0e-3}, agent: {backend: claude-code, decisions: 2}}\n",
@@ -31,13 +34,13 @@ def project(digits_project, monkeypatch):
     return digits_project
 
 
-def test_freeze_warns_of_each_agent_arm_that_cannot_answer_here(project, cli_inprocess, monkeypatch):
-    result = cli_inprocess("freeze", project / "digits.yaml", "--json")
+def test_freeze_warns_of_each_agent_arm_that_cannot_answer_here(project, monkeypatch):
+    result = call_cli("freeze", project / "digits.yaml", "--json")
     assert result.code == 0, result.output
     warnings = json.loads(result.stdout)["warnings"]
     assert len(warnings) == 2 and all(w.startswith(SAID[arm]) for w, arm in zip(warnings, ARMS)), warnings
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-key")
-    result = cli_inprocess("freeze", project / "digits.yaml", "--force")
+    result = call_cli("freeze", project / "digits.yaml", "--force")
     assert result.code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(lines) == 1 and lines[0].startswith(f"warning: {SAID['coder']}"), result.stderr
@@ -45,28 +48,28 @@ def test_freeze_warns_of_each_agent_arm_that_cannot_answer_here(project, cli_inp
 
 
 @pytest.mark.parametrize("arm", sorted(ARMS))
-def test_a_run_that_cannot_reach_its_agent_is_refused_before_any_folder(project, cli_inprocess, arm, helpers):
-    assert cli_inprocess("freeze", project / "digits.yaml").code == 0
-    before = helpers.tree(project)
-    result = cli_inprocess("run", project / "digits.lock.json", "--arm", arm, "--seed", "1",
+def test_a_run_that_cannot_reach_its_agent_is_refused_before_any_folder(project, arm):
+    assert call_cli("freeze", project / "digits.yaml").code == 0
+    before = support.tree(project)
+    result = call_cli("run", project / "digits.lock.json", "--arm", arm, "--seed", "1",
                            "--runs-dir", project / "runs")
     assert result.code == 2, result.output
     assert result.stderr.startswith(f"opalctl: error: {SAID[arm]}") and result.stderr.count("\n") == 1
     assert not (project / "runs").exists()  # no run folder, no arm folder, no lock file
-    assert helpers.tree(project) == before
+    assert support.tree(project) == before
 
 
-def test_pilot_notes_the_missing_key(project, cli_inprocess):
-    assert cli_inprocess("freeze", project / "digits.yaml").code == 0
-    result = cli_inprocess("pilot", project / "digits.lock.json", "--arm", "claude", "--steps", "4", "--json")
+def test_pilot_notes_the_missing_key(project):
+    assert call_cli("freeze", project / "digits.yaml").code == 0
+    result = call_cli("pilot", project / "digits.lock.json", "--arm", "claude", "--steps", "4", "--json")
     assert result.code == 0, result.output
     notes = json.loads(result.stdout)["notes"]
     assert any(note.startswith(SAID["claude"].removeprefix("arm claude: ")) for note in notes), notes
 
 
-def test_resuming_a_run_that_never_started_leaves_nothing(project, cli_inprocess):
-    assert cli_inprocess("freeze", project / "digits.yaml").code == 0
-    result = cli_inprocess("run", project / "digits.lock.json", "--arm", "adamw", "--seed", "1", "--resume",
+def test_resuming_a_run_that_never_started_leaves_nothing(project):
+    assert call_cli("freeze", project / "digits.yaml").code == 0
+    result = call_cli("run", project / "digits.lock.json", "--arm", "adamw", "--seed", "1", "--resume",
                            "--runs-dir", project / "runs")
     assert result.code == 2 and "there is no run to resume" in result.stderr, result.output
     assert not (project / "runs").exists()

@@ -14,6 +14,8 @@ from opalctl import checkpoints
 from opalctl.driver.budget import Clock
 from opalctl.driver.promotion import DenominatorMismatch
 from opalctl.driver.records import read_steps
+from tests import support
+from tests.support.cli import call_cli
 
 FRACTIONS = [0.25, 0.5, 0.75, 1.0]
 
@@ -61,10 +63,10 @@ def first_updates(charges, total, fractions):
     raise AssertionError("the scripted charges never reach the budget")
 
 
-def fake_clock_run(project, tools, charges, *, arm="adamw", selection=None, spare=5):
+def fake_clock_run(project, charges, *, arm="adamw", selection=None, spare=5):
     lock = project.freeze(budget={"clock": "cpu", "amount": 1.0, "fractions": FRACTIONS},
-                          arms={"adamw": tools.ADAMW, "high": tools.ADAMW_HIGH},
-                          selection=selection or tools.LENIENT)
+                          arms={"adamw": support.ADAMW, "high": support.ADAMW_HIGH},
+                          selection=selection or support.LENIENT)
     clocks, names = [], []
 
     def factory(name):
@@ -84,18 +86,18 @@ def load_stage_checkpoint(run_dir, stage):
 # ------------------------------------------------------------------------------------------------------------
 # 1. the budget loop under a scripted clock
 
-def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages(project, tools):
+def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages(project):
     # cumulative: .0625 .125 .1875 .25 | .3125 .8125 (crosses .5 and .75) | .875 .9375 1.1875 (overshoot .1875)
     charges = [0.0625] * 5 + [0.5, 0.0625, 0.0625, 0.25]
     expected, last_update, used = first_updates(charges, 1.0, FRACTIONS)
     assert expected == {0: 4, 1: 6, 2: 6, 3: 9} and last_update == 9 and used == 1.1875
 
-    _, report, clock = fake_clock_run(project, tools, charges, arm="high")
+    _, report, clock = fake_clock_run(project, charges, arm="high")
     run_dir = project.run_dir("high", 1)
     assert clock.given == charges, "exactly one charge per update, and none after the budget is spent"
     assert clock.token is None
 
-    stages = tools.stage_files(run_dir)
+    stages = support.stage_files(run_dir)
     assert [s["stage"] for s in stages] == [1, 2, 3, 4]
     assert [s["fraction"] for s in stages] == FRACTIONS
     assert {i: s["update"] for i, s in enumerate(stages)} == expected
@@ -106,7 +108,7 @@ def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages
         payload = load_stage_checkpoint(run_dir, stage)
         assert payload["model_sha256"] == stage["checkpoint"]["model_sha256"]
         assert payload["meta"] == {"stage": stage["stage"], "update": stage["update"]}
-        assert tools.sha256(run_dir / stage["checkpoint"]["file"]) == stage["checkpoint"]["sha256"]
+        assert support.sha256_of(run_dir / stage["checkpoint"]["file"]) == stage["checkpoint"]["sha256"]
 
     one, two, three, four = stages
     # the slow update: both boundaries are recorded at the same state
@@ -128,7 +130,7 @@ def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages
     assert budget["total"] == 1.0 and budget["used"] == 1.1875
     assert budget["overshoot"] == 1.1875 - 1.0 == charges[-1] - (1.0 - cumulative[8])
     assert any("overshot" in line for line in report["limitations"])
-    assert tools.read(run_dir / "last.json")["model_sha256"] == four["checkpoint"]["model_sha256"] \
+    assert support.read(run_dir / "last.json")["model_sha256"] == four["checkpoint"]["model_sha256"] \
         == report["final_model_sha256"]
     assert not (run_dir / "training" / "resume.pt").exists()
 
@@ -138,12 +140,12 @@ def test_boundaries_land_at_exact_fractions_and_a_slow_update_records_two_stages
     assert [s["used"] for s in steps] == cumulative[1:]
 
 
-def test_one_slow_update_that_crosses_every_fraction_records_every_stage_at_that_state(project, tools):
+def test_one_slow_update_that_crosses_every_fraction_records_every_stage_at_that_state(project):
     charges = [0.0625, 0.0625, 0.0625, 3.0]
-    _, report, clock = fake_clock_run(project, tools, charges, arm="high")
+    _, report, clock = fake_clock_run(project, charges, arm="high")
     run_dir = project.run_dir("high", 1)
     assert clock.given == charges
-    stages = tools.stage_files(run_dir)
+    stages = support.stage_files(run_dir)
     assert [s["update"] for s in stages] == [4, 4, 4, 4]
     assert len({s["checkpoint"]["model_sha256"] for s in stages}) == 1
     assert all(s["metrics"] == stages[0]["metrics"] for s in stages)
@@ -151,25 +153,25 @@ def test_one_slow_update_that_crosses_every_fraction_records_every_stage_at_that
     # the first is promoted over the anchor; the other three are the same state, an exact tie, so stage 1 stays
     assert [s["promoted"] for s in stages] == [True, False, False, False]
     assert all("tie" in s["decision"]["reasons"][0] for s in stages[1:])
-    assert tools.read(run_dir / "selected.json")["stage"] == 1
+    assert support.read(run_dir / "selected.json")["stage"] == 1
     assert report["updates"] == 4 and report["budget"]["used"] == 3.1875 and report["budget"]["overshoot"] == 2.1875
     assert [s["charge"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == charges
 
 
-def test_updates_clock_counts_whole_updates(project, tools):
-    project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": tools.ADAMW})
+def test_updates_clock_counts_whole_updates(project):
+    project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": support.ADAMW})
     report = project.run("adamw", 2)
     run_dir = project.run_dir("adamw", 2)
-    assert [s["update"] for s in tools.stage_files(run_dir)] == [10, 20, 30, 40]
+    assert [s["update"] for s in support.stage_files(run_dir)] == [10, 20, 30, 40]
     assert report["updates"] == 40 and report["budget"]["overshoot"] == 0.0
     steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     assert [s["update"] for s in steps] == list(range(1, 41)) and {s["charge"] for s in steps} == {1.0}
     assert steps[-1]["seen"] == report["rows_digest"]
-    start = tools.read(run_dir / "start.json")
-    assert start["seed"] == 2 and start["arm"] == "adamw" and start["lock_sha256"] == tools.lock_sha256(project.lock)
+    start = support.read(run_dir / "start.json")
+    assert start["seed"] == 2 and start["arm"] == "adamw" and start["lock_sha256"] == support.sha256_of(project.lock)
     initial = checkpoints.load(run_dir / "initial.pt")
     assert initial["model_sha256"] == start["initial"]["model_sha256"]
-    anchor = tools.read(project.base / "anchors" / "seed-2" / "anchor.json")
+    anchor = support.read(project.base / "anchors" / "seed-2" / "anchor.json")
     assert anchor["model_sha256"] == start["anchor"]["model_sha256"] == initial["model_sha256"]
     assert report["anchor_metrics"] == anchor["metrics"]
 
@@ -200,7 +202,7 @@ class ReusingDigits(Digits):
 
 
 @pytest.mark.parametrize("reusing", [False, True], ids=["fresh ids kept", "reused ids copied"])
-def test_each_line_digests_the_rows_its_update_trained_on(project, tools, reusing):
+def test_each_line_digests_the_rows_its_update_trained_on(project, reusing):
     import hashlib
 
     import numpy as np
@@ -208,7 +210,7 @@ def test_each_line_digests_the_rows_its_update_trained_on(project, tools, reusin
     from opalctl.tasks.digits import Digits
 
     entry = project.task_module(REUSING_TASK, "ReusingDigits") if reusing else None
-    project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": tools.ADAMW})
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": support.ADAMW})
     project.run("adamw", 1)
     steps = list(read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz"))
     # the same batches, drawn again from a fresh built-in sampler with the run's seed and batch size
@@ -260,13 +262,13 @@ def walk(stages, anchor, policy):
     return promoted, failures
 
 
-def test_anchor_is_selected_and_flagged_when_no_stage_qualifies(project, tools):
-    lock = project.freeze(budget={"clock": "updates", "amount": 60}, arms={"high": tools.ADAMW_HIGH},
+def test_anchor_is_selected_and_flagged_when_no_stage_qualifies(project):
+    lock = project.freeze(budget={"clock": "updates", "amount": 60}, arms={"high": support.ADAMW_HIGH},
                           selection=STRICT)
     report = project.run("high", 1)
     run_dir = project.run_dir("high", 1)
-    anchor = tools.read(project.base / "anchors" / "seed-1" / "anchor.json")
-    stages = tools.stage_files(run_dir)
+    anchor = support.read(project.base / "anchors" / "seed-1" / "anchor.json")
+    stages = support.stage_files(run_dir)
     promoted, failures = walk(stages, anchor["metrics"], STRICT)
     assert promoted == [False] * 4
     for stage, failed in zip(stages, failures, strict=True):
@@ -282,8 +284,8 @@ def test_anchor_is_selected_and_flagged_when_no_stage_qualifies(project, tools):
         assert {(r, m) for r, m in failed if m} <= failed_checks
         assert {c["metric"] for c in decision["checks"] if c["rule"] == "denominators"} == set(STRICT["denominators"])
 
-    selected = tools.read(run_dir / "selected.json")
-    parent = tools.read(lock)["records"]["parent.seed-1"]
+    selected = support.read(run_dir / "selected.json")
+    parent = support.read(lock)["records"]["parent.seed-1"]
     assert selected["source"] == "anchor" and selected["flagged"] is True and selected["stage"] is None
     assert selected["checkpoint"]["sha256"] == parent["sha256"]
     assert selected["checkpoint"]["model_sha256"] == anchor["model_sha256"]
@@ -299,12 +301,12 @@ MIXED = {"denominators": ["selection.total", "retention.total"], "floors": {"ret
          "improve_any": ["selection.correct"]}
 
 
-def test_a_stage_is_promoted_when_the_rules_pass_and_floors_stay_with_the_anchor(project, tools):
-    project.freeze(budget={"clock": "updates", "amount": 60}, arms={"adamw": tools.ADAMW}, selection=MIXED)
+def test_a_stage_is_promoted_when_the_rules_pass_and_floors_stay_with_the_anchor(project):
+    project.freeze(budget={"clock": "updates", "amount": 60}, arms={"adamw": support.ADAMW}, selection=MIXED)
     report = project.run("adamw", 1)
     run_dir = project.run_dir("adamw", 1)
-    anchor = tools.read(project.base / "anchors" / "seed-1" / "anchor.json")["metrics"]
-    stages = tools.stage_files(run_dir)
+    anchor = support.read(project.base / "anchors" / "seed-1" / "anchor.json")["metrics"]
+    stages = support.stage_files(run_dir)
     promoted, failures = walk(stages, anchor, MIXED)
     assert [s["promoted"] for s in stages] == promoted
     assert any(promoted) and not all(promoted), "this protocol is meant to promote some stages and refuse others"
@@ -318,11 +320,11 @@ def test_a_stage_is_promoted_when_the_rules_pass_and_floors_stay_with_the_anchor
 
     chosen = max(i for i, p in enumerate(promoted) if p)
     best = stages[chosen]
-    selected = tools.read(run_dir / "selected.json")
+    selected = support.read(run_dir / "selected.json")
     assert selected["source"] == "stage" and selected["flagged"] is False and selected["stage"] == best["stage"]
     assert selected["metrics"] == best["metrics"]
     assert selected["checkpoint"] == {k: best["checkpoint"][k] for k in ("file", "sha256", "model_sha256")}
-    assert tools.sha256(run_dir / selected["checkpoint"]["file"]) == selected["checkpoint"]["sha256"]
+    assert support.sha256_of(run_dir / selected["checkpoint"]["file"]) == selected["checkpoint"]["sha256"]
     assert checkpoints.load(run_dir / selected["checkpoint"]["file"])["model_sha256"] == \
         selected["checkpoint"]["model_sha256"]
     assert report["promoted_stages"] == [s["stage"] for s in stages if s["promoted"]]
@@ -346,11 +348,11 @@ class ShiftingDigits(Digits):
 '''
 
 
-def test_mismatched_denominators_fail_the_run_loudly(project, tools, main_cli):
+def test_mismatched_denominators_fail_the_run_loudly(project):
     entry = project.task_module(SHIFTING_TASK, "ShiftingDigits")
-    project.freeze(entry=entry, budget={"clock": "updates", "amount": 20}, arms={"adamw": tools.ADAMW},
+    project.freeze(entry=entry, budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW},
                    selection=MIXED)
-    code, out, err = main_cli(project.run_args("adamw", 1))
+    code, out, err = call_cli(*project.run_args("adamw", 1))
     assert code == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("opalctl: error: ")
@@ -366,10 +368,10 @@ def test_mismatched_denominators_fail_the_run_loudly(project, tools, main_cli):
 # ------------------------------------------------------------------------------------------------------------
 # 3. refusals: a run folder is never overwritten, resume needs a run to continue, frozen inputs must match
 
-def test_a_finished_run_is_never_overwritten(project, tools, main_cli):
-    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": tools.ADAMW})
+def test_a_finished_run_is_never_overwritten(project):
+    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW})
     project.run("adamw", 1)
-    before = tools.snapshot(project.runs)
+    before = support.snapshot(project.runs)
     run_dir = project.run_dir("adamw", 1)
 
     child = project.process(project.run_args("adamw", 1))
@@ -378,17 +380,17 @@ def test_a_finished_run_is_never_overwritten(project, tools, main_cli):
     lines = child.stderr.strip().splitlines()
     assert len(lines) == 1, child.stderr
     assert lines[0].startswith("opalctl: error: ") and str(run_dir) in lines[0] and "overwritten" in lines[0]
-    assert tools.snapshot(project.runs) == before
+    assert support.snapshot(project.runs) == before
 
-    code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    code, out, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "already finished" in err and str(run_dir) in err
-    assert tools.snapshot(project.runs) == before
+    assert support.snapshot(project.runs) == before
 
 
-def test_resume_without_a_run_is_refused_and_leaves_nothing_behind(project, tools, main_cli):
-    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": tools.ADAMW})
-    code, out, err = main_cli(project.run_args("adamw", 2, "--resume"))
+def test_resume_without_a_run_is_refused_and_leaves_nothing_behind(project):
+    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW})
+    code, out, err = call_cli(*project.run_args("adamw", 2, "--resume"))
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "no run to resume" in lines[0] and str(project.run_dir("adamw", 2)) in lines[0]
@@ -397,13 +399,13 @@ def test_resume_without_a_run_is_refused_and_leaves_nothing_behind(project, tool
     assert project.run("adamw", 2)["updates"] == 20
 
 
-def test_a_changed_data_file_stops_the_run_before_any_work(project, tools, main_cli):
-    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": tools.ADAMW})
+def test_a_changed_data_file_stops_the_run_before_any_work(project):
+    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW})
     data = project.folder / "data" / "digits" / "selection.npz"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
-    code, out, err = main_cli(project.run_args("adamw", 1))
+    code, out, err = call_cli(*project.run_args("adamw", 1))
     assert code == 3 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "data/digits/selection.npz" in lines[0] and "data.selection" in lines[0]
@@ -411,9 +413,9 @@ def test_a_changed_data_file_stops_the_run_before_any_work(project, tools, main_
 
 
 @pytest.mark.parametrize("arm, seed, words", [("nope", 1, "no arm 'nope'"), ("adamw", 9, "seed 9")])
-def test_an_unknown_arm_or_seed_is_refused(project, tools, main_cli, arm, seed, words):
-    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": tools.ADAMW})
-    code, out, err = main_cli(project.run_args(arm, seed))
+def test_an_unknown_arm_or_seed_is_refused(project, arm, seed, words):
+    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW})
+    code, out, err = call_cli(*project.run_args(arm, seed))
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1
     assert not project.runs.exists()
 
@@ -428,7 +430,7 @@ subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], pass_fds=
 
 
 def test_a_folder_locked_by_a_live_process_is_refused_at_once_and_one_a_killed_runs_helper_holds_is_waited_for(
-        project, tools, monkeypatch):
+        project, monkeypatch):
     import fcntl
     import subprocess
     import sys
@@ -436,7 +438,7 @@ def test_a_folder_locked_by_a_live_process_is_refused_at_once_and_one_a_killed_r
     from opalctl.driver import run as run_module
     from opalctl.errors import BadInput
 
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": tools.ADAMW})
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     run_dir = project.run_dir("adamw", 1)
     lock = run_dir.parent / ".seed-1.lock"
     run_dir.parent.mkdir(parents=True)

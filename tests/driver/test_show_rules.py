@@ -4,6 +4,7 @@ decisions, the rule that decided it, on which signal, the value seen and the thr
 import pytest
 
 from opalctl.driver.show_render import rule_of
+from tests.support.cli import call_cli
 
 AGENT = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "heuristic", "decisions": 4}}
 POLICY = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 12},
@@ -17,8 +18,8 @@ def agent_run(project):
     return project.run_dir("agent", 1)
 
 
-def test_show_and_the_report_page_list_the_rule_of_each_heuristic_decision(agent_run, main_cli, tmp_path):
-    code, out, err = main_cli(["show", str(agent_run)])
+def test_show_and_the_report_page_list_the_rule_of_each_heuristic_decision(agent_run, tmp_path):
+    code, out, err = call_cli("show", str(agent_run))
     assert code == 0, err
     table = out[out.index("heuristic rules"):].splitlines()
     assert table[1].split() == ["decision", "at", "rule", "signal", "value", "threshold"]
@@ -32,7 +33,7 @@ def test_show_and_the_report_page_list_the_rule_of_each_heuristic_decision(agent
     assert anneal.signal == "budget progress" and anneal.threshold == 0.5 and anneal.value >= 0.5
     assert any("anneal" in row and "budget progress" in row and ">= 0.5" in row for row in rows), rows
     page = tmp_path / "run.html"
-    code, out, err = main_cli(["show", str(agent_run), "--html", str(page)])
+    code, out, err = call_cli("show", str(agent_run), "--html", str(page))
     assert code == 0, err
     html = page.read_text(encoding="utf-8")
     assert "rule (signal, value, threshold)" in html and anneal.words().replace(">", "&gt;") in html

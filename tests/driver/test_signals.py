@@ -22,6 +22,8 @@ import time
 import pytest
 
 from opalctl import checkpoints
+from tests import support
+from tests.support.cli import call_cli
 
 STOPS = [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, True)]
 
@@ -32,24 +34,24 @@ def resume_update(run_dir) -> int:
 
 
 def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_of_an_uninterrupted_run(
-        pausing, tools, main_cli, tmp_path):
+        pausing, tmp_path):
     project = pausing
     children = {}
     for number, _ in STOPS:
         runs = tmp_path / number.name
-        children[number] = (runs, tools.spawn(project, project.run_args("adamw", 1, runs=runs), new_session=True,
+        children[number] = (runs, support.spawn(project, project.run_args("adamw", 1, runs=runs), new_session=True,
                                               PAUSE_AT="13", PAUSE_FILE=str(tmp_path / f"{number.name}.paused"),
                                               RELEASE_FILE=str(tmp_path / f"{number.name}.release")))
     uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")  # while the children start
 
     for number, group in STOPS:
         runs, child = children[number]
-        tools.wait_for(tmp_path / f"{number.name}.paused", child)
+        support.wait_for(tmp_path / f"{number.name}.paused", child)
         (os.killpg if group else os.kill)(child.pid, number)
         time.sleep(0.5)  # the stop waits for the update in progress (the 13th) to end
         assert child.poll() is None, "a stop waits for the update in progress"
         (tmp_path / f"{number.name}.release").write_text("go")
-        _, err = child.communicate(timeout=tools.CHILD_TIMEOUT)
+        _, err = child.communicate(timeout=support.CHILD_TIMEOUT)
         command = shlex.join(["opalctl", *project.run_args("adamw", 1, "--resume", runs=runs)])
         assert child.returncode == 128 + number, err[-2000:]
         said = [line for line in err.strip().splitlines() if not line.startswith("stage ")]  # the rest: its stages
@@ -60,12 +62,12 @@ def test_sigint_sigterm_and_sighup_each_stop_a_run_that_resumes_to_the_weights_o
         assert resume_update(run_dir) == 13
         (run_dir / ".report.json.stale.tmp").write_text("{")  # as a write a killed session never finished leaves
 
-        code, _, err = main_cli(shlex.split(command)[1:])  # what the line says to type
+        code, _, err = call_cli(*shlex.split(command)[1:])  # what the line says to type
         assert code == 0, err
-        report = tools.read(run_dir / "report.json")
+        report = support.read(run_dir / "report.json")
         assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
         assert report["rows_digest"] == uninterrupted["rows_digest"]
-        assert tools.files_of(run_dir) == tools.FINISHED_FILES
+        assert support.files_of(run_dir) == support.FINISHED_FILES
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
@@ -106,18 +108,17 @@ class CountingDigits(Digits):
 LONG = 4000  # updates; stages, and so resume checkpoints, every 1000: a stop that does not wait loses up to 999
 
 
-def test_a_sigterm_at_a_random_moment_of_a_long_run_loses_at_most_the_update_in_progress(project, tools, main_cli,
-                                                                                          tmp_path):
+def test_a_sigterm_at_a_random_moment_of_a_long_run_loses_at_most_the_update_in_progress(project, tmp_path):
     entry = project.task_module(COUNTING_TASK, "CountingDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": LONG}, training={"checkpoint_every": 0.5},
-                   arms={"adamw": tools.ADAMW})
+                   arms={"adamw": support.ADAMW})
     count = tmp_path / "count"
-    child = tools.spawn(project, project.run_args("adamw", 1), COUNT_FILE=str(count))
+    child = support.spawn(project, project.run_args("adamw", 1), COUNT_FILE=str(count))
     uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")  # while the child starts
-    tools.wait_for(count, child)
+    support.wait_for(count, child)
     time.sleep(random.uniform(0.0, 1.0))
     os.kill(child.pid, signal.SIGTERM)
-    _, err = child.communicate(timeout=tools.CHILD_TIMEOUT)
+    _, err = child.communicate(timeout=support.CHILD_TIMEOUT)
     begun = int(count.read_text())
     run_dir = project.run_dir("adamw", 1)
     assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -125,16 +126,16 @@ def test_a_sigterm_at_a_random_moment_of_a_long_run_loses_at_most_the_update_in_
     assert err.strip().splitlines()[-1].startswith("opalctl: interrupted (SIGTERM); resume with: "), err[-2000:]
     assert begun - resume_update(run_dir) <= 1, f"{begun} updates begun, the resume starts at {resume_update(run_dir)}"
 
-    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     assert code == 0, err
     assert f"resuming {run_dir} at update {resume_update_said(err)}" in err
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
     assert report["rows_digest"] == uninterrupted["rows_digest"] and report["updates"] == LONG
     # the evaluator's records agree: every stage judged once, at the same update, with the same results
     assert [(s["stage"], s["update"], s["metrics"], s["promoted"]) for s in report["stages"]] == \
         [(s["stage"], s["update"], s["metrics"], s["promoted"]) for s in uninterrupted["stages"]]
-    assert tools.files_of(run_dir) == tools.FINISHED_FILES
+    assert support.files_of(run_dir) == support.FINISHED_FILES
 
 
 def resume_update_said(err: str) -> int:
@@ -143,16 +144,16 @@ def resume_update_said(err: str) -> int:
 
 
 def test_a_stop_that_the_update_in_progress_does_not_let_wait_ends_at_the_bound_saying_what_is_trained_again(
-        pausing, tools, main_cli, tmp_path):
+        pausing, tmp_path):
     from opalctl.driver.run import STOP_WAIT_SECONDS
 
     project = pausing
-    child = tools.spawn(project, project.run_args("adamw", 1), PAUSE_AT="13", PAUSE_FILE=str(tmp_path / "paused"))
+    child = support.spawn(project, project.run_args("adamw", 1), PAUSE_AT="13", PAUSE_FILE=str(tmp_path / "paused"))
     uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
-    tools.wait_for(tmp_path / "paused", child)
+    support.wait_for(tmp_path / "paused", child)
     signalled = time.monotonic()
     os.kill(child.pid, signal.SIGTERM)  # the 13th update never ends by itself (no RELEASE_FILE)
-    _, err = child.communicate(timeout=tools.CHILD_TIMEOUT)
+    _, err = child.communicate(timeout=support.CHILD_TIMEOUT)
     waited = time.monotonic() - signalled
     command = shlex.join(["opalctl", *project.run_args("adamw", 1, "--resume")])
     assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -164,9 +165,9 @@ def test_a_stop_that_the_update_in_progress_does_not_let_wait_ends_at_the_bound_
     run_dir = project.run_dir("adamw", 1)
     assert resume_update(run_dir) == 10
 
-    code, _, err = main_cli(shlex.split(command)[1:])
+    code, _, err = call_cli(*shlex.split(command)[1:])
     assert code == 0, err
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] == 1
 
 
@@ -220,7 +221,7 @@ main(sys.argv[1:])
 '''
 
 
-def test_a_sigterm_that_lands_just_after_report_json_is_written_ends_a_finished_run(pausing, tools):
+def test_a_sigterm_that_lands_just_after_report_json_is_written_ends_a_finished_run(pausing):
     project = pausing
     result = project.process(project.run_args("adamw", 1), python=["-c", STOP_AFTER_CLOSE])
     run_dir = project.run_dir("adamw", 1)
@@ -229,5 +230,5 @@ def test_a_sigterm_that_lands_just_after_report_json_is_written_ends_a_finished_
         result.stderr, result.stderr[-2000:]
     assert "--restart" not in result.stderr and "interrupted" not in result.stderr
     assert str(run_dir) in result.stdout  # the finished run's table
-    assert tools.read(run_dir / "report.json")["updates"] == 20
-    assert tools.files_of(run_dir) == tools.FINISHED_FILES
+    assert support.read(run_dir / "report.json")["updates"] == 20
+    assert support.files_of(run_dir) == support.FINISHED_FILES

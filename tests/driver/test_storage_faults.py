@@ -16,13 +16,16 @@ import subprocess
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli
+
 
 @pytest.fixture
-def disk(tmp_path, helpers):
+def disk(tmp_path):
     """A 1 MiB tmpfs at ``tmp_path / "disk"``, unmounted at the end."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    reason = f"{helpers.SYSTEM_SKIP} a tmpfs mount (root and mount(8))"
+    reason = f"{support.SYSTEM_SKIP} a tmpfs mount (root and mount(8))"
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip(reason)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
@@ -45,7 +48,7 @@ def one_line(err):
 
 
 def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resume_ends_with_the_same_weights(
-        pausing, tools, main_cli, disk, tmp_path):
+        pausing, disk, tmp_path):
     project = pausing
     uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
     model_bytes = (project.run_dir("adamw", 1, runs=tmp_path / "reference") / "initial.pt").stat().st_size
@@ -56,7 +59,7 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resum
     run_dir = project.run_dir("adamw", 1, runs=disk)
     resume = shlex.join(["opalctl", *project.run_args("adamw", 1, "--resume", runs=disk)])
 
-    code, out, err = main_cli(project.run_args("adamw", 1, runs=disk))
+    code, out, err = call_cli(*project.run_args("adamw", 1, runs=disk))
     line = one_line(err)
     assert code == 1 and out == "" and str(run_dir) in line and "the disk is full" in line, line
     assert line.endswith(f"free space there, then `{resume}` continues the run"), line
@@ -65,19 +68,19 @@ def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resum
 
     (disk / "ballast").unlink()
     remount(disk, "ro")
-    before = tools.snapshot(disk)
-    code, out, err = main_cli(project.run_args("adamw", 1, "--resume", runs=disk))
+    before = support.snapshot(disk)
+    code, out, err = call_cli(*project.run_args("adamw", 1, "--resume", runs=disk))
     line = one_line(err)
     assert code == 1 and str(run_dir.parent) in line and "read-only" in line, line
     assert line.endswith(f"make the folder writable, then `{resume}` continues the run"), line
     remount(disk, "rw")
-    assert tools.snapshot(disk) == before
+    assert support.snapshot(disk) == before
 
-    code, _, err = main_cli(shlex.split(resume)[1:])
+    code, _, err = call_cli(*shlex.split(resume)[1:])
     assert code == 0, err
-    report = tools.read(run_dir / "report.json")
+    report = support.read(run_dir / "report.json")
     assert report["final_model_sha256"] == uninterrupted["final_model_sha256"] and report["resumes"] >= 1
-    assert tools.files_of(run_dir) == tools.FINISHED_FILES
+    assert support.files_of(run_dir) == support.FINISHED_FILES
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["helper process", "in-process twin"])

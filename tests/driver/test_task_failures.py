@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli
+
 TASK_SOURCE = (Path(__file__).resolve().parents[1] / "tasks" / "failing_task.py").read_text()
 ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
 
@@ -25,10 +28,10 @@ def failing(project):
     return project
 
 
-def _fails(project, main_cli, monkeypatch, way: str, *more: str) -> str:
+def _fails(project, monkeypatch, way: str, *more: str) -> str:
     """Run with the task failing in ``way``: exit 1 and one sentence; returns it."""
     monkeypatch.setenv("TASK_FAIL", way)
-    code, out, err = main_cli(project.run_args("adamw", 1, *more))
+    code, out, err = call_cli(*project.run_args("adamw", 1, *more))
     assert code == 1, err
     assert out == ""
     lines = [line for line in err.strip().splitlines() if not line.startswith("stage ")]  # progress lines
@@ -47,43 +50,41 @@ def _fails(project, main_cli, monkeypatch, way: str, *more: str) -> str:
     ("evaluate", "evaluate", "IndexError: the test's evaluate fails"),
 ])
 def test_an_exception_in_a_task_method_is_one_sentence_naming_the_task_and_the_method(
-        failing, main_cli, monkeypatch, way, method, exception):
-    said = _fails(failing, main_cli, monkeypatch, way)
+        failing, monkeypatch, way, method, exception):
+    said = _fails(failing, monkeypatch, way)
     assert f"task {failing.entry} failed in {method}: {exception}; fix the task" in said
 
 
-def test_a_loss_that_fails_mid_run_ends_resumable_and_resumes_once_the_cause_has_passed(failing, main_cli,
-                                                                                        monkeypatch, tools):
+def test_a_loss_that_fails_mid_run_ends_resumable_and_resumes_once_the_cause_has_passed(failing, monkeypatch):
     monkeypatch.setenv("TASK_FAIL_AT", "6")
-    said = _fails(failing, main_cli, monkeypatch, "loss")
+    said = _fails(failing, monkeypatch, "loss")
     assert "failed in loss: RuntimeError" in said
     assert said.endswith("--resume` continues the run")
     monkeypatch.delenv("TASK_FAIL")
-    code, _, err = main_cli(failing.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*failing.run_args("adamw", 1, "--resume"))
     assert code == 0, err
-    assert tools.read(failing.run_dir("adamw", 1) / "report.json")["updates"] == 8
+    assert support.read(failing.run_dir("adamw", 1) / "report.json")["updates"] == 8
 
 
-def test_a_failing_load_state_dict_at_a_resume_is_one_sentence(failing, main_cli, monkeypatch):
+def test_a_failing_load_state_dict_at_a_resume_is_one_sentence(failing, monkeypatch):
     monkeypatch.setenv("TASK_FAIL_AT", "6")
-    _fails(failing, main_cli, monkeypatch, "loss")
-    said = _fails(failing, main_cli, monkeypatch, "load_state_dict", "--resume")
+    _fails(failing, monkeypatch, "loss")
+    said = _fails(failing, monkeypatch, "load_state_dict", "--resume")
     assert "failed in sampler's load_state_dict: ValueError: the test's load_state_dict fails" in said
 
 
-def test_a_loss_of_one_value_per_row_is_refused_as_not_a_scalar(failing, main_cli, monkeypatch):
-    said = _fails(failing, main_cli, monkeypatch, "loss_vector")
+def test_a_loss_of_one_value_per_row_is_refused_as_not_a_scalar(failing, monkeypatch):
+    said = _fails(failing, monkeypatch, "loss_vector")
     assert f"task {failing.entry}'s loss returned a loss of shape (64,), not a scalar" in said
 
 
-def test_a_loss_without_a_gradient_is_refused(failing, main_cli, monkeypatch):
-    said = _fails(failing, main_cli, monkeypatch, "loss_no_grad")
+def test_a_loss_without_a_gradient_is_refused(failing, monkeypatch):
+    said = _fails(failing, monkeypatch, "loss_no_grad")
     assert "'s loss returned a loss that requires no gradient" in said
 
 
-def test_a_numpy_integer_in_the_sampler_state_is_refused_at_update_0_naming_state_dict(failing, main_cli,
-                                                                                     monkeypatch):
-    said = _fails(failing, main_cli, monkeypatch, "state_numpy")
+def test_a_numpy_integer_in_the_sampler_state_is_refused_at_update_0_naming_state_dict(failing, monkeypatch):
+    said = _fails(failing, monkeypatch, "state_numpy")
     assert (f"task {failing.entry}'s sampler's state_dict returned a numpy.int64 at state['streams'][0]"
             f"['position'], which a resume checkpoint cannot hold") in said
     assert not (failing.run_dir("adamw", 1) / "training" / "resume.pt").exists()
@@ -96,17 +97,17 @@ def test_a_numpy_integer_in_the_sampler_state_is_refused_at_update_0_naming_stat
     ("metric_string", "returned str 'low', not a number for metric 'loss' (a lower metric)"),
     ("metric_bool", "returned bool 'True', not a number for metric 'correct' (a higher metric)"),
 ])
-def test_a_metric_that_is_not_a_number_of_its_kind_is_refused_naming_it(failing, main_cli, monkeypatch, way,
+def test_a_metric_that_is_not_a_number_of_its_kind_is_refused_naming_it(failing, monkeypatch, way,
                                                                         problem):
-    said = _fails(failing, main_cli, monkeypatch, way)
+    said = _fails(failing, monkeypatch, way)
     assert f"task {failing.entry}'s evaluate {problem}" in said
 
 
-def test_numpy_metrics_are_converted_and_the_run_finishes(failing, main_cli, monkeypatch, tools):
+def test_numpy_metrics_are_converted_and_the_run_finishes(failing, monkeypatch):
     monkeypatch.setenv("TASK_FAIL", "metric_numpy")
-    code, _, err = main_cli(failing.run_args("adamw", 1))
+    code, _, err = call_cli(*failing.run_args("adamw", 1))
     assert code == 0, err
-    metrics = tools.read(failing.run_dir("adamw", 1) / "stage-02.json")["metrics"]
+    metrics = support.read(failing.run_dir("adamw", 1) / "stage-02.json")["metrics"]
     assert type(metrics["selection.correct"]) is int and type(metrics["selection.total"]) is int
     assert type(metrics["selection.loss"]) is float
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
+from tests.support.cli import call_cli
+
 WORKER = Path(__file__).with_name("torchrun_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 12  # stages at 6 and 12; a resume checkpoint every 3 updates
@@ -39,23 +42,23 @@ def ranks_seen(out: Path) -> list[dict]:
     return [json.loads((out / f"rank-{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
 
 
-def freeze_ranks(tools, template: Path, folder: Path, clock: str, ranks: int, *, amount: int = UPDATES,
+def freeze_ranks(template: Path, folder: Path, clock: str, ranks: int, *, amount: int = UPDATES,
                  arms: dict | None = None):
-    project = tools.Project(template, folder, pytest.MonkeyPatch())
+    project = support.Project(template, folder, pytest.MonkeyPatch())
     project.freeze(budget={"clock": clock, "amount": amount, "fractions": [0.5, 1.0]},
                    training={"checkpoint_every": 0.25, "ranks": ranks},
-                   arms=arms or {"adamw": tools.ADAMW}, selection=tools.LENIENT)
+                   arms=arms or {"adamw": support.ADAMW}, selection=support.LENIENT)
     return project
 
 
 @pytest.fixture(scope="module")
-def world(digits_template, tools, tmp_path_factory):
+def world(digits_template, tmp_path_factory):
     """The worker's launch over two frozen locks of two ranks (the updates clock; the cpu clock, whose charges
     are twice as large: three per update, to spend the same number of updates)."""
     base = tmp_path_factory.mktemp("torchrun")
-    updates = freeze_ranks(tools, digits_template, base / "updates", "updates", 2,
-                           arms={"adamw": tools.ADAMW, **AGENT_ARMS})
-    cpu = freeze_ranks(tools, digits_template, base / "cpu", "cpu", 2, amount=3 * UPDATES // 2)
+    updates = freeze_ranks(digits_template, base / "updates", "updates", 2,
+                           arms={"adamw": support.ADAMW, **AGENT_ARMS})
+    cpu = freeze_ranks(digits_template, base / "cpu", "cpu", 2, amount=3 * UPDATES // 2)
     out = base / "out"
     out.mkdir()
     torchrun(updates, str(WORKER), "runs", str(out), str(base / "runs"), str(updates.lock), str(cpu.lock))
@@ -63,7 +66,7 @@ def world(digits_template, tools, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def killed(world, tools, tmp_path_factory):
+def killed(world, tmp_path_factory):
     """The 2-rank run of ``world``'s heuristic agent arm, rank 1 killed by SIGKILL at its update KILL_AT (after
     the agent's first decision), then ``torchrun -m opalctl run LOCK --resume``."""
     project, _, _ = world
@@ -80,20 +83,20 @@ def killed(world, tools, tmp_path_factory):
     return state, resumed, run_dir
 
 
-def test_a_two_rank_fixed_arm_finishes_and_its_folder_verifies(world, main_cli):
+def test_a_two_rank_fixed_arm_finishes_and_its_folder_verifies(world):
     project, runs, seen = world
     run_dir = Path(seen[0]["plain"]["run_dir"])
     assert seen[0]["plain"]["updates"] == UPDATES and seen[0]["plain"]["ranks"] == 2
     assert seen[1]["plain"] == seen[0]["plain"]  # every rank ends with rank 0's report
-    code, out, err = main_cli(["verify", str(run_dir)])
+    code, out, err = call_cli("verify", str(run_dir))
     assert code == 0, out + err
     assert json.loads((run_dir / "start.json").read_text())["ranks"] == 2
 
 
-def test_a_two_rank_folder_holds_exactly_what_a_one_rank_folder_holds(world, tools, digits_template, tmp_path):
+def test_a_two_rank_folder_holds_exactly_what_a_one_rank_folder_holds(world, digits_template, tmp_path):
     project, runs, seen = world
     two = Path(seen[0]["plain"]["run_dir"])
-    single = freeze_ranks(tools, digits_template, tmp_path / "single", "updates", 1)
+    single = freeze_ranks(digits_template, tmp_path / "single", "updates", 1)
     report = single.run("adamw", 1)
     one = Path(report["run_dir"])
     listing = sorted(str(p.relative_to(two)) for p in two.rglob("*"))
@@ -133,20 +136,20 @@ def test_sigkill_of_rank_1_of_an_agent_arm_then_resume_under_torchrun_ends_as_th
     assert not (run_dir / "training" / "resume.pt").exists()
 
 
-def test_a_lock_of_two_ranks_run_without_torchrun_is_refused_naming_the_torchrun_command(world, main_cli):
+def test_a_lock_of_two_ranks_run_without_torchrun_is_refused_naming_the_torchrun_command(world):
     project, _, _ = world
-    code, out, err = main_cli(project.run_args("adamw", 1, runs=project.folder / "elsewhere"))
+    code, out, err = call_cli(*project.run_args("adamw", 1, runs=project.folder / "elsewhere"))
     assert code == 2
     assert f"run `torchrun --nproc-per-node 2 -m opalctl run {project.lock} --arm adamw --seed 1" in err
     assert "Traceback" not in err and not (project.folder / "elsewhere").exists()
 
 
-def test_a_two_rank_keep_agent_arm_ends_with_the_fixed_arms_weights_and_its_folder_verifies(world, main_cli):
+def test_a_two_rank_keep_agent_arm_ends_with_the_fixed_arms_weights_and_its_folder_verifies(world):
     _, _, seen = world
     keep = seen[0]["keep"]
     assert keep["updates"] == UPDATES and keep["final_model_sha256"] == seen[0]["plain"]["final_model_sha256"]
     assert seen[1]["keep"] == keep
-    code, out, err = main_cli(["verify", keep["run_dir"]])
+    code, out, err = call_cli(*["verify", keep["run_dir"]])
     assert code == 0, out + err
 
 

@@ -38,6 +38,8 @@ import pytest
 
 from opalctl.files import canonical_json
 from opalctl.formats import anchor_sha256
+from tests import support
+from tests.support.cli import call_cli
 
 UPDATES = 300
 ATTACK_AT = 150  # the loss call the attacks start at: after the one decision (at 20 % of the budget)
@@ -218,14 +220,14 @@ def attacks(stderr: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hostile(digits_template, tools, tmp_path_factory):
+def hostile(digits_template, tmp_path_factory):
     """The baseline, the hostile run and an arm of the same seed run after it; what each attack printed."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        yield from hostile_runs(tools, tools.Project(digits_template,
+        yield from hostile_runs(support.Project(digits_template,
                                                      tmp_path_factory.mktemp("hostile") / "project", monkeypatch))
 
 
-def hostile_runs(tools, project):
+def hostile_runs(project):
     """Each attack in a runs folder of its own, so that each is compared or verified on its own: in the project's,
     the baseline and the arm that trains off the budget; in ``deputy/``, the arm that uses the host as a deputy
     (its evaluator made the seed's anchor) and an arm of the seed run after it; in ``forged/`` the arm that forges
@@ -254,8 +256,8 @@ def hostile_runs(tools, project):
     key = "sk-ant-api03-" + secrets.token_urlsafe(30)
     results, bodies = {}, []
     for arm, chosen in (("greedy", "off_budget"), ("deputy", "deputy"), ("forger", "forge"), ("putter", "put_back")):
-        ms = tools.messages_server()
-        with ms.MessagesServer(the_agent(ms, canonical_json(forged), tools.HALVED, tools.RATIONALE)) as server:
+        ms = support.messages_server()
+        with ms.MessagesServer(the_agent(ms, canonical_json(forged), support.HALVED, support.RATIONALE)) as server:
             env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=server.url, ATTACK_AT=str(ATTACK_AT),
                               ATTACKS=chosen, EXTRA_UPDATES=str(EXTRA_UPDATES), PROTOCOL_FOLDER=str(project.folder),
                               UNRELATED_FOLDER=str(unrelated), ATTACK_KEY=key)
@@ -281,7 +283,7 @@ def test_every_hostile_run_finishes_and_every_attack_ran(hostile):
                                        "forge_the_verdict"}
 
 
-def test_the_forged_verdict_is_refused_and_compare_shows_the_evaluators_figures(hostile, cli_inprocess):
+def test_the_forged_verdict_is_refused_and_compare_shows_the_evaluators_figures(hostile):
     project = hostile["project"]
     tried = hostile["attacks"]["forge_the_verdict"]["tried"]
     assert tried and set(tried.values()) == {"PermissionError"}, tried  # not even read: the records are not its
@@ -289,8 +291,8 @@ def test_the_forged_verdict_is_refused_and_compare_shows_the_evaluators_figures(
     stages = [json.loads(path.read_text()) for path in sorted(forger.glob("stage-*.json"))]
     assert len(stages) == 4
     assert all(stage["metrics"]["selection.correct"] <= stage["metrics"]["selection.total"] for stage in stages)
-    assert cli_inprocess("verify", forger).code == 0
-    result = cli_inprocess("compare", project.lock, "--runs-dir", hostile["runs"]["forger"], "--stage", "last",
+    assert call_cli("verify", forger).code == 0
+    result = call_cli("compare", project.lock, "--runs-dir", hostile["runs"]["forger"], "--stage", "last",
                            "--json")
     assert result.code == 0, result.output
     [row] = json.loads(result.stdout)["arms"]
@@ -314,26 +316,26 @@ def test_the_host_refuses_to_be_a_deputy_and_nothing_of_the_others_is_touched(ho
     assert all(stage["anchor_sha256"] == anchor["sha256"] for stage in hostile["later"]["stages"])
 
 
-def test_training_off_the_budget_is_flagged_by_compare_in_every_verdict_of_the_arm(hostile, cli_inprocess):
+def test_training_off_the_budget_is_flagged_by_compare_in_every_verdict_of_the_arm(hostile):
     project = hostile["project"]
     assert hostile["attacks"]["train_off_the_budget"]["updates"] == EXTRA_UPDATES
-    result = cli_inprocess("compare", project.lock, "--runs-dir", project.runs, "--json")
+    result = call_cli("compare", project.lock, "--runs-dir", project.runs, "--json")
     assert result.code == 0, result.output
     rows = {row["arm"]: row for row in json.loads(result.stdout)["arms"]}
     flags = rows["greedy"]["flags"]
     assert any(flag.startswith("work outside the charged updates") for flag in flags), (flags, rows["greedy"])
     assert all("Flagged: work outside the charged updates" in figure["verdict"]
                for figure in rows["greedy"]["paired"].values())
-    shown = cli_inprocess("compare", project.lock, "--runs-dir", project.runs)
+    shown = call_cli("compare", project.lock, "--runs-dir", project.runs)
     assert "flagged: greedy: work outside the charged updates" in shown.stdout
 
 
-def test_the_agents_records_put_back_are_caught_by_verify_naming_the_file(hostile, tools, cli_inprocess):
+def test_the_agents_records_put_back_are_caught_by_verify_naming_the_file(hostile):
     assert hostile["attacks"]["put_the_agents_records_back"]["tried"] == "written"  # training's own folder
     putter = run_dir(hostile, "putter")
-    assert (putter / "agent" / "decisions" / "001" / "updater.py").read_text() == tools.HALVED, "the host's record"
-    result = cli_inprocess("verify", putter)
+    assert (putter / "agent" / "decisions" / "001" / "updater.py").read_text() == support.HALVED, "the host's record"
+    result = call_cli("verify", putter)
     assert result.code == 3, result.output
     assert "training/opal/programs/v001/updater.py: is not the program the agent host answered at decision 1" in \
         result.stderr
-    assert cli_inprocess("show", putter).code == 3
+    assert call_cli("show", putter).code == 3

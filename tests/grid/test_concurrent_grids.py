@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import json
 
+from tests.support import grids
+
 SELECTION = ("--arm", "adamw", "--arm", "cosine", "--seed", "1", "--jobs", "2")
 
 
-def test_two_grids_and_a_run_on_one_lock_train_each_run_once_and_say_so(grid_project, grid_tools, tmp_path):
+def test_two_grids_and_a_run_on_one_lock_train_each_run_once_and_say_so(grid_project, tmp_path):
     runs, gate = tmp_path / "runs", tmp_path / "gate"
     gate.mkdir()
     plain = grid_project.run("adamw", 1, runs=runs, gate=gate)
     first = second = None
     try:
-        grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 1 or plain.poll() is not None, 180,
+        grids.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 1 or plain.poll() is not None, 180,
                             "the plain run to be held in the middle of its budget")
-        first = grid_tools.Lines(grid_project.grid(*SELECTION, runs=runs, gate=gate))
-        first.wait(lambda lines: grid_tools.states(lines) == {"adamw": "waiting", "cosine": "running"}, 60,
+        first = grids.Lines(grid_project.grid(*SELECTION, runs=runs, gate=gate))
+        first.wait(lambda lines: grids.states(lines) == {"adamw": "waiting", "cosine": "running"}, 60,
                    "the first grid to wait for adamw and start cosine")
-        grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2, 180, "cosine to be held")
-        second = grid_tools.Lines(grid_project.grid(*SELECTION, runs=runs, gate=gate))
-        second.wait(lambda lines: grid_tools.states(lines) == {"adamw": "waiting", "cosine": "waiting"}, 60,
+        grids.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2, 180, "cosine to be held")
+        second = grids.Lines(grid_project.grid(*SELECTION, runs=runs, gate=gate))
+        second.wait(lambda lines: grids.states(lines) == {"adamw": "waiting", "cosine": "waiting"}, 60,
                     "the second grid to wait for both runs")
         status = grid_project.status(*SELECTION[:-2], runs=runs)
         assert {r["arm"]: r["state"] for r in status["runs"]} == {"adamw": "running", "cosine": "running"}
@@ -39,16 +41,16 @@ def test_two_grids_and_a_run_on_one_lock_train_each_run_once_and_say_so(grid_pro
     finally:
         for process in (plain, first and first.process, second and second.process):
             if process is not None:
-                grid_tools.stop(process)
+                grids.stop(process)
     assert code_first == 0, err_first
     assert code_second == 0, err_second
     assert {r["arm"]: r["state"] for r in lines_first[-1]["runs"]} == {"adamw": "skipped", "cosine": "finished"}
     assert {r["arm"]: r["state"] for r in lines_second[-1]["runs"]} == {"adamw": "skipped", "cosine": "skipped"}
     assert "failed" not in err_first + err_second
     for arm, started_by_grids in (("adamw", 0), ("cosine", 1)):
-        folder = grid_tools.run_folder(grid_project, runs, arm, 1)
+        folder = grids.run_folder(grid_project, runs, arm, 1)
         report = json.loads((folder / "report.json").read_text())
-        assert report["resumes"] == 0 and report["updates"] == grid_tools.UPDATES, "trained once, whole"
+        assert report["resumes"] == 0 and report["updates"] == grids.UPDATES, "trained once, whole"
         log = folder / "grid.log"
         starts = log.read_text().count("--- opalctl grid") if log.exists() else 0
         assert starts == started_by_grids, "no grid started a run another process held"

@@ -8,13 +8,15 @@ import shutil
 
 import pytest
 
+from tests.support import grids
+
 UPDATES = 12
 
 
 @pytest.fixture(scope="module")
-def ranks_project(digits_init_folder, tmp_path_factory, grid_tools):
-    project = grid_tools.GridProject(digits_init_folder, tmp_path_factory.mktemp("ranks") / "project",
-                                     updates=UPDATES, ranks=2, arms={"adamw": grid_tools.ARMS["adamw"]})
+def ranks_project(digits_init_folder, tmp_path_factory):
+    project = grids.GridProject(digits_init_folder, tmp_path_factory.mktemp("ranks") / "project",
+                                     updates=UPDATES, ranks=2, arms={"adamw": grids.ARMS["adamw"]})
     yield project
     import sys
 
@@ -22,10 +24,10 @@ def ranks_project(digits_init_folder, tmp_path_factory, grid_tools):
         sys.path.remove(project.task_path)
 
 
-def finished_under_torchrun(project, grid_tools, runs, stdout: str) -> dict:
-    final = grid_tools.events(stdout)[-1]
+def finished_under_torchrun(project, runs, stdout: str) -> dict:
+    final = grids.events(stdout)[-1]
     assert [(run["arm"], run["state"]) for run in final["runs"]] == [("adamw", "finished")]
-    folder = grid_tools.run_folder(project, runs, "adamw", 1)
+    folder = grids.run_folder(project, runs, "adamw", 1)
     report = json.loads((folder / "report.json").read_text())
     assert report["ranks"] == 2 and report["updates"] == UPDATES
     header = next(line for line in (folder / "grid.log").read_text().splitlines() if line.startswith("--- "))
@@ -33,15 +35,15 @@ def finished_under_torchrun(project, grid_tools, runs, stdout: str) -> dict:
     return report
 
 
-def test_a_grid_runs_a_lock_of_two_ranks_under_torchrun(ranks_project, grid_tools, tmp_path):
+def test_a_grid_runs_a_lock_of_two_ranks_under_torchrun(ranks_project, tmp_path):
     runs = tmp_path / "runs"
     grid = ranks_project.grid("--seed", "1", runs=runs)
     stdout, stderr = grid.communicate(timeout=300)
     assert grid.returncode == 0, stderr
-    finished_under_torchrun(ranks_project, grid_tools, runs, stdout)
+    finished_under_torchrun(ranks_project, runs, stdout)
 
 
-def test_a_slurm_grid_runs_a_lock_of_two_ranks_as_tasks_with_both_ranks_cpus(ranks_project, grid_tools, tmp_path):
+def test_a_slurm_grid_runs_a_lock_of_two_ranks_as_tasks_with_both_ranks_cpus(ranks_project, tmp_path):
     import subprocess
 
     if shutil.which("sbatch") is None:
@@ -53,7 +55,7 @@ def test_a_slurm_grid_runs_a_lock_of_two_ranks_as_tasks_with_both_ranks_cpus(ran
     grid = ranks_project.grid("--seed", "1", "--executor", "slurm", runs=runs)
     stdout, stderr = grid.communicate(timeout=400)
     assert grid.returncode == 0, stderr
-    report = finished_under_torchrun(ranks_project, grid_tools, runs, stdout)
+    report = finished_under_torchrun(ranks_project, runs, stdout)
     job = report["machine"]["slurm"]["job_id"]
     submission = next(runs.glob(f"*/.slurm/{job.split('_')[0]}/*_submission.sh")).read_text()
     assert "#SBATCH --cpus-per-task=2" in submission

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from tests.support import grids
+
 ARMS = ("--arm", "adamw", "--arm", "cosine", "--arm", "spare", "--seed", "2", "--jobs", "2")
 
 
@@ -21,21 +23,20 @@ def run_folder(grid_project, runs, arm, seed):
     return LockRuns.of(runs, read_lock(grid_project.lock)).run(arm, seed).root
 
 
-def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_once(grid_project, grid_tools,
-                                                                                  tmp_path):
+def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_once(grid_project, tmp_path):
     runs, gate = tmp_path / "runs", tmp_path / "gate"
     gate.mkdir()
     broken = run_folder(grid_project, runs, "spare", 2)
     (broken / "training").mkdir(parents=True)
     (broken / "training" / "resume.pt").write_bytes(b"not a checkpoint")  # this run cannot resume: it fails
     grid = grid_project.grid(*ARMS, runs=runs, gate=gate)
-    grid_tools.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
+    grids.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
                         "both runs to be held in the middle of their budget")
-    grid_tools.stop(grid)
+    grids.stop(grid)
     stdout, stderr = grid.communicate(timeout=120)
     assert grid.returncode == 130, stderr
     assert "grid stopped (SIGINT)" in stderr and "run the same command again to continue: opalctl grid" in stderr
-    lines = grid_tools.events(stdout)
+    lines = grids.events(stdout)
     started = [e["arm"] for e in lines if e["event"] == "run" and e["state"] == "running"]
     assert started == ["adamw", "cosine"], "the arms of one seed start side by side, in the plan's order"
     assert {run["arm"]: run["state"] for run in lines[-1]["runs"]} == \
@@ -48,7 +49,7 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     again = grid_project.grid(*ARMS, runs=runs, gate=gate)
     stdout, stderr = again.communicate(timeout=240)
     assert again.returncode == 1, stderr
-    final = grid_tools.events(stdout)[-1]
+    final = grids.events(stdout)[-1]
     assert {run["arm"]: run["state"] for run in final["runs"]} == \
         {"adamw": "resumed", "cosine": "resumed", "spare": "failed"}, "a failed run stops no other"
     assert "failed: spare seed 2 (exit " in stderr and f"its output is in {broken / 'grid.log'}" in stderr
@@ -56,7 +57,7 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     for arm in ("adamw", "cosine"):
         folder = run_folder(grid_project, runs, arm, 2)
         report = json.loads((folder / "report.json").read_text())
-        assert grid_tools.same_run(report, grid_project.reference(arm, 2)) == {}
+        assert grids.same_run(report, grid_project.reference(arm, 2)) == {}
         assert report["resumes"] == 1
         log = (folder / "grid.log").read_text()
         starts = [line for line in log.splitlines() if line.startswith("--- opalctl grid")]

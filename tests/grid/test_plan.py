@@ -12,6 +12,8 @@ from opalctl.grid import run_grid
 from opalctl.grid.plan import default_jobs, ordered, plan_grid
 from opalctl.grid.progress import RunProgress, StepsTail
 from opalctl.grid.status import grid_status
+from tests import support
+from tests.support import grids
 
 
 def test_the_arms_of_each_seed_are_next_to_each_other_and_each_arm_starts_a_wave_first_in_turn():
@@ -36,17 +38,17 @@ def test_an_arm_or_seed_the_lock_lacks_is_refused_naming_the_lock(grid_project):
 
 
 def test_finished_runs_are_skipped_without_starting_anything_and_interrupted_ones_are_resumed(grid_project,
-                                                                                               tmp_path, helpers):
+                                                                                               tmp_path):
     plan = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
     for run in plan.runs:
         (run.run_dir / "training").mkdir(parents=True)
         (run.run_dir / "report.json").write_text("{}")
-    before = helpers.tree(tmp_path / "runs")
+    before = support.tree(tmp_path / "runs")
     seen = []
     result = run_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs", display=seen.append)
     assert result.ok and {run["state"] for run in result.runs} == {"skipped"}
     assert [e["state"] for e in seen] == ["skipped"] * len(plan.runs)
-    assert helpers.tree(tmp_path / "runs") == before, "nothing was started, written or run twice"
+    assert support.tree(tmp_path / "runs") == before, "nothing was started, written or run twice"
     (plan.runs[0].run_dir / "report.json").unlink()
     (plan.runs[0].run_dir / "training" / "resume.pt").write_bytes(b"")
     assert plan.runs[0].need() == "resume"
@@ -92,7 +94,7 @@ def test_a_steps_file_that_is_not_gzip_gives_no_figure_rather_than_a_wrong_one(t
     assert StepsTail(path).read() is None
 
 
-def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid_project, grid_tools, tmp_path):
+def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid_project, tmp_path):
     plan = plan_grid(grid_project.lock, seeds=[1], runs_dir=tmp_path / "runs")
     finished, running, interrupted = plan.runs
     for run in plan.runs:
@@ -101,7 +103,7 @@ def test_status_tells_finished_running_interrupted_and_unstarted_runs_apart(grid
     (interrupted.run_dir / "training" / "resume.pt").write_bytes(b"")
     (running.run_dir / "start.json").write_text(json.dumps({"budget": {"total": 10}}))
     (running.run_dir / "training" / "resume.pt").write_bytes(b"")
-    with grid_tools.HeldFolder(running.run_dir):  # the folder's lock, held by a live process as a run holds it
+    with grids.HeldFolder(running.run_dir):  # the folder's lock, held by a live process as a run holds it
         result = grid_status(grid_project.lock, seeds=[1, 2], runs_dir=tmp_path / "runs")
     states = {(r["arm"], r["seed"]): r["state"] for r in result["runs"]}
     assert states[finished.arm, 1] == "finished" and states[running.arm, 1] == "running"

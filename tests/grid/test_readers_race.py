@@ -12,6 +12,9 @@ import shutil
 
 import pytest
 
+from tests.support import grids
+from tests.support.cli import call_cli
+
 
 @pytest.fixture(scope="module")
 def finished_copy(grid_project):
@@ -21,24 +24,22 @@ def finished_copy(grid_project):
     return base, base / "adamw" / "seed-1"
 
 
-def test_verify_runs_during_a_grid_calls_a_folder_just_made_running_not_an_error(grid_project, grid_tools,
-                                                                                 finished_copy, cli_inprocess,
-                                                                                 tmp_path):
+def test_verify_runs_during_a_grid_calls_a_folder_just_made_running_not_an_error(grid_project, finished_copy, tmp_path):
     runs = tmp_path / "runs"
     base, _ = finished_copy
     shutil.copytree(base, runs / base.name)
-    just_made = grid_tools.run_folder(grid_project, runs, "cosine", 1)
+    just_made = grids.run_folder(grid_project, runs, "cosine", 1)
     just_made.mkdir(parents=True)
     (just_made / "grid.log").write_text("--- opalctl grid: opalctl run ...\n")  # what the grid makes first
-    with grid_tools.HeldFolder(just_made):  # its `opalctl run`, before its first record
-        held = cli_inprocess("verify", str(grid_project.lock), "--runs", "--runs-dir", str(runs))
-        shown = cli_inprocess("show", str(just_made))
+    with grids.HeldFolder(just_made):  # its `opalctl run`, before its first record
+        held = call_cli("verify", str(grid_project.lock), "--runs", "--runs-dir", str(runs))
+        shown = call_cli("show", str(just_made))
     assert shown.code == 1 and shown.stderr.count("\n") == 1, shown.stderr
     assert f"{just_made} is a run that has not started yet (a process holds its folder" in shown.stderr
     assert held.code == 0, held.stderr
     assert "ok: 1 run folder(s)" in held.stdout
     assert f"note: {just_made}: running, not yet started" in held.stderr and "not a run folder" not in held.stderr
-    refused = cli_inprocess("verify", str(grid_project.lock), "--runs", "--runs-dir", str(runs), "--json")
+    refused = call_cli("verify", str(grid_project.lock), "--runs", "--runs-dir", str(runs), "--json")
     assert refused.code == 0, refused.stderr
     import json
 

@@ -13,6 +13,7 @@ from opalctl.grid.display import JsonLines, row
 from opalctl.grid.records import GridResult, RunOutcome, command_line, event
 from opalctl.grid.settings import load_settings, parse_sbatch_options
 from opalctl.grid.slurm import MIN_TIME_LIMIT_MINUTES, time_limit_minutes
+from tests.support.cli import call_cli
 
 
 def test_flags_win_over_the_settings_file_and_sbatch_options_merge(tmp_path):
@@ -83,7 +84,7 @@ def test_the_way_on_after_a_stop_is_the_same_command():
     assert not result.ok
 
 
-def test_the_grid_command_refuses_an_unknown_arm_in_one_sentence(grid_project, cli_inprocess, tmp_path):
-    result = cli_inprocess("grid", grid_project.lock, "--arm", "nope", "--runs-dir", tmp_path)
+def test_the_grid_command_refuses_an_unknown_arm_in_one_sentence(grid_project, tmp_path):
+    result = call_cli("grid", grid_project.lock, "--arm", "nope", "--runs-dir", tmp_path)
     assert result.code == 2 and result.stderr.count("\n") == 1
     assert "arm nope is not in lock" in result.stderr and "Traceback" not in result.stderr

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import call_cli, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = 20261201
@@ -229,12 +230,12 @@ def peak_bytes() -> int:
 
 
 @pytest.mark.parametrize("batch", range(BATCHES))
-def test_freeze_of_any_fuzzed_protocol_exits_0_or_2_with_one_line(fuzz_project, cli_inprocess, batch):
+def test_freeze_of_any_fuzzed_protocol_exits_0_or_2_with_one_line(fuzz_project, batch):
     failures, codes = [], []
     for label, content in cases(batch):
         path = write_case(fuzz_project, content)
         before, started = peak_bytes(), time.process_time()
-        result = cli_inprocess("freeze", path)
+        result = call_cli("freeze", path)
         seconds, growth = time.process_time() - started, peak_bytes() - before
         codes.append(result.code)
         failures += judge(label, content, result, seconds, growth, fuzz_project)
@@ -242,14 +243,14 @@ def test_freeze_of_any_fuzzed_protocol_exits_0_or_2_with_one_line(fuzz_project, 
     assert codes.count(2) >= CASES_PER_BATCH // 2  # the mutations do reach the refusals
 
 
-def test_the_fuzz_reaches_both_outcomes_and_every_kind_of_case(fuzz_project, cli_inprocess):
+def test_the_fuzz_reaches_both_outcomes_and_every_kind_of_case(fuzz_project):
     """Guards the generator: a change that left every case valid, or every case broken YAML, would weaken the
     fuzz without failing it."""
     everything = [content for batch in range(BATCHES) for _, content in cases(batch)]
     assert len(everything) >= 500 and len({str(c) for c in everything}) >= 450
     outcomes = set()
     for content in everything[:120]:
-        outcomes.add(cli_inprocess("freeze", write_case(fuzz_project, content)).code)
+        outcomes.add(call_cli("freeze", write_case(fuzz_project, content)).code)
     assert outcomes == {0, 2}
     texts = [c for c in everything if isinstance(c, str)]
     assert any("&b0" in c for c in texts) and any("*opt" in c for c in texts)
@@ -260,13 +261,13 @@ SUBPROCESS_CASES = [0, 7, 13, 21, 34, 49]
 
 
 @pytest.mark.parametrize("number", SUBPROCESS_CASES)
-def test_a_handful_of_fuzzed_protocols_behave_the_same_as_a_real_command(fuzz_project, cli, cli_inprocess, number):
+def test_a_handful_of_fuzzed_protocols_behave_the_same_as_a_real_command(fuzz_project, number):
     """The in-process runner is what the fuzz relies on: a real ``opalctl freeze`` gives the same outcome."""
     label, content = cases(0)[number]
     path = write_case(fuzz_project, content)
-    real = cli("freeze", path, cwd=fuzz_project)
+    real = run_cli("freeze", path, cwd=fuzz_project)
     assert not judge(label, content, real, 0.0, 0, fuzz_project)
     path = write_case(fuzz_project, content)
-    inprocess = cli_inprocess("freeze", path)
+    inprocess = call_cli("freeze", path)
     assert (real.code, real.stderr) == (inprocess.code, inprocess.stderr)
 

@@ -4,13 +4,14 @@
 import hashlib
 
 from opalctl.protocol.lock import read_lock
+from tests.support.cli import call_cli
 
 LOCK_NAME = "digits.lock.json"
 
 
-def test_freeze_force_keeps_the_replaced_lock_named_by_its_digest(digits_project, cli_inprocess):
+def test_freeze_force_keeps_the_replaced_lock_named_by_its_digest(digits_project):
     protocol = digits_project / "digits.yaml"
-    first = cli_inprocess("freeze", protocol, "--json")
+    first = call_cli("freeze", protocol, "--json")
     assert first.code == 0, first.output
     lock = digits_project / LOCK_NAME
     before = lock.read_bytes()
@@ -18,11 +19,11 @@ def test_freeze_force_keeps_the_replaced_lock_named_by_its_digest(digits_project
     assert first.json()["sha256"][:12] == sha12
     protocol.write_text(protocol.read_text(encoding="utf-8").replace("seeds: [1, 2]", "seeds: [1]"), encoding="utf-8")
 
-    refused = cli_inprocess("freeze", protocol)
+    refused = call_cli("freeze", protocol)
     assert refused.code == 2 and "digits.lock.SHA12.json" in refused.stderr
     assert sorted(p.name for p in digits_project.glob("digits.lock*")) == [LOCK_NAME]
 
-    forced = cli_inprocess("freeze", protocol, "--force")
+    forced = call_cli("freeze", protocol, "--force")
     assert forced.code == 0, forced.output
     kept = digits_project / f"digits.lock.{sha12}.json"
     assert kept.read_bytes() == before, "the replaced lock is kept byte for byte"
@@ -33,7 +34,7 @@ def test_freeze_force_keeps_the_replaced_lock_named_by_its_digest(digits_project
     # back to the first protocol: the lock replaced now is kept too, and the first one is not written twice
     protocol.write_text(protocol.read_text(encoding="utf-8").replace("seeds: [1]", "seeds: [1, 2]"), encoding="utf-8")
     second = lock.read_bytes()
-    again = cli_inprocess("freeze", protocol, "--force", "--json")
+    again = call_cli("freeze", protocol, "--force", "--json")
     assert again.code == 0 and lock.read_bytes() == before
     names = sorted(p.name for p in digits_project.glob("digits.lock*"))
     assert names == sorted([LOCK_NAME, kept.name, f"digits.lock.{hashlib.sha256(second).hexdigest()[:12]}.json"])

@@ -27,12 +27,14 @@ import opalctl
 from opalctl.files import canonical_json
 from opalctl.protocol.freeze import package_files
 from opalctl.protocol.lock import read_lock as load_lock
+from tests import support
+from tests.support.cli import call_cli, run_cli
 
 LOCK_NAME = "digits.lock.json"
 
 
-def freeze(cli_inprocess, project: Path) -> dict:
-    result = cli_inprocess("freeze", project / "digits.yaml", "--json")
+def freeze(project: Path) -> dict:
+    result = call_cli("freeze", project / "digits.yaml", "--json")
     assert result.code == 0, result.output
     return result.json()
 
@@ -41,8 +43,8 @@ def read_lock(project: Path) -> dict:
     return json.loads((project / LOCK_NAME).read_text(encoding="utf-8"))
 
 
-def verify(cli_inprocess, lock: Path, *flags):
-    return cli_inprocess("verify", lock, *flags)
+def verify(lock: Path, *flags):
+    return call_cli("verify", lock, *flags)
 
 
 def write_lock(path: Path, lock: dict) -> Path:
@@ -68,12 +70,12 @@ def assert_reported(result, role: str, path: str, status: str):
 # verify
 
 
-def test_an_unchanged_project_verifies(digits_project, cli_inprocess, cli):
-    frozen = freeze(cli_inprocess, digits_project)
-    result = cli("verify", digits_project / LOCK_NAME)
+def test_an_unchanged_project_verifies(digits_project):
+    frozen = freeze(digits_project)
+    result = run_cli("verify", digits_project / LOCK_NAME)
     assert result.code == 0, result.output
     assert result.stdout.startswith(f"ok: {frozen['records']} records of ")
-    report = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    report = verify(digits_project / LOCK_NAME, "--json")
     assert report.code == 0
     body = report.json()
     assert body["ok"] is True and body["problems"] == [] and body["checked"] == frozen["records"]
@@ -92,22 +94,22 @@ ROLES = [
 
 
 @pytest.mark.parametrize("role, relative", ROLES, ids=[r for r, _ in ROLES])
-def test_one_flipped_byte_is_named_with_exit_3(digits_project, cli_inprocess, helpers, role, relative):
-    freeze(cli_inprocess, digits_project)
+def test_one_flipped_byte_is_named_with_exit_3(digits_project, role, relative):
+    freeze(digits_project)
     assert read_lock(digits_project)["records"][role]["path"] == relative
-    helpers.flip_byte(digits_project / relative)
-    assert_reported(verify(cli_inprocess, digits_project / LOCK_NAME), role, relative, "changed")
-    body = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    support.flip_byte(digits_project / relative)
+    assert_reported(verify(digits_project / LOCK_NAME), role, relative, "changed")
+    body = verify(digits_project / LOCK_NAME, "--json")
     assert body.code == 3
     problems = body.json()["problems"]
     assert [(p["role"], p["path"], p["status"]) for p in problems] == [(role, relative, "changed")]
     assert problems[0]["sha256"] != problems[0]["expected_sha256"]
 
 
-def test_the_real_command_exits_3_naming_a_changed_parent(digits_project, cli_inprocess, cli, helpers):
-    freeze(cli_inprocess, digits_project)
-    helpers.flip_byte(digits_project / "parents/digits/seed-2.pt", offset=100)
-    result = cli("verify", digits_project / LOCK_NAME)
+def test_the_real_command_exits_3_naming_a_changed_parent(digits_project):
+    freeze(digits_project)
+    support.flip_byte(digits_project / "parents/digits/seed-2.pt", offset=100)
+    result = run_cli("verify", digits_project / LOCK_NAME)
     assert_reported(result, "parent.seed-2", "parents/digits/seed-2.pt", "changed")
 
 
@@ -140,71 +142,70 @@ def task_module(monkeypatch, request):
     return use
 
 
-def test_a_changed_task_source_file_is_named(digits_project, tmp_path, task_module, cli_inprocess, cli, helpers):
+def test_a_changed_task_source_file_is_named(digits_project, tmp_path, task_module):
     """A task module outside the project and the package is recorded by module name and found again by import."""
     modules = tmp_path / "modules"
     modules.mkdir()
     module = task_module(digits_project, modules, "mytask_outside")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     record = read_lock(digits_project)["records"]["source.task"]
     assert record == {"base": "module", "module": "mytask_outside", "path": "mytask_outside.py",
-                      "bytes": module.stat().st_size, "sha256": helpers.sha256_of(module)}
+                      "bytes": module.stat().st_size, "sha256": support.sha256_of(module)}
     lock = digits_project / LOCK_NAME
-    assert verify(cli_inprocess, lock).code == 0
+    assert verify(lock).code == 0
 
-    helpers.flip_byte(module)
-    assert_reported(verify(cli_inprocess, lock), "source.task", str(module.resolve()), "changed")
+    support.flip_byte(module)
+    assert_reported(verify(lock), "source.task", str(module.resolve()), "changed")
     # a real process finds the module through its own path
-    assert_reported(cli("verify", lock, env={"PYTHONPATH": str(modules)}), "source.task", str(module.resolve()),
+    assert_reported(run_cli("verify", lock, env={"PYTHONPATH": str(modules)}), "source.task", str(module.resolve()),
                     "changed")
 
 
 def test_a_task_module_that_cannot_be_imported_at_verify_time_is_missing(digits_project, tmp_path, task_module,
-                                                                         cli_inprocess, monkeypatch):
+                                                                         monkeypatch):
     modules = tmp_path / "modules"
     modules.mkdir()
     task_module(digits_project, modules, "mytask_missing")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     monkeypatch.undo()  # the module's folder leaves sys.path, and the module sys.modules
     sys.modules.pop("mytask_missing", None)
     importlib.invalidate_caches()
-    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    result = verify(digits_project / LOCK_NAME, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["path"], p["status"]) for p in result.json()["problems"]] == [
         ("source.task", "<module mytask_missing not importable>", "missing")]
 
 
-def test_a_task_module_inside_the_project_is_relative_to_the_lock(digits_project, task_module, cli_inprocess, cli,
-                                                                  helpers):
+def test_a_task_module_inside_the_project_is_relative_to_the_lock(digits_project, task_module):
     module = task_module(digits_project, digits_project, "mytask_inside")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     record = read_lock(digits_project)["records"]["source.task"]
-    assert record == {"path": "mytask_inside.py", "bytes": module.stat().st_size, "sha256": helpers.sha256_of(module)}
+    assert record == {"path": "mytask_inside.py", "bytes": module.stat().st_size, "sha256": support.sha256_of(module)}
     lock = digits_project / LOCK_NAME
-    assert verify(cli_inprocess, lock).code == 0
+    assert verify(lock).code == 0
 
-    helpers.flip_byte(module)
-    assert_reported(verify(cli_inprocess, lock), "source.task", "mytask_inside.py", "changed")
+    support.flip_byte(module)
+    assert_reported(verify(lock), "source.task", "mytask_inside.py", "changed")
     # read from beside the lock, not imported: a real process needs no PYTHONPATH
-    assert_reported(cli("verify", lock), "source.task", "mytask_inside.py", "changed")
+    assert_reported(run_cli("verify", lock), "source.task", "mytask_inside.py", "changed")
 
 
 ROLE = "source.opalctl/protocol/recheck.py"
 
 
-def test_opalctl_modules_are_recorded_relative_to_the_installed_package(digits_project, cli_inprocess, helpers):
-    freeze(cli_inprocess, digits_project)
+def test_opalctl_modules_are_recorded_relative_to_the_installed_package(digits_project):
+    freeze(digits_project)
     record = read_lock(digits_project)["records"][ROLE]
     real = PACKAGE / "protocol" / "recheck.py"
     assert record == {"base": "opalctl", "path": "protocol/recheck.py", "bytes": real.stat().st_size,
-                      "sha256": helpers.sha256_of(real)}
+                      "sha256": support.sha256_of(real)}
     assert load_lock(digits_project / LOCK_NAME).record_path(record) == real
 
 
 @pytest.mark.parametrize("change, status", [("sha256", "changed"), ("bytes", "resized")])
-def test_a_changed_opalctl_module_is_named(digits_project, cli_inprocess, cli, change, status):
+def test_a_changed_opalctl_module_is_named(digits_project, change, status):
     """The installed package differs from the frozen one: simulated by a lock that froze another digest (or size)."""
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = read_lock(digits_project)
     record = lock["records"][ROLE]
     if change == "sha256":
@@ -212,54 +213,54 @@ def test_a_changed_opalctl_module_is_named(digits_project, cli_inprocess, cli, c
     else:
         record["bytes"] += 1
     edited = write_lock(digits_project / LOCK_NAME, lock)
-    result = cli("verify", edited)
+    result = run_cli("verify", edited)
     assert_reported(result, ROLE, str(PACKAGE / "protocol" / "recheck.py"), status)
-    body = verify(cli_inprocess, edited, "--json")
+    body = verify(edited, "--json")
     assert body.code == 3
     assert [(p["role"], p["path"], p["status"]) for p in body.json()["problems"]] == [
         (ROLE, str(PACKAGE / "protocol" / "recheck.py"), status)]
 
 
-def test_an_opalctl_module_the_lock_does_not_record_is_reported_added(digits_project, cli_inprocess):
+def test_an_opalctl_module_the_lock_does_not_record_is_reported_added(digits_project):
     """A package file that was not there when the protocol was frozen: simulated by a lock without its record."""
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = read_lock(digits_project)
     del lock["records"][ROLE]
     edited = write_lock(digits_project / LOCK_NAME, lock)
-    result = verify(cli_inprocess, edited, "--json")
+    result = verify(edited, "--json")
     assert result.code == 3, result.output
     body = result.json()
     assert body["problems"] == [{"role": ROLE, "path": str(PACKAGE / "protocol" / "recheck.py"), "status": "added"}]
     assert body["checked"] == len(lock["records"])
-    human = verify(cli_inprocess, edited)
+    human = verify(edited)
     assert_reported(human, ROLE, str(PACKAGE / "protocol" / "recheck.py"), "added")
 
 
-def test_an_opalctl_record_of_a_file_gone_from_the_package_is_missing(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_an_opalctl_record_of_a_file_gone_from_the_package_is_missing(digits_project):
+    freeze(digits_project)
     lock = read_lock(digits_project)
     record = dict(lock["records"][ROLE], path="protocol/no_such_module.py")
     lock["records"]["source.opalctl/protocol/no_such_module.py"] = record
-    result = verify(cli_inprocess, write_lock(digits_project / LOCK_NAME, lock), "--json")
+    result = verify(write_lock(digits_project / LOCK_NAME, lock), "--json")
     assert result.code == 3
     assert [(p["role"], p["path"], p["status"]) for p in result.json()["problems"]] == [
         ("source.opalctl/protocol/no_such_module.py", str(PACKAGE / "protocol" / "no_such_module.py"), "missing")]
 
 
-def test_a_missing_file_is_reported_missing(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_a_missing_file_is_reported_missing(digits_project):
+    freeze(digits_project)
     (digits_project / "data/digits/selection.npz").unlink()
-    assert_reported(verify(cli_inprocess, digits_project / LOCK_NAME), "data.selection", "data/digits/selection.npz",
+    assert_reported(verify(digits_project / LOCK_NAME), "data.selection", "data/digits/selection.npz",
                     "missing")
 
 
 @pytest.mark.parametrize("change", [b"x", -1], ids=["grown", "shrunk"])
-def test_a_resized_file_is_reported_resized(digits_project, cli_inprocess, change):
-    freeze(cli_inprocess, digits_project)
+def test_a_resized_file_is_reported_resized(digits_project, change):
+    freeze(digits_project)
     path = digits_project / "data/digits/retention.npz"
     data = path.read_bytes()
     path.write_bytes(data + change if isinstance(change, bytes) else data[:change])
-    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    result = verify(digits_project / LOCK_NAME, "--json")
     assert result.code == 3
     body = result.json()
     assert body["ok"] is False
@@ -267,11 +268,11 @@ def test_a_resized_file_is_reported_resized(digits_project, cli_inprocess, chang
         ("data.retention", "resized", len(data) + (1 if isinstance(change, bytes) else -1), len(data))]
 
 
-def test_json_output_lists_every_problem_and_exits_3(digits_project, cli_inprocess, helpers):
-    freeze(cli_inprocess, digits_project)
-    helpers.flip_byte(digits_project / "data/digits/train.npz")
+def test_json_output_lists_every_problem_and_exits_3(digits_project):
+    freeze(digits_project)
+    support.flip_byte(digits_project / "data/digits/train.npz")
     (digits_project / "parents/digits/seed-1.pt").unlink()
-    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    result = verify(digits_project / LOCK_NAME, "--json")
     assert result.code == 3
     body = result.json()  # stdout is one JSON document and nothing else
     assert body["ok"] is False and body["name"] == "digits"
@@ -282,12 +283,12 @@ def test_json_output_lists_every_problem_and_exits_3(digits_project, cli_inproce
     assert statuses["data.train"] == "changed" and statuses["data.selection"] == "ok"
 
 
-def test_a_hand_edited_lock_protocol_is_caught(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_a_hand_edited_lock_protocol_is_caught(digits_project):
+    freeze(digits_project)
     lock = read_lock(digits_project)
     lock["protocol"]["budget"]["amount"] = 200.0
     (digits_project / LOCK_NAME).write_text(canonical_json(lock), encoding="utf-8")
-    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    result = verify(digits_project / LOCK_NAME, "--json")
     assert result.code == 3
     assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
 
@@ -299,11 +300,11 @@ def test_a_hand_edited_lock_protocol_is_caught(digits_project, cli_inprocess):
     ('{"format": "opalctl-lock/1", "status": "draft"}', "not 'frozen'"),
     ('{"format": "opalctl-lock/1", "status": "frozen"}', "lacks the key"),
 ])
-def test_a_bad_lock_is_bad_input(tmp_path, cli_inprocess, content, expected):
+def test_a_bad_lock_is_bad_input(tmp_path, content, expected):
     lock = tmp_path / "x.lock.json"
     if content is not None:
         lock.write_text(content, encoding="utf-8")
-    result = verify(cli_inprocess, lock)
+    result = verify(lock)
     assert result.code == 2
     assert result.stderr.startswith("opalctl: error: ") and result.stderr.count("\n") == 1
     assert expected in result.stderr and str(lock) in result.stderr
@@ -311,28 +312,27 @@ def test_a_bad_lock_is_bad_input(tmp_path, cli_inprocess, content, expected):
 
 @pytest.mark.parametrize("frozen_at, moved_to", [((), ("a", "b", "c")), (("a", "b", "c"), ())],
                          ids=["moved-deeper", "moved-shallower"])
-def test_a_frozen_project_moved_to_another_depth_still_verifies(digits_project, tmp_path, cli_inprocess, cli,
-                                                                frozen_at, moved_to):
+def test_a_frozen_project_moved_to_another_depth_still_verifies(digits_project, tmp_path, frozen_at, moved_to):
     original = tmp_path.joinpath("frozen", *frozen_at, "project")
     shutil.copytree(digits_project, original)
-    frozen = freeze(cli_inprocess, original)
+    frozen = freeze(original)
     moved = tmp_path.joinpath("moved", *moved_to, "project")
     shutil.copytree(original, moved)
     shutil.rmtree(original)  # nothing may still be read from the old place
-    result = verify(cli_inprocess, moved / LOCK_NAME, "--json")
+    result = verify(moved / LOCK_NAME, "--json")
     assert result.code == 0, result.stdout[:2000]
     assert result.json()["checked"] == frozen["records"] and result.json()["sha256"] == frozen["sha256"]
-    assert cli("verify", moved / LOCK_NAME, cwd=moved).code == 0  # and from a real process in another folder
+    assert run_cli("verify", moved / LOCK_NAME, cwd=moved).code == 0  # and from a real process in another folder
 
 
 def test_a_project_with_its_own_task_module_moved_to_another_depth_still_verifies(digits_project, tmp_path,
-                                                                                task_module, cli_inprocess):
+                                                                                task_module):
     task_module(digits_project, digits_project, "mytask_moved")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     moved = tmp_path / "a" / "b" / "c"
     shutil.copytree(digits_project, moved)
     shutil.rmtree(digits_project)
-    result = verify(cli_inprocess, moved / LOCK_NAME)
+    result = verify(moved / LOCK_NAME)
     assert result.code == 0, result.output
 
 
@@ -340,8 +340,8 @@ def test_a_project_with_its_own_task_module_moved_to_another_depth_still_verifie
 # freeze
 
 
-def test_the_lock_is_canonical_and_records_every_input(digits_project, cli_inprocess, helpers):
-    frozen = freeze(cli_inprocess, digits_project)
+def test_the_lock_is_canonical_and_records_every_input(digits_project):
+    frozen = freeze(digits_project)
     raw = (digits_project / LOCK_NAME).read_bytes()
     text = raw.decode("utf-8")
     lock = json.loads(text)
@@ -361,7 +361,7 @@ def test_the_lock_is_canonical_and_records_every_input(digits_project, cli_inpro
         assert not os.path.isabs(record["path"]) and ".." not in Path(record["path"]).parts, role
         target = located.record_path(record)
         assert target.is_file(), role
-        assert record["bytes"] == target.stat().st_size and record["sha256"] == helpers.sha256_of(target), role
+        assert record["bytes"] == target.stat().st_size and record["sha256"] == support.sha256_of(target), role
     expected = {"protocol": "digits.yaml", **{f"data.{s}": f"data/digits/{s}.npz"
                                              for s in ("train", "development", "selection", "retention")},
                 "parent.seed-1": "parents/digits/seed-1.pt", "parent.seed-2": "parents/digits/seed-2.pt"}
@@ -376,8 +376,8 @@ def test_the_lock_is_canonical_and_records_every_input(digits_project, cli_inpro
     assert "source.opalctl/cli.py" in sources and "source.opalctl/protocol/freeze.py" in sources
 
 
-def test_the_lock_holds_the_resolved_protocol_and_its_digest(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_the_lock_holds_the_resolved_protocol_and_its_digest(digits_project):
+    freeze(digits_project)
     lock = read_lock(digits_project)
     protocol = lock["protocol"]
     assert lock["protocol_sha256"] == hashlib.sha256(canonical_json(protocol).encode("utf-8")).hexdigest()
@@ -391,10 +391,10 @@ def test_the_lock_holds_the_resolved_protocol_and_its_digest(digits_project, cli
     assert protocol["task"] == {"entry": "opalctl.tasks.digits:Digits", "config": {"hidden": 128, "replay_share": 0.25}}
 
 
-def test_the_lock_records_the_environment(digits_project, cli_inprocess):
+def test_the_lock_records_the_environment(digits_project):
     import torch
 
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     environment = read_lock(digits_project)["environment"]
     assert environment["python"] == platform.python_version()
     assert environment["torch"] == torch.__version__
@@ -409,48 +409,48 @@ def test_the_lock_records_the_environment(digits_project, cli_inprocess):
     assert {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} <= set(threads)
 
 
-def test_freeze_is_unchanged_when_nothing_changed(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_freeze_is_unchanged_when_nothing_changed(digits_project):
+    freeze(digits_project)
     lock = digits_project / LOCK_NAME
     before = (lock.read_bytes(), lock.stat().st_mtime_ns)
-    again = freeze(cli_inprocess, digits_project)
+    again = freeze(digits_project)
     assert again["outcome"] == "unchanged"
     assert (lock.read_bytes(), lock.stat().st_mtime_ns) == before
-    human = cli_inprocess("freeze", digits_project / "digits.yaml")
+    human = call_cli("freeze", digits_project / "digits.yaml")
     assert human.code == 0 and "unchanged" in human.stdout
 
 
-def test_freeze_refuses_to_replace_a_different_lock_without_force(digits_project, cli_inprocess, cli):
-    first = freeze(cli_inprocess, digits_project)
+def test_freeze_refuses_to_replace_a_different_lock_without_force(digits_project):
+    first = freeze(digits_project)
     lock = digits_project / LOCK_NAME
     before = lock.read_bytes()
     protocol = digits_project / "digits.yaml"
     protocol.write_text(protocol.read_text(encoding="utf-8").replace("seeds: [1, 2]", "seeds: [1]"), encoding="utf-8")
 
-    refused = cli("freeze", protocol)
+    refused = run_cli("freeze", protocol)
     assert refused.code == 2, refused.output
     assert refused.stderr.startswith("opalctl: error: ") and refused.stderr.count("\n") == 1
     assert str(lock) in refused.stderr and "--force" in refused.stderr
     assert lock.read_bytes() == before
 
-    forced = cli_inprocess("freeze", protocol, "--force", "--json")
+    forced = call_cli("freeze", protocol, "--force", "--json")
     assert forced.code == 0, forced.output
     assert forced.json()["outcome"] == "replaced" and forced.json()["sha256"] != first["sha256"]
     assert read_lock(digits_project)["protocol"]["seeds"] == [1]
     assert "parent.seed-2" not in read_lock(digits_project)["records"]
-    assert verify(cli_inprocess, lock).code == 0
+    assert verify(lock).code == 0
 
 
-def test_freeze_refuses_a_missing_data_file(digits_project, cli_inprocess):
+def test_freeze_refuses_a_missing_data_file(digits_project):
     (digits_project / "data/digits/development.npz").unlink()
-    result = cli_inprocess("freeze", digits_project / "digits.yaml")
+    result = call_cli("freeze", digits_project / "digits.yaml")
     assert result.code == 2
     assert "missing data.development (data/digits/development.npz)" in result.stderr
     assert not (digits_project / LOCK_NAME).exists()
 
 
-def test_freeze_of_a_missing_protocol_is_bad_input(tmp_path, cli_inprocess):
-    result = cli_inprocess("freeze", tmp_path / "absent.yaml")
+def test_freeze_of_a_missing_protocol_is_bad_input(tmp_path):
+    result = call_cli("freeze", tmp_path / "absent.yaml")
     assert result.code == 2
     assert result.stderr == f"opalctl: error: protocol {tmp_path / 'absent.yaml'} does not exist; check the path " \
                             f"(or write one with `opalctl init`)\n"
@@ -492,26 +492,25 @@ def assert_refused_naming_the_lock(result, lock: Path, key: str, text: str):
     assert "Traceback" not in result.output
 
 
-def test_a_forged_lock_naming_sealed_data_is_refused_by_verify_with_exit_2(digits_project, cli_inprocess, cli):
-    freeze(cli_inprocess, digits_project)
+def test_a_forged_lock_naming_sealed_data_is_refused_by_verify_with_exit_2(digits_project):
+    freeze(digits_project)
     lock = forge_lock(digits_project, point_selection_at_sealed_data(digits_project))
     assert load_lock(lock).records["data.selection"]["path"] == "sealed/selection.npz"
-    for result in (verify(cli_inprocess, lock), verify(cli_inprocess, lock, "--json"), cli("verify", lock)):
+    for result in (verify(lock), verify(lock, "--json"), run_cli("verify", lock)):
         assert_refused_naming_the_lock(result, lock, "data.selection", "names sealed data ('sealed')")
 
 
-def test_a_forged_lock_naming_sealed_data_is_refused_by_run_before_any_work(digits_project, cli_inprocess,
-                                                                            tmp_path):
-    freeze(cli_inprocess, digits_project)
+def test_a_forged_lock_naming_sealed_data_is_refused_by_run_before_any_work(digits_project, tmp_path):
+    freeze(digits_project)
     lock = forge_lock(digits_project, point_selection_at_sealed_data(digits_project))
     runs = tmp_path / "runs"
-    result = cli_inprocess("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)
+    result = call_cli("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)
     assert_refused_naming_the_lock(result, lock, "data.selection", "names sealed data ('sealed')")
     assert not runs.exists() or not any(runs.rglob("*.json"))
 
 
-def test_a_forged_lock_whose_parent_is_sealed_is_refused(digits_project, cli_inprocess):
-    freeze(cli_inprocess, digits_project)
+def test_a_forged_lock_whose_parent_is_sealed_is_refused(digits_project):
+    freeze(digits_project)
 
     def edit(lock: dict) -> None:
         (digits_project / "final-test").mkdir()
@@ -520,7 +519,7 @@ def test_a_forged_lock_whose_parent_is_sealed_is_refused(digits_project, cli_inp
         lock["records"]["parent.seed-1"]["path"] = "final-test/seed-1.pt"
 
     lock = forge_lock(digits_project, edit)
-    assert_refused_naming_the_lock(verify(cli_inprocess, lock), lock, "parents", "names sealed data ('final-test')")
+    assert_refused_naming_the_lock(verify(lock), lock, "parents", "names sealed data ('final-test')")
 
 
 @pytest.mark.parametrize("key, value, named, text", [
@@ -529,9 +528,9 @@ def test_a_forged_lock_whose_parent_is_sealed_is_refused(digits_project, cli_inp
     (("arms", "adamw", "optimizer", "lr"), -1.0, "arms.adamw.optimizer.name", "AdamW refuses these arguments"),
     (("task", "config", "hidden"), 0, "task.config.hidden", "greater than"),
 ], ids=["fractions", "amount-type", "optimizer-value", "task-config"])
-def test_a_lock_whose_protocol_is_edited_to_an_invalid_value_is_refused(digits_project, cli_inprocess, tmp_path,
+def test_a_lock_whose_protocol_is_edited_to_an_invalid_value_is_refused(digits_project, tmp_path,
                                                                         key, value, named, text):
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
 
     def edit(lock: dict) -> None:
         node = lock["protocol"]
@@ -540,35 +539,34 @@ def test_a_lock_whose_protocol_is_edited_to_an_invalid_value_is_refused(digits_p
         node[key[-1]] = value
 
     lock = forge_lock(digits_project, edit)
-    assert_refused_naming_the_lock(verify(cli_inprocess, lock), lock, named, text)
-    result = cli_inprocess("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "runs")
+    assert_refused_naming_the_lock(verify(lock), lock, named, text)
+    result = call_cli("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "runs")
     assert_refused_naming_the_lock(result, lock, named, text)
 
 
-def test_an_edited_invalid_lock_whose_digest_was_not_recomputed_is_a_change_with_exit_3(digits_project,
-                                                                                        cli_inprocess):
+def test_an_edited_invalid_lock_whose_digest_was_not_recomputed_is_a_change_with_exit_3(digits_project):
     """A changed record is named first: the edit shows as a change, which restoring the lock undoes."""
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = read_lock(digits_project)
     lock["protocol"]["budget"]["fractions"] = [0.5, 0.25, 1.0]
     write_lock(digits_project / LOCK_NAME, lock)
-    result = verify(cli_inprocess, digits_project / LOCK_NAME, "--json")
+    result = verify(digits_project / LOCK_NAME, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
 
 
 @pytest.mark.parametrize("name", ["../../elsewhere/x", "/tmp/elsewhere", 5, "digits-other"])
 def test_a_lock_whose_name_was_edited_by_hand_is_refused_by_every_command_before_any_folder_is_made(
-        digits_project, cli_inprocess, tmp_path, name):
+        digits_project, tmp_path, name):
     """The name becomes the runs folder's (runs/NAME-SHA12): one that is no folder name, or is not its protocol's,
     is refused in one sentence naming the lock, by verify and by run, and nothing is written anywhere."""
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = read_lock(digits_project)
     lock["name"] = name
     path = write_lock(digits_project / LOCK_NAME, lock)
     runs, before = tmp_path / "runs", sorted(p.name for p in tmp_path.parent.iterdir())
-    for result in (verify(cli_inprocess, path),
-                   cli_inprocess("run", path, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)):
+    for result in (verify(path),
+                   call_cli("run", path, "--arm", "adamw", "--seed", "1", "--runs-dir", runs)):
         assert result.code == 2 and f"lock {path}" in result.stderr, result.output
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not runs.exists() and sorted(p.name for p in tmp_path.parent.iterdir()) == before

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import call_cli
 
 BASE_TEXT = protocol_text("digits", [1, 2])
 BASE = yaml.safe_load(BASE_TEXT)
@@ -252,13 +253,13 @@ def fuzz_folder(digits_init_folder, tmp_path_factory):
     return folder
 
 
-def assert_refused(cli_inprocess, folder, case):
+def assert_refused(folder, case):
     kind, text, expected = case
     for stale in folder.glob("*.lock.json"):
         stale.unlink()
     path = folder / "fuzz.yaml"
     path.write_text(text, encoding="utf-8")
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2, f"{kind}: exit {result.code}, not 2\n{text}\nstdout: {result.stdout}\nstderr: {result.stderr}"
     assert "Traceback" not in result.output, result.output
     assert result.stderr.startswith("opalctl: error: "), result.stderr
@@ -269,12 +270,12 @@ def assert_refused(cli_inprocess, folder, case):
     assert not list(folder.glob("*.lock.json")), "an invalid protocol wrote a lock"
 
 
-def test_the_unmutated_protocol_is_valid(fuzz_folder, cli_inprocess):
+def test_the_unmutated_protocol_is_valid(fuzz_folder):
     """The base of every mutation freezes: what the fuzz refuses is the mutation, not the base."""
     path = fuzz_folder / "base.yaml"
     path.write_text(dump(BASE), encoding="utf-8")
     try:
-        result = cli_inprocess("freeze", path)
+        result = call_cli("freeze", path)
         assert result.code == 0, result.output
     finally:
         for lock in fuzz_folder.glob("*.lock.json"):
@@ -284,13 +285,13 @@ def test_the_unmutated_protocol_is_valid(fuzz_folder, cli_inprocess):
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=MUTATIONS)
-def test_fuzzed_invalid_protocols_exit_2_with_one_line(fuzz_folder, cli_inprocess, case):
-    assert_refused(cli_inprocess, fuzz_folder, case)
+def test_fuzzed_invalid_protocols_exit_2_with_one_line(fuzz_folder, case):
+    assert_refused(fuzz_folder, case)
 
 
 @pytest.mark.parametrize("path", REQUIRED, ids=dotted)
-def test_every_required_key_deleted_is_refused(fuzz_folder, cli_inprocess, path):
-    assert_refused(cli_inprocess, fuzz_folder, without(path))
+def test_every_required_key_deleted_is_refused(fuzz_folder, path):
+    assert_refused(fuzz_folder, without(path))
 
 
 ALL_YAML = ([("unclosed", i, unclosed(i)) for i in FLOW_LINES]
@@ -301,8 +302,8 @@ ALL_YAML = ([("unclosed", i, unclosed(i)) for i in FLOW_LINES]
 
 
 @pytest.mark.parametrize("name, index, text", ALL_YAML, ids=[f"{n}-line{i + 1}" for n, i, _ in ALL_YAML])
-def test_every_yaml_corruption_is_refused(fuzz_folder, cli_inprocess, name, index, text):
-    assert_refused(cli_inprocess, fuzz_folder, ("broken yaml", text, "the YAML cannot be parsed"))
+def test_every_yaml_corruption_is_refused(fuzz_folder, name, index, text):
+    assert_refused(fuzz_folder, ("broken yaml", text, "the YAML cannot be parsed"))
 
 
 LINE_CASES = ([("tab", i, tabbed(i), i + 1) for i in INDENTED] + [("colon", i, stray_colon(i, "oops"), i + 1) for i in PLAIN]
@@ -310,10 +311,10 @@ LINE_CASES = ([("tab", i, tabbed(i), i + 1) for i in INDENTED] + [("colon", i, s
 
 
 @pytest.mark.parametrize("name, index, text, line", LINE_CASES, ids=[f"{c[0]}-line{c[1] + 1}" for c in LINE_CASES])
-def test_a_tab_a_stray_colon_or_a_repeated_key_names_its_line(fuzz_folder, cli_inprocess, name, index, text, line):
+def test_a_tab_a_stray_colon_or_a_repeated_key_names_its_line(fuzz_folder, name, index, text, line):
     path = fuzz_folder / "fuzz.yaml"
     path.write_text(text, encoding="utf-8")
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2, result.output
     assert f"{path} line {line}:" in result.stderr, result.stderr
 

@@ -25,6 +25,7 @@ import pytest
 
 from opalctl.files import canonical_json
 from opalctl.protocol.lock import protocol_digest
+from tests.support.cli import call_cli
 
 SEED = 20261203
 CASES = 120
@@ -169,7 +170,7 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def test_verify_and_run_of_any_hand_edited_lock_exit_0_2_or_3_with_one_line(frozen, cli_inprocess, tmp_path):
+def test_verify_and_run_of_any_hand_edited_lock_exit_0_2_or_3_with_one_line(frozen, tmp_path):
     lock_path, original = frozen
     rng = random.Random(SEED)
     failures, codes = [], {"verify": [], "run": []}
@@ -181,7 +182,7 @@ def test_verify_and_run_of_any_hand_edited_lock_exit_0_2_or_3_with_one_line(froz
                               ("run", ("run", lock_path, "--arm", "adamw", "--seed", "1", "--resume",
                                        "--runs-dir", runs))):
             before, started = peak_bytes(), time.process_time()
-            result = cli_inprocess(*args)
+            result = call_cli(*args)
             seconds, growth = time.process_time() - started, peak_bytes() - before
             codes[command].append(result.code)
             failures += judge(f"case {number}", command, result, seconds, growth)
@@ -195,12 +196,11 @@ def test_verify_and_run_of_any_hand_edited_lock_exit_0_2_or_3_with_one_line(froz
     assert codes["verify"].count(2) >= CASES // 3
 
 
-def test_the_unedited_lock_verifies_and_run_refuses_only_for_want_of_a_run_to_resume(frozen, cli_inprocess,
-                                                                                      tmp_path):
+def test_the_unedited_lock_verifies_and_run_refuses_only_for_want_of_a_run_to_resume(frozen, tmp_path):
     """Guards the fuzz: its base lock is one every command accepts."""
     lock_path, original = frozen
     write_case(lock_path, copy.deepcopy(original), recompute=False)
-    assert cli_inprocess("verify", lock_path).code == 0
-    result = cli_inprocess("run", lock_path, "--arm", "adamw", "--seed", "1", "--resume", "--runs-dir",
+    assert call_cli("verify", lock_path).code == 0
+    result = call_cli("run", lock_path, "--arm", "adamw", "--seed", "1", "--resume", "--runs-dir",
                            tmp_path / "runs")
     assert result.code == 2 and "there is no run to resume" in result.stderr, result.output

@@ -16,12 +16,13 @@ import pytest
 
 from opalctl.files import canonical_json
 from opalctl.protocol.lock import protocol_digest
+from tests.support.cli import call_cli
 
 LOCK_NAME = "digits.lock.json"
 
 
-def freeze(cli_inprocess, project: Path) -> Path:
-    result = cli_inprocess("freeze", project / "digits.yaml")
+def freeze(project: Path) -> Path:
+    result = call_cli("freeze", project / "digits.yaml")
     assert result.code == 0, result.output
     return project / LOCK_NAME
 
@@ -64,13 +65,13 @@ def assert_one_sentence(result, lock: Path, *words: str, code: int = 2) -> None:
 
 
 @pytest.mark.parametrize("arm", ["report.html", "anchors", "5", "1e3", "nan", "true", "0x1F", "_x"])
-def test_freeze_refuses_an_arm_named_as_a_file_opalctl_writes_or_as_a_number(digits_project, cli_inprocess, arm):
+def test_freeze_refuses_an_arm_named_as_a_file_opalctl_writes_or_as_a_number(digits_project, arm):
     """``report.html`` and ``anchors`` lie beside the arms' folders; ``5``, ``1e3``, ``nan``, ``true`` read back as
     other values than the name (quoted here, so YAML gives the schema the string)."""
     text = (digits_project / "digits.yaml").read_text(encoding="utf-8")
     (digits_project / "digits.yaml").write_text(text.replace("  adamw-long:", f"  {json.dumps(arm)}:"),
                                                 encoding="utf-8")
-    result = cli_inprocess("freeze", digits_project / "digits.yaml")
+    result = call_cli("freeze", digits_project / "digits.yaml")
     assert result.code == 2, result.output
     assert result.stderr.count("\n") == 1 and f"arms.{arm}" in result.stderr.replace("'", ""), result.stderr
     assert not (digits_project / LOCK_NAME).exists()
@@ -78,26 +79,26 @@ def test_freeze_refuses_an_arm_named_as_a_file_opalctl_writes_or_as_a_number(dig
 
 @pytest.mark.parametrize("arm", ["../../x", "/tmp/elsewhere-x", "report.html", "anchors", "5", "nan"])
 def test_a_lock_whose_arm_was_renamed_by_hand_is_refused_by_every_reader_before_any_folder_is_made(
-        digits_project, cli_inprocess, tmp_path, arm):
-    lock = edited(freeze(cli_inprocess, digits_project),
+        digits_project, tmp_path, arm):
+    lock = edited(freeze(digits_project),
                   lambda data: data["protocol"]["arms"].__setitem__(arm, data["protocol"]["arms"].pop("adamw-long")))
     runs, out, before = tmp_path / "runs", tmp_path / "tb", everything_under(tmp_path)
     for name, command in readers(lock, runs, out).items():
-        result = cli_inprocess(*command)
+        result = call_cli(*command)
         assert_one_sentence(result, lock, "arm", repr(arm))
         assert everything_under(tmp_path) == before, f"{name} wrote {set(everything_under(tmp_path)) - set(before)}"
     assert not Path("/tmp/elsewhere-x").exists()
 
 
 @pytest.mark.parametrize("name", ["5", "anchors", "1e3"])
-def test_a_lock_renamed_by_hand_to_a_number_or_a_reserved_name_is_refused(digits_project, cli_inprocess, tmp_path,
+def test_a_lock_renamed_by_hand_to_a_number_or_a_reserved_name_is_refused(digits_project, tmp_path,
                                                                           name):
     def rename(data):
         data["name"] = data["protocol"]["name"] = name
 
-    lock = edited(freeze(cli_inprocess, digits_project), rename)
+    lock = edited(freeze(digits_project), rename)
     for command in readers(lock, tmp_path / "runs", tmp_path / "tb").values():
-        assert_one_sentence(cli_inprocess(*command), lock, repr(name))
+        assert_one_sentence(call_cli(*command), lock, repr(name))
     assert not (tmp_path / "runs").exists()
 
 
@@ -110,21 +111,21 @@ def repoint_selection_at_the_training_rows(data):
 
 
 def test_a_split_repointed_at_the_training_rows_is_refused_though_every_record_still_matches(
-        digits_project, cli_inprocess, tmp_path):
+        digits_project, tmp_path):
     """The issue's case: the split is read from the protocol, and each record checks only its own path, so
     ``verify`` said 0 and a run would judge on training rows."""
-    lock = edited(freeze(cli_inprocess, digits_project), repoint_selection_at_the_training_rows)
+    lock = edited(freeze(digits_project), repoint_selection_at_the_training_rows)
     before = everything_under(tmp_path)
     for name, command in readers(lock, tmp_path / "runs", tmp_path / "tb").items():
-        result = cli_inprocess(*command)
+        result = call_cli(*command)
         assert_one_sentence(result, lock, "data.selection", "data/digits/train.npz", "data/digits/selection.npz")
         assert everything_under(tmp_path) == before, name
-    assert cli_inprocess("verify", lock).stderr.count("\n") == 1, "one line"
+    assert call_cli("verify", lock).stderr.count("\n") == 1, "one line"
 
 
 def test_checkpoint_bytes_below_the_parents_size_is_refused_up_front_not_after_training(digits_project,
-                                                                                         cli_inprocess, tmp_path):
-    lock_path = freeze(cli_inprocess, digits_project)
+                                                                                         tmp_path):
+    lock_path = freeze(digits_project)
     parent = os.path.getsize(digits_project / "parents/digits/seed-1.pt")
 
     def shrink(data):
@@ -133,7 +134,7 @@ def test_checkpoint_bytes_below_the_parents_size_is_refused_up_front_not_after_t
     lock = edited(lock_path, shrink)
     before = everything_under(tmp_path)
     for command in readers(lock, tmp_path / "runs", tmp_path / "tb").values():
-        result = cli_inprocess(*command)
+        result = call_cli(*command)
         assert_one_sentence(result, lock, "limits.checkpoint_bytes", str(parent - 1), f"{parent} bytes")
     assert everything_under(tmp_path) == before
 
@@ -148,23 +149,23 @@ def test_checkpoint_bytes_below_the_parents_size_is_refused_up_front_not_after_t
     (lambda data: data["records"].pop("source.task"), "records.source.task"),
 ], ids=["record-missing", "record-of-another-split", "record-of-another-parent", "record-of-no-split",
         "protocol-elsewhere", "no-task-source"])
-def test_a_record_that_is_not_of_the_path_the_protocol_names_is_refused(digits_project, cli_inprocess, tmp_path,
+def test_a_record_that_is_not_of_the_path_the_protocol_names_is_refused(digits_project, tmp_path,
                                                                         edit, key):
-    lock = edited(freeze(cli_inprocess, digits_project), edit)
-    assert_one_sentence(cli_inprocess("verify", lock), lock, key)
-    result = cli_inprocess("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "runs")
+    lock = edited(freeze(digits_project), edit)
+    assert_one_sentence(call_cli("verify", lock), lock, key)
+    result = call_cli("run", lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "runs")
     assert_one_sentence(result, lock, key)
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_lock_edited_and_its_digest_left_alone_is_still_a_change_under_verify(digits_project, cli_inprocess):
+def test_a_lock_edited_and_its_digest_left_alone_is_still_a_change_under_verify(digits_project):
     """The re-check never hides a change: a protocol that no longer matches its digest is listed as changed (exit 3),
     whatever else is wrong with it."""
-    lock_path = freeze(cli_inprocess, digits_project)
+    lock_path = freeze(digits_project)
     lock = json.loads(lock_path.read_text(encoding="utf-8"))
     repoint_selection_at_the_training_rows(lock)
     lock_path.write_text(canonical_json(lock), encoding="utf-8")
-    result = cli_inprocess("verify", lock_path, "--json")
+    result = call_cli("verify", lock_path, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["status"]) for p in result.json()["problems"]] == [("lock.protocol", "changed")]
 
@@ -183,8 +184,8 @@ def test_a_lock_edited_and_its_digest_left_alone_is_still_a_change_under_verify(
     (lambda data: data["protocol"].__setitem__("seeds", {"1": 1}), "seeds"),
 ], ids=["arms-an-int", "protocol-a-list", "record-without-sha256", "bytes-a-string", "records-a-list",
         "record-null", "seeds-an-object"])
-def test_a_lock_of_another_shape_is_one_sentence_naming_the_key(digits_project, cli_inprocess, tmp_path, edit, key):
-    lock = edited(freeze(cli_inprocess, digits_project), edit)
+def test_a_lock_of_another_shape_is_one_sentence_naming_the_key(digits_project, tmp_path, edit, key):
+    lock = edited(freeze(digits_project), edit)
     for command in readers(lock, tmp_path / "runs", tmp_path / "tb").values():
-        assert_one_sentence(cli_inprocess(*command), lock, f"{key}: ")
+        assert_one_sentence(call_cli(*command), lock, f"{key}: ")
     assert not (tmp_path / "runs").exists()

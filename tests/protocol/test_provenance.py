@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from opalctl.protocol import provenance
+from tests import support
+from tests.support.cli import call_cli, run_cli
 
 LOCK_NAME = "digits.lock.json"
 
@@ -54,14 +56,14 @@ def task_package(monkeypatch, request):
     return make
 
 
-def freeze(cli_inprocess, project: Path) -> dict:
-    result = cli_inprocess("freeze", project / "digits.yaml", "--json")
+def freeze(project: Path) -> dict:
+    result = call_cli("freeze", project / "digits.yaml", "--json")
     assert result.code == 0, result.output
     return json.loads((project / LOCK_NAME).read_text(encoding="utf-8"))
 
 
-def test_the_lock_lists_the_version_of_every_installed_distribution(digits_project, cli_inprocess):
-    listed = freeze(cli_inprocess, digits_project)["environment"]["distributions"]
+def test_the_lock_lists_the_version_of_every_installed_distribution(digits_project):
+    listed = freeze(digits_project)["environment"]["distributions"]
     assert listed["click"] == importlib.metadata.version("click")
     assert listed["torch"] == importlib.metadata.version("torch")
     for name in ("transformers", "lightning"):  # the frameworks researchers train with, where installed
@@ -73,52 +75,52 @@ def test_the_lock_lists_the_version_of_every_installed_distribution(digits_proje
 
 
 def test_every_module_of_a_task_package_outside_the_project_is_recorded_by_module_name(
-        digits_project, tmp_path, task_package, cli_inprocess, helpers):
+        digits_project, tmp_path, task_package):
     modules = tmp_path / "modules"
     package = task_package(digits_project, modules, "mypkg_outside")
-    records = freeze(cli_inprocess, digits_project)["records"]
+    records = freeze(digits_project)["records"]
     assert records["source.task"]["module"] == "mypkg_outside.task"
     recorded = {role: record for role, record in records.items() if role.startswith(provenance.PACKAGE_ROLE)}
     assert sorted(recorded) == [provenance.PACKAGE_ROLE + name for name in (
         "mypkg_outside", "mypkg_outside.helpers", "mypkg_outside.parts", "mypkg_outside.parts.layers")]
     assert recorded[provenance.PACKAGE_ROLE + "mypkg_outside.helpers"] == {
         "base": "module", "module": "mypkg_outside.helpers", "path": "helpers.py",
-        "bytes": (package / "helpers.py").stat().st_size, "sha256": helpers.sha256_of(package / "helpers.py")}
+        "bytes": (package / "helpers.py").stat().st_size, "sha256": support.sha256_of(package / "helpers.py")}
 
 
 def test_an_edited_sibling_module_of_the_task_is_named_by_verify_with_exit_3(
-        digits_project, tmp_path, task_package, cli_inprocess, cli):
+        digits_project, tmp_path, task_package):
     package = task_package(digits_project, tmp_path / "modules", "mypkg_sibling")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = digits_project / LOCK_NAME
-    assert cli_inprocess("verify", lock).code == 0
+    assert call_cli("verify", lock).code == 0
     layers = package / "parts" / "layers.py"
     layers.write_text("EXTRA = 1\n", encoding="utf-8")  # same size, other bytes: what an edit usually is
-    for result in (cli_inprocess("verify", lock, "--json"),
-                   cli("verify", lock, "--json", env={"PYTHONPATH": str(tmp_path / "modules")})):
+    for result in (call_cli("verify", lock, "--json"),
+                   run_cli("verify", lock, "--json", env={"PYTHONPATH": str(tmp_path / "modules")})):
         assert result.code == 3, result.output
         assert [(p["role"], p["path"], p["status"]) for p in json.loads(result.stdout)["problems"]] == [
             (provenance.PACKAGE_ROLE + "mypkg_sibling.parts.layers", str(layers.resolve()), "changed")]
 
 
 def test_a_task_package_inside_the_project_is_recorded_relative_to_the_lock(
-        digits_project, task_package, cli_inprocess, cli):
+        digits_project, task_package):
     package = task_package(digits_project, digits_project / "src", "mypkg_inside")
-    records = freeze(cli_inprocess, digits_project)["records"]
+    records = freeze(digits_project)["records"]
     assert records[provenance.PACKAGE_ROLE + "mypkg_inside.helpers"]["path"] == "src/mypkg_inside/helpers.py"
     (package / "helpers.py").write_text("HIDDEN = 127\n", encoding="utf-8")
-    result = cli("verify", digits_project / LOCK_NAME)  # read beside the lock: no PYTHONPATH needed
+    result = run_cli("verify", digits_project / LOCK_NAME)  # read beside the lock: no PYTHONPATH needed
     assert result.code == 3, result.output
     assert [line.split()[1:] for line in result.stdout.splitlines() if line.startswith(provenance.PACKAGE_ROLE)] == [
         ["src/mypkg_inside/helpers.py", "changed"]]
 
 
 def test_a_task_package_over_the_file_limit_is_refused_naming_the_package(
-        digits_project, tmp_path, task_package, cli_inprocess):
+        digits_project, tmp_path, task_package):
     package = task_package(digits_project, tmp_path / "modules", "mypkg_huge")
     for index in range(provenance.MAX_PACKAGE_FILES):
         (package / f"generated_{index}.py").write_bytes(b"")
-    result = cli_inprocess("freeze", digits_project / "digits.yaml")
+    result = call_cli("freeze", digits_project / "digits.yaml")
     assert result.code == 2, result.output
     assert "task.entry's package mypkg_huge" in result.output and "a package of its own" in result.output
     assert "Traceback" not in result.output and not (digits_project / LOCK_NAME).exists()
@@ -126,13 +128,13 @@ def test_a_task_package_over_the_file_limit_is_refused_naming_the_package(
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
 def test_a_module_added_to_the_task_package_after_the_freeze_is_listed_as_added(
-        digits_project, tmp_path, task_package, cli_inprocess, where):
+        digits_project, tmp_path, task_package, where):
     from opalctl.protocol.lock import read_lock
 
     name = f"mypkg_added_{where}"
     folder = tmp_path / "modules" if where == "outside" else digits_project / "src"
     package = task_package(digits_project, folder, name)
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = read_lock(digits_project / LOCK_NAME)
     assert provenance.added_sources(lock) == []
     (package / "parts" / "attention.py").write_text("HEADS = 4\n", encoding="utf-8")
@@ -141,21 +143,21 @@ def test_a_module_added_to_the_task_package_after_the_freeze_is_listed_as_added(
                                                "status": "added"}]
 
 
-def test_nothing_is_added_for_a_built_in_task(digits_project, cli_inprocess):
+def test_nothing_is_added_for_a_built_in_task(digits_project):
     from opalctl.protocol.lock import read_lock
 
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     assert provenance.added_sources(read_lock(digits_project / LOCK_NAME)) == []
 
 
 def test_verify_names_a_module_added_to_the_task_package_with_exit_3(
-        digits_project, tmp_path, task_package, cli_inprocess):
+        digits_project, tmp_path, task_package):
     package = task_package(digits_project, tmp_path / "modules", "mypkg_verify_added")
-    freeze(cli_inprocess, digits_project)
+    freeze(digits_project)
     lock = digits_project / LOCK_NAME
-    assert cli_inprocess("verify", lock).code == 0
+    assert call_cli("verify", lock).code == 0
     (package / "extra.py").write_text("X = 1\n", encoding="utf-8")
-    result = cli_inprocess("verify", lock, "--json")
+    result = call_cli("verify", lock, "--json")
     assert result.code == 3, result.output
     assert [(p["role"], p["status"]) for p in json.loads(result.stdout)["problems"]] == [
         (provenance.PACKAGE_ROLE + "mypkg_verify_added.extra", "added")]

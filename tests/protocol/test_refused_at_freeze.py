@@ -18,6 +18,7 @@ import torch
 from opalctl.protocol.schema import ProtocolError, load_protocol, parse, validate
 from opalctl.protocol.yamlfile import load_yaml_with_lines
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import call_cli, run_cli
 
 BASE = protocol_text("digits", [1, 2])
 OPTIMIZER_LINE = "adamw:        {optimizer: {name: AdamW, lr: 1.0e-3, weight_decay: 0.01}}"
@@ -29,15 +30,15 @@ def edited(old: str, new: str, text: str = BASE) -> str:
     return text.replace(old, new)
 
 
-def freeze_text(cli_inprocess, folder: Path, text: str):
+def freeze_text(folder: Path, text: str):
     path = folder / "digits.yaml"
     path.write_text(text, encoding="utf-8")
-    return path, cli_inprocess("freeze", path)
+    return path, call_cli("freeze", path)
 
 
-def refused(cli_inprocess, folder: Path, text: str, key: str, *fragments: str) -> str:
+def refused(folder: Path, text: str, key: str, *fragments: str) -> str:
     """Freeze ``text`` in ``folder``: exit 2, one line on stderr naming the file and ``key``, no lock."""
-    path, result = freeze_text(cli_inprocess, folder, text)
+    path, result = freeze_text(folder, text)
     assert result.code == 2, result.output
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"opalctl: error: {path}"), result.stderr
@@ -56,44 +57,44 @@ def optimizer(arguments: str) -> str:
 # budgets and schedules that never end
 
 
-def test_a_tiny_checkpoint_every_is_refused(digits_project, cli_inprocess):
+def test_a_tiny_checkpoint_every_is_refused(digits_project):
     text = edited(TRAINING_LINE, "training: {batch_size: 64, checkpoint_every: 1.0e-12}")
-    refused(cli_inprocess, digits_project, text, "training.checkpoint_every", "0.001")
+    refused(digits_project, text, "training.checkpoint_every", "0.001")
 
 
 @pytest.mark.parametrize("amount", ["1.0e-300", "0.001", "1.0e+300"])
-def test_a_seconds_budget_out_of_range_is_refused(digits_project, cli_inprocess, amount):
-    refused(cli_inprocess, digits_project, edited("amount: 20", f"amount: {amount}"), "budget.amount",
+def test_a_seconds_budget_out_of_range_is_refused(digits_project, amount):
+    refused(digits_project, edited("amount: 20", f"amount: {amount}"), "budget.amount",
             "between 0.01 and 1e+08 seconds")
 
 
 @pytest.mark.parametrize("amount, left, fragment", [(2, "0.6", "outside 1 to"), (4, "1.2", "whole updates")])
-def test_a_multiplier_leaving_part_of_an_update_is_refused(digits_project, cli_inprocess, amount, left, fragment):
+def test_a_multiplier_leaving_part_of_an_update_is_refused(digits_project, amount, left, fragment):
     text = edited("budget_multiplier: 3}", "budget_multiplier: 0.3}",
                   edited("clock: cpu, amount: 20", f"clock: updates, amount: {amount}"))
-    refused(cli_inprocess, digits_project, text, "arms.adamw-long.budget_multiplier", f"{left} updates", fragment)
+    refused(digits_project, text, "arms.adamw-long.budget_multiplier", f"{left} updates", fragment)
 
 
-def test_a_multiplier_taking_the_budget_past_its_range_is_refused(digits_project, cli_inprocess):
+def test_a_multiplier_taking_the_budget_past_its_range_is_refused(digits_project):
     text = edited("budget_multiplier: 3}", "budget_multiplier: 100}", edited("amount: 20", "amount: 9.0e+7"))
-    refused(cli_inprocess, digits_project, text, "arms.adamw-long.budget_multiplier", "outside")
+    refused(digits_project, text, "arms.adamw-long.budget_multiplier", "outside")
 
 
-def test_a_whole_multiplier_of_an_updates_budget_is_accepted(digits_project, cli_inprocess):
+def test_a_whole_multiplier_of_an_updates_budget_is_accepted(digits_project):
     text = edited("budget_multiplier: 3}", "budget_multiplier: 0.5}",
                   edited("clock: cpu, amount: 20", "clock: updates, amount: 4"))
-    assert freeze_text(cli_inprocess, digits_project, text)[1].code == 0
+    assert freeze_text(digits_project, text)[1].code == 0
 
 
-def test_a_huge_batch_size_is_refused(digits_project, cli_inprocess):
-    refused(cli_inprocess, digits_project, edited("batch_size: 64", "batch_size: 1000000000000"),
+def test_a_huge_batch_size_is_refused(digits_project):
+    refused(digits_project, edited("batch_size: 64", "batch_size: 1000000000000"),
             "training.batch_size", "65536")
 
 
 @pytest.mark.parametrize("schedule", ["[0.5, 0.2]", "[0.2, 0.2, 0.4]"])
-def test_an_unsorted_or_repeated_agent_schedule_is_refused(digits_project, cli_inprocess, schedule):
+def test_an_unsorted_or_repeated_agent_schedule_is_refused(digits_project, schedule):
     text = edited("decisions: 8}", f"decisions: 8, schedule: {schedule}}}")
-    refused(cli_inprocess, digits_project, text, "arms.agent.agent.schedule", "increasing order, each once")
+    refused(digits_project, text, "arms.agent.agent.schedule", "increasing order, each once")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -115,8 +116,8 @@ def test_an_unsorted_or_repeated_agent_schedule_is_refused(digits_project, cli_i
     ("name: SGD, lr: 0.1, foreach: [1]", "'foreach' must be a number, true or false, a name or null"),
     ("name: LBFGS, line_search_fn: 3", "needs a closure"),
 ])
-def test_an_optimizer_that_cannot_step_here_is_refused(digits_project, cli_inprocess, arguments, fragment):
-    refused(cli_inprocess, digits_project, optimizer(arguments), "arms.adamw.optimizer.name", fragment)
+def test_an_optimizer_that_cannot_step_here_is_refused(digits_project, arguments, fragment):
+    refused(digits_project, optimizer(arguments), "arms.adamw.optimizer.name", fragment)
 
 
 def test_capturable_is_left_to_the_run_when_training_is_on_cuda():
@@ -138,18 +139,18 @@ def test_every_dense_optimizer_passes_with_its_defaults(name):
 # data and parents
 
 
-def test_a_five_thousand_character_data_path_is_refused(digits_project, cli_inprocess):
+def test_a_five_thousand_character_data_path_is_refused(digits_project):
     text = edited("train: data/digits/train.npz", "train: " + "a" * 5000)
-    refused(cli_inprocess, digits_project, text, "data.train", "5000 characters")
+    refused(digits_project, text, "data.train", "5000 characters")
 
 
-def test_a_data_path_with_an_overlong_part_is_refused(digits_project, cli_inprocess):
+def test_a_data_path_with_an_overlong_part_is_refused(digits_project):
     text = edited("train: data/digits/train.npz", "train: data/" + "b" * 300 + ".npz")
-    refused(cli_inprocess, digits_project, text, "data.train", "255 bytes")
+    refused(digits_project, text, "data.train", "255 bytes")
 
 
-def test_a_folder_given_as_a_data_file_is_called_a_folder(digits_project, cli_inprocess):
-    stderr = refused(cli_inprocess, digits_project, edited("train: data/digits/train.npz", "train: data/digits"),
+def test_a_folder_given_as_a_data_file_is_called_a_folder(digits_project):
+    stderr = refused(digits_project, edited("train: data/digits/train.npz", "train: data/digits"),
                      "data.train", "is a folder")
     assert "missing" not in stderr
 
@@ -167,15 +168,15 @@ def _torch_weights_only_text(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_torch_weights, _random_bytes, _torch_weights_only_text])
-def test_a_parent_that_is_not_an_opalctl_checkpoint_is_refused(digits_project, cli_inprocess, damage):
+def test_a_parent_that_is_not_an_opalctl_checkpoint_is_refused(digits_project, damage):
     damage(digits_project / "parents" / "digits" / "seed-2.pt")
-    refused(cli_inprocess, digits_project, BASE, "the parent of seed 2", "not ")
+    refused(digits_project, BASE, "the parent of seed 2", "not ")
 
 
-def test_a_parent_larger_than_the_checkpoint_limit_is_refused(digits_project, cli_inprocess):
+def test_a_parent_larger_than_the_checkpoint_limit_is_refused(digits_project):
     size = (digits_project / "parents" / "digits" / "seed-1.pt").stat().st_size
     text = edited("selection:\n", f"limits: {{checkpoint_bytes: {size - 1}}}\nselection:\n")
-    refused(cli_inprocess, digits_project, text, "the parent of seed 1", f"is {size} bytes",
+    refused(digits_project, text, "the parent of seed 1", f"is {size} bytes",
             "limits.checkpoint_bytes")
 
 
@@ -191,38 +192,38 @@ def _sealed_copy(project: Path, sealed: str, name: str) -> Path:
 
 
 @pytest.mark.parametrize("sealed", ["sealed", "final-test"])
-def test_a_file_symlink_into_sealed_data_is_refused(digits_project, cli_inprocess, sealed):
+def test_a_file_symlink_into_sealed_data_is_refused(digits_project, sealed):
     target = _sealed_copy(digits_project, sealed, "retention.npz") / "retention.npz"
     os.symlink(target, digits_project / "data" / "old-classes.npz")
     text = edited("retention: data/digits/retention.npz", "retention: data/old-classes.npz")
-    refused(cli_inprocess, digits_project, text, "data.retention", "symbolic link", sealed)
+    refused(digits_project, text, "data.retention", "symbolic link", sealed)
 
 
-def test_a_folder_symlink_into_sealed_data_is_refused(digits_project, cli_inprocess):
+def test_a_folder_symlink_into_sealed_data_is_refused(digits_project):
     _sealed_copy(digits_project, "sealed", "selection.npz")
     os.symlink(digits_project / "sealed", digits_project / "data" / "more", target_is_directory=True)
     text = edited("selection: data/digits/selection.npz", "selection: data/more/selection.npz")
-    refused(cli_inprocess, digits_project, text, "data.selection", "symbolic link")
+    refused(digits_project, text, "data.selection", "symbolic link")
 
 
-def test_a_relative_symlink_out_of_the_project_into_sealed_data_is_refused(digits_project, cli_inprocess):
+def test_a_relative_symlink_out_of_the_project_into_sealed_data_is_refused(digits_project):
     outside = digits_project.parent / "final-test"
     outside.mkdir()
     shutil.copy(digits_project / "data" / "digits" / "train.npz", outside / "train.npz")
     os.symlink(os.path.join("..", "..", "..", "final-test", "train.npz"),
                digits_project / "data" / "digits" / "rows.npz")
     text = edited("train: data/digits/train.npz", "train: data/digits/rows.npz")
-    refused(cli_inprocess, digits_project, text, "data.train", "final-test")
+    refused(digits_project, text, "data.train", "final-test")
 
 
-def test_a_parent_symlink_into_sealed_data_is_refused(digits_project, cli_inprocess):
+def test_a_parent_symlink_into_sealed_data_is_refused(digits_project):
     parents = digits_project / "parents" / "digits"
     sealed = digits_project / "sealed"
     sealed.mkdir()
     for seed in (1, 2):
         shutil.move(parents / f"seed-{seed}.pt", sealed / f"seed-{seed}.pt")
         os.symlink(sealed / f"seed-{seed}.pt", parents / f"seed-{seed}.pt")
-    refused(cli_inprocess, digits_project, BASE, "parents", "symbolic link")
+    refused(digits_project, BASE, "parents", "symbolic link")
 
 
 def test_the_run_side_validation_refuses_a_symlink_the_lock_folder_holds(digits_project):
@@ -240,35 +241,34 @@ def test_the_run_side_validation_refuses_a_symlink_the_lock_folder_holds(digits_
     assert "data.retention" in caught.value.message and "symbolic link" in caught.value.message
 
 
-def test_a_project_under_a_folder_named_sealed_is_not_refused_for_where_it_lives(digits_init_folder, tmp_path,
-                                                                                 cli_inprocess):
+def test_a_project_under_a_folder_named_sealed_is_not_refused_for_where_it_lives(digits_init_folder, tmp_path):
     project = tmp_path / "sealed-experiments" / "project"
     shutil.copytree(digits_init_folder, project)
-    assert freeze_text(cli_inprocess, project, BASE)[1].code == 0
+    assert freeze_text(project, BASE)[1].code == 0
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the task entry, and YAML
 
 
-def test_a_refused_task_module_that_prints_on_import_writes_nothing_to_stdout(digits_project, cli):
+def test_a_refused_task_module_that_prints_on_import_writes_nothing_to_stdout(digits_project):
     (digits_project / "noisy_task.py").write_text("import sys\nprint('hello from the task module')\n"
                                                   "print('and to stderr', file=sys.stderr)\nclass Nope:\n    pass\n")
     text = edited("entry: opalctl.tasks.digits:Digits", "entry: noisy_task:Nope")
     (digits_project / "digits.yaml").write_text(text, encoding="utf-8")
-    result = cli("freeze", "digits.yaml", cwd=digits_project, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")
+    result = run_cli("freeze", "digits.yaml", cwd=digits_project, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")
                                                                    + os.pathsep + str(digits_project)})
     assert result.code == 2, result.output
     assert result.stdout == "" and "hello" not in result.stderr and result.stderr.count("\n") == 1, result.output
     assert "task.entry" in result.stderr
 
 
-def test_a_task_module_that_exits_on_import_is_refused(digits_project, cli_inprocess, monkeypatch):
+def test_a_task_module_that_exits_on_import_is_refused(digits_project, monkeypatch):
     (digits_project / "exiting_task.py").write_text("raise SystemExit(3)\n")
     monkeypatch.syspath_prepend(str(digits_project))
     monkeypatch.delitem(sys.modules, "exiting_task", raising=False)
     text = edited("entry: opalctl.tasks.digits:Digits", "entry: exiting_task:Task")
-    refused(cli_inprocess, digits_project, text, "task.entry", "SystemExit")
+    refused(digits_project, text, "task.entry", "SystemExit")
 
 
 def alias_bomb(levels: int) -> str:
@@ -280,29 +280,29 @@ def alias_bomb(levels: int) -> str:
 
 
 @pytest.mark.parametrize("levels", [9, 10, 14])
-def test_an_alias_bomb_is_refused_quickly(digits_project, cli_inprocess, levels):
+def test_an_alias_bomb_is_refused_quickly(digits_project, levels):
     text = edited("name: digits\n", "name: digits\n" + alias_bomb(levels).replace("x0:", "extra0:"))
     assert len(text.encode()) < len(BASE.encode()) + 1200
     started = time.process_time()  # CPU seconds: what the bomb costs, whatever else the machine does
-    path, result = freeze_text(cli_inprocess, digits_project, text)
+    path, result = freeze_text(digits_project, text)
     assert time.process_time() - started < 2.0
     assert result.code == 2 and result.stderr.count("\n") == 1, result.output
     assert "expands to more than 100000 values" in result.stderr
 
 
-def test_a_recursive_alias_is_refused(digits_project, cli_inprocess):
-    path, result = freeze_text(cli_inprocess, digits_project, BASE + "loop: &loop [*loop]\n")
+def test_a_recursive_alias_is_refused(digits_project):
+    path, result = freeze_text(digits_project, BASE + "loop: &loop [*loop]\n")
     assert result.code == 2 and "refers to a value that contains it" in result.stderr, result.output
 
 
-def test_an_integer_too_long_for_python_is_refused(digits_project, cli_inprocess):
-    path, result = freeze_text(cli_inprocess, digits_project, edited("amount: 20", "amount: " + "9" * 5000))
+def test_an_integer_too_long_for_python_is_refused(digits_project):
+    path, result = freeze_text(digits_project, edited("amount: 20", "amount: " + "9" * 5000))
     assert result.code == 2 and "more than" in result.stderr and "digits" in result.stderr, result.output
     assert result.stderr.count("\n") == 1
 
 
-def test_an_oversized_protocol_file_is_refused_unread(digits_project, cli_inprocess):
-    path, result = freeze_text(cli_inprocess, digits_project, BASE + "# " + "x" * (1 << 20) + "\n")
+def test_an_oversized_protocol_file_is_refused_unread(digits_project):
+    path, result = freeze_text(digits_project, BASE + "# " + "x" * (1 << 20) + "\n")
     assert result.code == 2 and "over 1 MiB" in result.stderr, result.output
 
 
@@ -317,9 +317,9 @@ def test_numbers_with_an_exponent_and_no_dot_are_numbers(tmp_path):
     assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}  # PyYAML's own loader is left as it was
 
 
-def test_lr_1e_3_and_amount_4e1_freeze_as_numbers(digits_project, cli_inprocess):
+def test_lr_1e_3_and_amount_4e1_freeze_as_numbers(digits_project):
     text = edited("amount: 20", "amount: 4e1", optimizer("name: AdamW, lr: 1e-3, weight_decay: 1E-2"))
-    path, result = freeze_text(cli_inprocess, digits_project, text)
+    path, result = freeze_text(digits_project, text)
     assert result.code == 0, result.output
     protocol = load_protocol(path)
     assert protocol.budget.amount == 40.0
@@ -331,25 +331,25 @@ def test_lr_1e_3_and_amount_4e1_freeze_as_numbers(digits_project, cli_inprocess)
 
 
 @pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
-def test_a_protocol_that_is_a_device_or_a_pipe_is_refused_without_reading_it(tmp_path, cli_inprocess, special):
+def test_a_protocol_that_is_a_device_or_a_pipe_is_refused_without_reading_it(tmp_path, special):
     if special == "fifo":
         special = tmp_path / "protocol.yaml"
         os.mkfifo(special)  # reading it would wait for a writer forever
     started = time.perf_counter()
-    result = cli_inprocess("freeze", special)
+    result = call_cli("freeze", special)
     assert result.code == 2 and "is not a regular file" in result.stderr, result.output
     assert time.perf_counter() - started < 10.0
 
 
-def test_an_existing_lock_that_is_not_text_is_a_lock_that_differs(digits_project, cli_inprocess):
+def test_an_existing_lock_that_is_not_text_is_a_lock_that_differs(digits_project):
     (digits_project / "digits.lock.json").write_bytes(b"\xff\xfe\x00binary")
-    path, result = freeze_text(cli_inprocess, digits_project, BASE)
+    path, result = freeze_text(digits_project, BASE)
     assert result.code == 2 and "already exists and differs" in result.stderr, result.output
 
 
-def test_a_folder_where_the_lock_goes_is_refused(digits_project, cli_inprocess):
+def test_a_folder_where_the_lock_goes_is_refused(digits_project):
     (digits_project / "digits.lock.json").mkdir()
-    path, result = freeze_text(cli_inprocess, digits_project, BASE)
+    path, result = freeze_text(digits_project, BASE)
     assert result.code == 2 and "is a folder where the lock goes" in result.stderr, result.output
 
 

@@ -9,6 +9,7 @@ import pytest
 from opalctl.errors import BadInput
 from opalctl.protocol.schema import ProtocolError, load_protocol
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import call_cli
 
 BASE = protocol_text("digits", [1, 2])
 
@@ -83,10 +84,10 @@ def test_an_error_names_its_key_and_line(tmp_path, old, new, key, starts):
     assert error.message.startswith(f"{path} line {line_of(text, starts)}: {key}: "), error.message
 
 
-def test_budget_clock_typo_names_line_and_the_choices(tmp_path, cli_inprocess):
+def test_budget_clock_typo_names_line_and_the_choices(tmp_path):
     text = edited("clock: cpu,", "clock: cpuu,")
     path = write(tmp_path, text)
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2
     assert result.stderr == (f"opalctl: error: {path} line {line_of(text, 'budget:')}: budget.clock: input should "
                              f"be 'cpu', 'gpu', 'wall' or 'updates' (got 'cpuu')\n")
@@ -224,7 +225,7 @@ SEALED_CASES = [
 
 @pytest.mark.parametrize("old, new, relative, key", SEALED_CASES, ids=[c[1].strip().split(":")[0] + "-" + c[2]
                                                                       for c in SEALED_CASES])
-def test_sealed_paths_are_refused_by_freeze(digits_project, cli_inprocess, old, new, relative, key):
+def test_sealed_paths_are_refused_by_freeze(digits_project, old, new, relative, key):
     # put a real file at the sealed path, so the refusal cannot come from a missing file
     source = digits_project / ("parents/digits/seed-1.pt" if key == "parents" else "data/digits/train.npz")
     for seed in (1, 2):
@@ -233,7 +234,7 @@ def test_sealed_paths_are_refused_by_freeze(digits_project, cli_inprocess, old, 
         shutil.copyfile(source, target)
     text = edited(old, new)
     path = write(digits_project, text, "digits.yaml")
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2, result.output
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("opalctl: error: ")
     assert f": {key}: the path names sealed data" in result.stderr
@@ -241,9 +242,9 @@ def test_sealed_paths_are_refused_by_freeze(digits_project, cli_inprocess, old, 
     assert not (digits_project / "digits.lock.json").exists()
 
 
-def test_a_sealed_path_is_refused_by_the_pilot_as_well(digits_project, cli_inprocess):
+def test_a_sealed_path_is_refused_by_the_pilot_as_well(digits_project):
     path = write(digits_project, edited("  train: data/digits/train.npz", "  train: sealed/train.npz"), "digits.yaml")
-    result = cli_inprocess("pilot", path, "--arm", "adamw", "--steps", "1")
+    result = call_cli("pilot", path, "--arm", "adamw", "--steps", "1")
     assert result.code == 2 and "sealed data" in result.stderr
 
 
@@ -260,10 +261,10 @@ def assert_one_line_refusal(result, folder, path, text: str, key: str, starts: s
     return result.stderr
 
 
-def test_a_parents_mapping_without_a_seed_is_refused(digits_project, cli_inprocess):
+def test_a_parents_mapping_without_a_seed_is_refused(digits_project):
     text = edited("parents: parents/digits/seed-{seed}.pt", "parents: {1: parents/digits/seed-1.pt}")
     path = write(digits_project, text, "digits.yaml")
-    stderr = assert_one_line_refusal(cli_inprocess("freeze", path), digits_project, path, text, "parents", "parents:")
+    stderr = assert_one_line_refusal(call_cli("freeze", path), digits_project, path, text, "parents", "parents:")
     assert "no parent for seed 2" in stderr and "seed 1" not in stderr
 
 
@@ -284,17 +285,17 @@ OPTIMIZER_LINE = "adamw:        {optimizer: {name: AdamW, lr: 1.0e-3, weight_dec
     ("lr: true", "AdamW argument 'lr' must be a number, not True"),
     ("lr: 1.0e-3, weight_decay: false", "AdamW argument 'weight_decay' must be a number, not False"),
 ])
-def test_an_optimizer_argument_that_torch_would_refuse_is_refused(digits_project, cli_inprocess, arguments, expected):
+def test_an_optimizer_argument_that_torch_would_refuse_is_refused(digits_project, arguments, expected):
     text = edited(OPTIMIZER_LINE, "adamw:        {optimizer: {name: AdamW, " + arguments + "}}")
     path = write(digits_project, text, "digits.yaml")
-    stderr = assert_one_line_refusal(cli_inprocess("freeze", path), digits_project, path, text,
+    stderr = assert_one_line_refusal(call_cli("freeze", path), digits_project, path, text,
                                      "arms.adamw.optimizer.name", "  adamw:")
     assert expected in stderr, stderr
 
 
-def test_valid_optimizer_arguments_are_still_frozen(digits_project, cli_inprocess):
+def test_valid_optimizer_arguments_are_still_frozen(digits_project):
     text = edited(OPTIMIZER_LINE, "adamw:        {optimizer: {name: AdamW, lr: 3, betas: [0.8, 0.99], amsgrad: true}}")
-    result = cli_inprocess("freeze", write(digits_project, text, "digits.yaml"))
+    result = call_cli("freeze", write(digits_project, text, "digits.yaml"))
     assert result.code == 0, result.output
 
 
@@ -310,10 +311,10 @@ def test_valid_optimizer_arguments_are_still_frozen(digits_project, cli_inproces
     ("budget_multiplier: 3}", "budget_multiplier: .inf}", "arms.adamw-long.budget_multiplier", "  adamw-long:"),
     ("replay_share: 0.25", "replay_share: .nan", "task.config.replay_share", "  config:"),
 ])
-def test_non_finite_numbers_are_refused_as_bad_input(digits_project, cli_inprocess, old, new, key, starts):
+def test_non_finite_numbers_are_refused_as_bad_input(digits_project, old, new, key, starts):
     text = edited(old, new)
     path = write(digits_project, text, "digits.yaml")
-    stderr = assert_one_line_refusal(cli_inprocess("freeze", path), digits_project, path, text, key, starts)
+    stderr = assert_one_line_refusal(call_cli("freeze", path), digits_project, path, text, key, starts)
     assert stderr.endswith(f"{key}: input should be a finite number\n"), stderr
 
 
@@ -323,18 +324,18 @@ def test_non_finite_numbers_are_refused_as_bad_input(digits_project, cli_inproce
     ("hidden: 128", "hidden: true", "task.config.hidden: input should be a valid integer"),
     ("replay_share: 0.25", "replay_share: '0.25'", "task.config.replay_share: input should be a valid number"),
 ])
-def test_task_config_values_are_as_strict_as_the_rest(digits_project, cli_inprocess, old, new, expected):
+def test_task_config_values_are_as_strict_as_the_rest(digits_project, old, new, expected):
     text = edited(old, new)
     path = write(digits_project, text, "digits.yaml")
-    stderr = assert_one_line_refusal(cli_inprocess("freeze", path), digits_project, path, text,
+    stderr = assert_one_line_refusal(call_cli("freeze", path), digits_project, path, text,
                                      expected.split(":")[0], "  config:")
     assert expected in stderr, stderr
 
 
-def test_a_refusal_is_one_line_even_for_a_key_with_a_newline(digits_project, cli_inprocess):
+def test_a_refusal_is_one_line_even_for_a_key_with_a_newline(digits_project):
     text = edited("name: digits\n", 'name: digits\n"a\\nb": 1\n')
     path = write(digits_project, text, "digits.yaml")
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2
     assert result.stderr.count("\n") == 1, result.stderr
     line = line_of(text, '"a')

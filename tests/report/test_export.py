@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import call_cli
+
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator",
     reason="tensorboard is not installed (pip install tensorboard); the export cannot be read back")
@@ -117,13 +119,13 @@ def _flip_a_steps_byte(run_dir):
 
 @pytest.mark.parametrize("damage", [_strip_the_chain, _flip_a_steps_byte], ids=["edited-report", "damaged-steps"])
 def test_export_refuses_an_edited_or_damaged_run_folder_in_shows_sentence_and_writes_nothing(grid, tmp_path,
-                                                                                            cli_inprocess, damage):
+                                                                                            damage):
     runs = tmp_path / "runs"
     shutil.copytree(grid["runs"], runs)
     run_dir = runs / grid["base"].name / "twin" / "seed-2"  # the last run exported: nothing may be written first
     damage(run_dir)
-    shown = cli_inprocess("show", run_dir)
+    shown = call_cli("show", run_dir)
     assert shown.code in (1, 3) and shown.stdout == "" and len(shown.stderr.strip().splitlines()) == 1, shown.stderr
-    exported = cli_inprocess("export", grid["lock"], "--runs-dir", runs, "--tensorboard", tmp_path / "tb")
+    exported = call_cli("export", grid["lock"], "--runs-dir", runs, "--tensorboard", tmp_path / "tb")
     assert (exported.code, exported.stdout, exported.stderr) == (shown.code, "", shown.stderr)
     assert not (tmp_path / "tb").exists()

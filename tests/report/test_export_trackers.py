@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import call_cli, run_cli
+
 wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install 'opalctl[wandb]')")
 mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'opalctl[mlflow]')")
 
@@ -100,8 +102,8 @@ def _lock(grid) -> dict:
 
 # -- W&B ---------------------------------------------------------------------------------------------------------
 
-def _export(cli_inprocess, grid, flag, folder, *extra):
-    return cli_inprocess("export", grid["lock"], "--runs-dir", grid["runs"], flag, folder, *extra)
+def _export(grid, flag, folder, *extra, runner=call_cli):
+    return runner("export", grid["lock"], "--runs-dir", grid["runs"], flag, folder, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +127,9 @@ def user_wandb(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def wandb_export(grid, tmp_path_factory, cli_inprocess, user_wandb):
+def wandb_export(grid, tmp_path_factory, user_wandb):
     folder = tmp_path_factory.mktemp("wandb-export") / "tracked"
-    result = _export(cli_inprocess, grid, "--wandb", folder, "--json")
+    result = _export(grid, "--wandb", folder, "--json")
     assert result.code == 0, result.stderr
     return {"folder": folder, "result": result}
 
@@ -209,12 +211,12 @@ def _content(folder: Path) -> tuple:
     return (run.run.run_id, run.run.display_name, run.run.run_group, run.config, history)
 
 
-def test_exporting_to_wandb_again_replaces_each_run(grid, cli_inprocess, cli, tmp_path):
+def test_exporting_to_wandb_again_replaces_each_run(grid, tmp_path):
     folder = tmp_path / "tracked"
-    first = json.loads(_export(cli_inprocess, grid, "--wandb", folder, "--json").stdout)
+    first = json.loads(_export(grid, "--wandb", folder, "--json").stdout)
     before = [_content(Path(path)) for path in first["runs"]]
     (folder / "notes.txt").write_text("mine")
-    second = _export(cli, grid, "--wandb", folder, "--json")  # a process of its own: W&B's service writes nothing
+    second = _export(grid, "--wandb", folder, "--json", runner=run_cli)  # a process of its own: W&B's service writes nothing
     assert (second.code, second.stderr) == (0, ""), second.stderr  # on the terminal's descriptors either
     again = json.loads(second.stdout)
     assert sorted(p.name for p in (folder / "wandb").glob("offline-run-*")) == \
@@ -228,9 +230,9 @@ def test_exporting_to_wandb_again_replaces_each_run(grid, cli_inprocess, cli, tm
 # -- MLflow ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def mlflow_export(grid, tmp_path_factory, cli_inprocess):
+def mlflow_export(grid, tmp_path_factory):
     folder = tmp_path_factory.mktemp("mlflow-export") / "store"
-    result = _export(cli_inprocess, grid, "--mlflow", folder, "--json")
+    result = _export(grid, "--mlflow", folder, "--json")
     assert result.code == 0, result.stderr
     return {"folder": folder, "result": result}
 
@@ -318,11 +320,11 @@ def _store_content(uri: str, experiment_name: str) -> dict:
             for run in runs}
 
 
-def test_exporting_to_mlflow_again_replaces_each_run(grid, cli_inprocess, cli, tmp_path):
+def test_exporting_to_mlflow_again_replaces_each_run(grid, tmp_path):
     folder = tmp_path / "store"
-    first = json.loads(_export(cli_inprocess, grid, "--mlflow", folder, "--json").stdout)
+    first = json.loads(_export(grid, "--mlflow", folder, "--json").stdout)
     before = _store_content(first["tracking_uri"], first["experiment"])
-    second = _export(cli, grid, "--mlflow", folder, "--json")  # a process of its own, as a user runs it
+    second = _export(grid, "--mlflow", folder, "--json", runner=run_cli)  # a process of its own, as a user runs it
     assert (second.code, second.stderr) == (0, ""), second.stderr
     again = json.loads(second.stdout)
     assert _store_content(again["tracking_uri"], again["experiment"]) == before, \
@@ -349,25 +351,24 @@ def _edit_the_report(run_dir):
 
 @pytest.mark.parametrize("flag", ["--wandb", "--mlflow"])
 @pytest.mark.parametrize("damage", [_flip_a_steps_byte, _edit_the_report], ids=["damaged-steps", "edited-report"])
-def test_a_run_folder_that_does_not_verify_is_refused_before_anything_is_written(grid, tmp_path, cli_inprocess,
-                                                                                 flag, damage):
+def test_a_run_folder_that_does_not_verify_is_refused_before_anything_is_written(grid, tmp_path, flag, damage):
     runs = tmp_path / "runs"
     shutil.copytree(grid["runs"], runs)
     run_dir = runs / grid["base"].name / "twin" / "seed-2"  # the last run exported: nothing may be written first
     damage(run_dir)
-    shown = cli_inprocess("show", run_dir)
+    shown = call_cli("show", run_dir)
     assert shown.code in (1, 3) and shown.stdout == "" and len(shown.stderr.strip().splitlines()) == 1, shown.stderr
-    exported = cli_inprocess("export", grid["lock"], "--runs-dir", runs, flag, tmp_path / "out")
+    exported = call_cli("export", grid["lock"], "--runs-dir", runs, flag, tmp_path / "out")
     assert (exported.code, exported.stdout, exported.stderr) == (shown.code, "", shown.stderr)
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag, module, extra", [("--wandb", "wandb", "wandb"),
                                                  ("--mlflow", "mlflow.tracking", "mlflow")])
-def test_without_the_package_the_export_says_what_to_install(grid, tmp_path, monkeypatch, cli_inprocess, flag, module,
+def test_without_the_package_the_export_says_what_to_install(grid, tmp_path, monkeypatch, flag, module,
                                                              extra):
     monkeypatch.setitem(sys.modules, module, None)  # as if the package were not installed
-    result = _export(cli_inprocess, grid, flag, tmp_path / "out")
+    result = _export(grid, flag, tmp_path / "out")
     assert (result.code, result.stdout) == (1, "")
     assert result.stderr.strip().splitlines() == [
         f"opalctl: error: opalctl export {flag} needs the {extra} package, which is not installed; install it with "
@@ -376,17 +377,17 @@ def test_without_the_package_the_export_says_what_to_install(grid, tmp_path, mon
 
 
 @pytest.mark.parametrize("flags", [[], ["--wandb", "a", "--mlflow", "b"], ["--tensorboard", "a", "--wandb", "b"]])
-def test_export_takes_one_tracker(grid, cli_inprocess, tmp_path, flags):
-    result = cli_inprocess("export", grid["lock"], "--runs-dir", grid["runs"], *flags)
+def test_export_takes_one_tracker(grid, tmp_path, flags):
+    result = call_cli("export", grid["lock"], "--runs-dir", grid["runs"], *flags)
     assert (result.code, result.stdout) == (2, "") and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "give one of --tensorboard DIR, --wandb DIR or --mlflow DIR" in result.stderr
     assert not (Path.cwd() / "a").exists()
 
 
 @pytest.mark.parametrize("flag", ["--wandb", "--mlflow"])
-def test_a_file_where_the_folder_goes_is_refused(grid, cli_inprocess, tmp_path, flag):
+def test_a_file_where_the_folder_goes_is_refused(grid, tmp_path, flag):
     (tmp_path / "out").write_text("mine")
-    result = _export(cli_inprocess, grid, flag, tmp_path / "out")
+    result = _export(grid, flag, tmp_path / "out")
     assert (result.code, result.stdout) == (2, "") and "is a file; give a folder" in result.stderr
     assert (tmp_path / "out").read_text() == "mine"
 
@@ -434,12 +435,12 @@ def test_the_learning_rates_reach_both_trackers(grid, tmp_path):
     ("--mlflow", "mlflow.db", "MLflow refused the store {out}/mlflow.db (file is not a database); give --mlflow a "
                               "folder of its own"),
     ("--mlflow", "artifacts", "cannot write {out}/artifacts: {out}/artifacts is a file, not a folder; move it away")])
-def test_a_file_in_the_trackers_way_is_named_in_one_sentence_and_kept(grid, cli_inprocess, tmp_path, flag,
+def test_a_file_in_the_trackers_way_is_named_in_one_sentence_and_kept(grid, tmp_path, flag,
                                                                        in_the_way, sentence):
     out = tmp_path / "out"
     out.mkdir()
     (out / in_the_way).write_text("mine")
-    result = _export(cli_inprocess, grid, flag, out)
+    result = _export(grid, flag, out)
     assert (result.code, result.stdout) == (1, ""), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and sentence.format(out=out) in result.stderr, result.stderr
     assert result.stderr.strip().endswith(f"then run `opalctl export` again (or give {flag} a folder that can be "

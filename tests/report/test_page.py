@@ -15,19 +15,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-
-@pytest.fixture
-def opalctl(capsys):
-    from opalctl.cli import main
-
-    def call(*args):
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main([str(a) for a in args])
-        captured = capsys.readouterr()
-        return exit_info.value.code or 0, captured.out, captured.err
-
-    return call
+from tests.support.cli import call_cli
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +76,8 @@ def test_the_report_page_loads_offline_in_chromium_and_is_not_blank(browser, pag
     assert loaded["dom"].count("<svg") >= 4, "the loss, stages, forest and timeline figures"
 
 
-def test_the_numbers_on_the_page_equal_compare_json(browser, page, grid, opalctl):
-    code, out, err = opalctl("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
+def test_the_numbers_on_the_page_equal_compare_json(browser, page, grid):
+    code, out, err = call_cli("compare", grid["lock"], "--runs-dir", grid["runs"], "--json")
     assert code == 0, err
     rows = {row["arm"]: row for row in json.loads(out)["arms"]}
     dom = browser.load(page.as_uri())["dom"]
@@ -158,18 +146,18 @@ def test_the_page_says_when_the_lock_no_longer_verifies(grid, tmp_path):
     assert "does not verify" in text and "selection.npz" in text
 
 
-def test_report_command_writes_the_page_and_prints_its_path(grid, opalctl, tmp_path):
-    code, out, err = opalctl("report", grid["lock"], "--runs-dir", grid["runs"], "--out", tmp_path / "out")
+def test_report_command_writes_the_page_and_prints_its_path(grid, tmp_path):
+    code, out, err = call_cli("report", grid["lock"], "--runs-dir", grid["runs"], "--out", tmp_path / "out")
     assert code == 0, err
     assert out == f"{tmp_path / 'out' / 'report.html'}\n" and (tmp_path / "out" / "report.html").is_file()
-    code, out, err = opalctl("report", grid["lock"], "--runs-dir", tmp_path / "none")
+    code, out, err = call_cli("report", grid["lock"], "--runs-dir", tmp_path / "none")
     assert code == 2 and out == "" and "there are no runs" in err
 
 
-def test_show_html_writes_the_run_page_which_loads_offline(browser, grid, opalctl, tmp_path):
+def test_show_html_writes_the_run_page_which_loads_offline(browser, grid, tmp_path):
     run_dir = next(grid["runs"].glob("*/agent/seed-1"))
     target = tmp_path / "run.html"
-    code, out, err = opalctl("show", run_dir, "--html", target)
+    code, out, err = call_cli("show", run_dir, "--html", target)
     assert code == 0, err and f"wrote {target}" in err
     assert out.startswith("agent seed 1 (finished)"), "the table is printed as well"
     loaded = browser.load(target.as_uri())
@@ -187,12 +175,12 @@ def test_show_html_writes_the_run_page_which_loads_offline(browser, grid, opalct
                 assert float(cell["value"]) == value
 
 
-def test_without_matplotlib_the_report_says_what_to_install(grid, opalctl, monkeypatch, tmp_path):
+def test_without_matplotlib_the_report_says_what_to_install(grid, monkeypatch, tmp_path):
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails as if not installed
     monkeypatch.delitem(sys.modules, "opalctl.report.figures", raising=False)
     monkeypatch.delattr("opalctl.report.figures", raising=False)  # the package's attribute, once imported
-    code, out, err = opalctl("report", grid["lock"], "--runs-dir", grid["runs"], "--out", tmp_path)
+    code, out, err = call_cli("report", grid["lock"], "--runs-dir", grid["runs"], "--out", tmp_path)
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
     assert "need matplotlib" in err and "pip install matplotlib" in err and not (tmp_path / "report.html").exists()

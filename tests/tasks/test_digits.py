@@ -15,6 +15,7 @@ import torch
 from opalctl import checkpoints
 from opalctl.checkpoints import CheckpointRefused
 from opalctl.tasks.digits import NEW, OLD, Digits
+from tests import support
 
 SPLITS = ("train", "development", "selection", "retention")
 
@@ -221,9 +222,9 @@ def copy_parent(parent: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_a_flipped_byte_in_a_tensor_is_refused(task, parent, tmp_path, helpers):
+def test_a_flipped_byte_in_a_tensor_is_refused(task, parent, tmp_path):
     damaged = copy_parent(parent, tmp_path)
-    helpers.flip_byte(damaged, member_offset(damaged, "/data/0") + 1000)
+    support.flip_byte(damaged, member_offset(damaged, "/data/0") + 1000)
     with pytest.raises(CheckpointRefused, match="does not match its digest") as caught:
         task.build(damaged, {}, seed=1)
     assert str(damaged) in caught.value.message

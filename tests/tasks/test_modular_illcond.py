@@ -19,6 +19,7 @@ from opalctl.tasks.builtin import protocol_text
 from opalctl.tasks.common import torch_threads
 from opalctl.tasks.illcond import IllConditioned, make_rows
 from opalctl.tasks.modular import MULTIPLY, SUBTRACT, Modular
+from tests import support
 
 SPLITS = ("train", "development", "selection", "retention")
 TINY = {
@@ -243,6 +244,6 @@ def test_an_arm_learns_the_second_skill(prepared):
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_the_committed_example_protocol_is_what_init_writes(name, helpers):
-    committed = helpers.REPO / "protocols" / f"{name}.yaml"
+def test_the_committed_example_protocol_is_what_init_writes(name):
+    committed = support.REPO / "protocols" / f"{name}.yaml"
     assert committed.read_text(encoding="utf-8") == protocol_text(name, [1, 2, 3])

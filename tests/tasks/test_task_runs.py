@@ -14,6 +14,7 @@ import yaml
 
 from opalctl.tasks import BUILTIN, make_task
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import run_cli
 
 TASKS = ("illcond", "modular")
 # a tiny model and parent for each task, so that a run takes seconds; the protocol is otherwise the template's
@@ -23,16 +24,16 @@ UPDATES = 30
 
 
 @pytest.mark.parametrize("name", TASKS)
-def test_init_writes_a_protocol_that_freezes(name, tmp_path, cli):
+def test_init_writes_a_protocol_that_freezes(name, tmp_path):
     folder = tmp_path / name
-    result = cli("init", name, "--dir", folder, "--seeds", "1", "--json")
+    result = run_cli("init", name, "--dir", folder, "--seeds", "1", "--json")
     assert result.code == 0, result.output
     written = sorted(Path(f["path"]).relative_to(folder).as_posix() for f in result.json()["files"])
     assert written == sorted([f"{name}.yaml", f"parents/{name}/seed-1.pt"]
                              + [f"data/{name}/{split}.npz" for split in ("development", "retention", "selection",
                                                                           "train")])
     assert (folder / f"{name}.yaml").read_text(encoding="utf-8") == protocol_text(name, [1])
-    frozen = cli("freeze", folder / f"{name}.yaml", "--json")
+    frozen = run_cli("freeze", folder / f"{name}.yaml", "--json")
     assert frozen.code == 0, frozen.output
     assert set(yaml.safe_load(protocol_text(name, [1]))["arms"]) >= {"adamw", "adamw-cosine", "agent",
                                                                       "adamw-anneal-end"}
