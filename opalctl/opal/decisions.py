@@ -25,11 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import BadInput
 from opalctl.formats import Event
 from opalctl.opal.agents import Answer
 from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
 from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder, write_file_here
+from opalctl.opal.estimate import MEASURED_MODEL, decision_usd
 from opalctl.opal.messages import rebin, render
+from opalctl.opal.prices import price_dict
 from opalctl.opal.records import line_changes, program_sha256, redact_json
 from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Version
 
@@ -264,6 +267,42 @@ class _Asked:
     waited: float
 
 
+@dataclass(frozen=True)
+class CostCap:
+    """The cost cap (``max_cost_usd``; None: none) and what a decision is expected to cost: the mean cost of the
+    decisions answered so far, or, before any has cost something, the typical cost ``opalctl.opal.estimate`` gives
+    for a first or a later decision of the model the backend calls (``priced_as``), at the backend's prices or the
+    one price table's (``opalctl.opal.prices``). A backend that names no model (``heuristic``, ``keep``, ``replay``,
+    a callable, ``claude-code`` without ``model``) is priced as the measured model; one that names a model with no
+    price is refused when there is a cap, since its decisions' cost could not be expected."""
+
+    limit: float | None
+    priced_as: str
+    first_usd: float
+    later_usd: float
+
+    @classmethod
+    def of(cls, limit: float | None, backend: dict[str, Any]) -> CostCap:
+        """The cap for a backend described by ``backend`` (its ``describe()``: ``model``, ``prices`` when it has
+        them)."""
+        model, prices = backend.get("model"), price_dict(backend.get("prices"))
+        named = model or MEASURED_MODEL
+        usd = decision_usd(named, prices)
+        if usd is None:
+            if limit is not None:
+                raise BadInput(f"max_cost_usd needs the prices of the agent's model {model!r}, which the price table "
+                               f"(opalctl/opal/prices.py) does not list; give its prices (arms.NAME.agent.prices) or "
+                               f"leave max_cost_usd out")
+            usd = decision_usd(MEASURED_MODEL)
+        return cls(limit, named, usd["first"]["typical"], usd["later"]["typical"])
+
+    def expected(self, spent: float, answered: int, *, asked: int) -> float:
+        """The expected cost of the next decision, ``asked`` decisions asked so far (``answered`` of them)."""
+        if spent > 0 and answered > 0:
+            return spent / answered
+        return self.later_usd if asked else self.first_usd
+
+
 @dataclass
 class DecisionState:
     """What the decisions carry from one boundary to the next (all plain data but ``inflight``)."""
@@ -283,7 +322,8 @@ class Decisions:
     agent (progress, total_steps, goal, lrs, shapes); ``progress()`` the budget fraction used now."""
 
     def __init__(self, schedule, agent: AgentLine, records, slots: ProgramSlots, observer, *, blocking, max_lag: int,
-                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], notes: Path | None = None):
+                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], notes: Path | None = None,
+                 cost_cap: CostCap | None = None):
         self.schedule = schedule
         self.notes = Path(notes) if notes is not None else None  # the notes a person leaves (opal/notes.py)
         self.agent = agent
@@ -296,7 +336,7 @@ class Decisions:
         self.progress = progress
         self.counts = DecisionCounts()
         self.state = DecisionState()
-        self.max_cost_usd: float | None = None  # cost cap (USD): see over_cost_cap; set by the caller
+        self.cost_cap = cost_cap if cost_cap is not None else CostCap.of(None, {})
         self.closing = False
 
     # -- when ------------------------------------------------------------------------------------------------
@@ -353,22 +393,19 @@ class Decisions:
 
     # -- asking ----------------------------------------------------------------------------------------------
     def over_cost_cap(self, reason: str, t: int) -> bool:
-        """True (with a ``skipped`` event) when what is left of ``max_cost_usd`` is below the expected cost of the
-        next decision: the mean cost of the decisions answered so far, or before any has cost something the
-        typical figure of the estimate (``opalctl.opal.estimate``) for a first or a later decision."""
-        if self.max_cost_usd is None:
+        """True (with a ``skipped`` event) when what is left of the cost cap is below the expected cost of the next
+        decision (``CostCap.expected``)."""
+        cap = self.cost_cap
+        if cap.limit is None:
             return False
-        from opalctl.opal.estimate import FIGURES, MEASURED_EFFORT, MEASURED_MODEL
-
         counts = self.counts
         spent = counts.cost_usd
         answered = counts.asked - (1 if self.state.inflight is not None else 0)
-        figures = FIGURES[(MEASURED_MODEL, MEASURED_EFFORT)]["later" if counts.asked else "first"]
-        expected = spent / answered if spent > 0 and answered > 0 else figures["usd"]["typical"]
-        if self.max_cost_usd - spent >= expected:
+        expected = cap.expected(spent, answered, asked=counts.asked)
+        if cap.limit - spent >= expected:
             return False
         self.records.event(Event.SKIPPED, update=t, reason="cost cap", asked_for=reason, spent_usd=spent,
-                           max_cost_usd=self.max_cost_usd, expected_usd=expected)
+                           max_cost_usd=cap.limit, expected_usd=expected, priced_as=cap.priced_as)
         return True
 
     def expected_lag(self) -> float:
