@@ -33,8 +33,9 @@ from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder,
 from opalctl.opal.estimate import MEASURED_MODEL, decision_usd
 from opalctl.opal.messages import rebin, render
 from opalctl.opal.prices import price_dict
+from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import line_changes, program_sha256, redact_json
-from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Version
+from opalctl.opal.slots import ProgramSlots, Version
 
 DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
 ANSWER_SECONDS_KEPT = 64
@@ -429,7 +430,7 @@ class Decisions:
                 "losses_observed": observer.observed_since(self.state.last_decision_update, t,
                                                            self.state.unobserved_at_last_decision),
                 "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
-                "report": observer.latest_report, "errors": observer.errors[-8:],
+                "report": observer.latest_report, "errors": observer.errors_shown(),
                 "last_change": self.state.last_change, "timing": timing,
                 "audit": {f"v{n:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
                           for n, counts in sorted(slots.audits.items())},
@@ -455,7 +456,6 @@ class Decisions:
         message, facts = self.agent.prepare(facts, files)
         self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
                            version=self.slots.current.number, **noted)
-        self.observer.errors = []
         self.state.last_decision_update = t
         self.state.unobserved_at_last_decision = self.observer.unobserved.count
         blocking = self.blocking
@@ -538,8 +538,7 @@ class Decisions:
                 common: dict[str, Any], t: int) -> Outcome:
         """A program the workspace cannot give as a regular UTF-8 file (a link, a folder, a fifo, other bytes):
         a load failure with the sentence, and a failed version, as a program the check refused."""
-        version = Version(number=len(self.slots.versions), files=edited, status="failed", applied_at=t)
-        self.slots.versions.append(version)
+        version = self.slots.refused(edited, t)
         return self._load_failed(version, problem, edited, files, meta, common, t)
 
     def _load_failed(self, version: Version, rejection: str, edited: dict[str, str], files: dict[str, str],
@@ -547,8 +546,7 @@ class Decisions:
         number = common["decision"]
         self.counts.load_failed += 1
         first = rejection.splitlines()[0]
-        self.observer.errors.append({"kind": "load_failed", "update": t, "version": version.number,
-                                     "message": first, "traceback": rejection})
+        self.observer.record_error("load_failed", t, version.number, first, rejection)
         self.records.event(Event.LOAD_FAILED, version=version.number, message=first, **common)
         self.records.save_decision(number, files, {**meta, "outcome": Event.LOAD_FAILED, "error": rejection})
         self.records.save_program(version.number, edited)

@@ -73,11 +73,12 @@ from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLearningRates
 from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
+from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
 from opalctl.opal.settings import AgentSettings
-from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Snapshot, Version
+from opalctl.opal.slots import ProgramSlots, Snapshot, Version
 from opalctl.opal.user_state import UserState, said
 
 FORMAT = "opal-state/2"
@@ -271,11 +272,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.guard.in_update = True  # agent code run from here on is timed as part of the update (AgentCodeTime)
-        try:
+        with self.guard.timing_update():  # agent code run from here on is timed as part of the update
             self._full_path(loss)
-        finally:
-            self.guard.in_update = False
         if owner is not None:
             owner.settle()
         self._plan()
@@ -299,7 +297,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         before = {name: p.detach().clone() for name, p in self.named.items()} if probe else None
         in_trial = version.status == "trial"
         snapshot = slots.trial_snapshot(self.t)
-        self.step_rates.used = None  # the learning rates of this update's step, none of an earlier one
+        self.step_rates.forget()  # the learning rates of this update's step, none of an earlier one
         _, error = contained(self._checked_step, version, ctx, in_trial)
         if error is not None:
             self._step_failed(version, error, snapshot, ctx)
@@ -331,7 +329,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         from opalctl.opal.audit import count_step
 
         counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
-        self.slots.audits[version.number] = counts
+        self.slots.audited(counts)
         self.records.event(Event.AUDIT, **counts)
 
     def _step_failed(self, version: Version, error: BaseException, snapshot: Snapshot | None, ctx: StepContext,
@@ -343,10 +341,10 @@ class AgentOptimizer(torch.optim.Optimizer):
                                                                         else "exception")
         message = failure_message(error) or type_name(error)
         trace = "" if kind == "check" else trace_of(error, -4)
-        self.slots.step_failures += 1
-        self.observer.errors.append({"kind": kind, "update": self.t, "version": version.number, "message": message,
-                                     "traceback": trace, "fallback": self.slots.fallback_for(version).number,
-                                     "in_trial": version.status == "trial"})
+        self.slots.failed_step()
+        self.observer.record_error(kind, self.t, version.number, message, trace,
+                                   fallback=self.slots.fallback_for(version).number,
+                                   in_trial=version.status == "trial")
         restored, rolled_back = self.observer.restore_after(snapshot, self.named, self.spec)
         if rolled_back:
             self.integrity.discontinuity(self.t + 1)
@@ -360,7 +358,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if second is None:
             return
         # the fallback itself failed: the starting program takes over
-        self.slots.step_failures += 1
+        self.slots.failed_step()
         self.records.event(Event.FAILED_STEP, update=self.t, version=fallback.number,
                            message=failure_text(second))
         if fallback is not self.slots.versions[0]:
@@ -382,7 +380,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                 self._step_failed(slots.current, StepFailure(problem), None, StepContext(self.progress(), None, t),
                                   redo=False)
             elif observer.good_due(t, slots.current.every):
-                observer.good = Snapshot.take(t, self.named, self.spec)
+                observer.keep_good(Snapshot.take(t, self.named, self.spec))
         version = slots.current
         wake, refused = observer.analyse(t, version, progress=self.progress(), losses=losses, params=self.named,
                                          before=before, grads=self._grads, optimizer=self.spec.optimizer,
@@ -516,8 +514,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                               redo=False)
             return
         self.records.event(Event.LOG, update=self.t, values={"not_saved": problem, "version": version.number})
-        self.observer.errors.append({"kind": "check", "update": self.t, "version": version.number, "message": problem,
-                                     "traceback": ""})
+        self.observer.record_error("check", self.t, version.number, problem)
 
     def _state_failed(self, version: Version, problem: str) -> None:
         """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""

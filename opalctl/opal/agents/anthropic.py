@@ -50,8 +50,9 @@ from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 from opalctl.opal.agents.dry_run import DRY_RUN_SECONDS, check_in_child
 from opalctl.opal.agents.options import ModelOptions, Strict
-from opalctl.opal.agents.workspace import PROGRAM_FILES, Refused, Workspace, read_program
+from opalctl.opal.agents.workspace import Refused, Workspace, read_program
 from opalctl.opal.prices import DEFAULT_PRICES, PRICE_KEYS, cost_of, default_prices, price_dict
+from opalctl.opal.programs import PROGRAM_FILES
 
 __all__ = ["AnthropicBackend", "AnthropicOptions", "Prices", "DEFAULT_PRICES", "PRICE_KEYS", "cost_of",
            "default_prices"]  # the prices are the one table's (opalctl.opal.prices), named here for the backend's users

@@ -35,7 +35,8 @@ from opalctl.opal.agents.anthropic import AnthropicOptions
 from opalctl.opal.agents.anthropic import lock_defaults as answering_lock_defaults
 from opalctl.opal.agents.anthropic import problems as answering_problems
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
-from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, PROGRAM_FILES, read_program, write_file_here
+from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, read_program, write_file_here
+from opalctl.opal.programs import PROGRAM_FILES
 
 POLL_SECONDS = 0.25
 ANSWERING_KEYS = ("model", "max_tokens", "turns", "seconds_per_decision", "retries", "prices", "effort")
