@@ -16,7 +16,9 @@ load failure with the sentence); the training process then records the decision'
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 import traceback
@@ -27,11 +29,13 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event
+from opalctl.layout import WORKSPACE
 from opalctl.opal.agents import Answer
 from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
 from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder, write_file_here
 from opalctl.opal.estimate import MEASURED_MODEL, decision_usd
 from opalctl.opal.messages import rebin, render
+from opalctl.opal.notes import read_new
 from opalctl.opal.prices import price_dict
 from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import line_changes, program_sha256, redact_json
@@ -183,7 +187,6 @@ class LocalLine(AgentLine):
 
     def close(self) -> None:
         if self.scratch:
-            import shutil
 
             shutil.rmtree(self.workspace, ignore_errors=True)
 
@@ -196,7 +199,6 @@ class HostedLine(AgentLine):
 
     def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str], agent_dir: Path, scratch: bool,
                  secrets: list[str] | None = None):
-        from opalctl.layout import WORKSPACE
 
         super().__init__(backend, prompt_text, redaction)
         self.agent_dir, self.scratch = Path(agent_dir), scratch
@@ -223,7 +225,6 @@ class HostedLine(AgentLine):
     def close(self) -> None:
         self.host.stop()
         if self.scratch:
-            import shutil
 
             shutil.rmtree(self.agent_dir, ignore_errors=True)
 
@@ -233,7 +234,6 @@ def make_line(backend, prompt_text: str, redaction: Callable[[str], str], *, run
     """The line for ``backend``: a ``HostedLine`` when its decisions run in the agent host (its folder ``agent_dir``,
     else ``run_dir/agent``, else a temporary one), a ``LocalLine`` otherwise (its workspace ``run_dir/workspace``,
     else a temporary one)."""
-    import tempfile
 
     if backend.runs_in == "host":
         folder = agent_dir if agent_dir is not None else (run_dir / "agent" if run_dir is not None else None)
@@ -444,7 +444,6 @@ class Decisions:
         facts = self._facts(reason, number, t)
         notes_before, noted = self.state.notes_read, {}
         if self.notes is not None:
-            from opalctl.opal.notes import read_new
 
             taken = read_new(self.notes, notes_before)
             self.state.notes_read = taken.last

@@ -20,6 +20,7 @@ import torch
 
 from opalctl.formats import Event
 from opalctl.opal.guard import failure_message, failure_text, trace_of
+from opalctl.opal.integrity import IntegrityRecorder
 from opalctl.opal.messages import rebin
 from opalctl.opal.plain import NotPlainData, json_text, plain_problem, type_name
 from opalctl.opal.slots import Snapshot, Version
@@ -306,7 +307,6 @@ class IntegrityWatch:
     each update; an evaluation opens a check of the window around it) and its findings."""
 
     def __init__(self, named: dict[str, torch.Tensor], records, enabled: bool):
-        from opalctl.opal.integrity import IntegrityRecorder
 
         self.recorder = IntegrityRecorder(named, seed=0) if enabled else None
         self.findings: list[dict[str, Any]] = []

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from importlib import resources
@@ -57,6 +58,7 @@ import torch
 
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
+from opalctl.opal.audit import count_step
 from opalctl.opal.decisions import CostCap, Decisions, make_line
 from opalctl.opal.guard import (
     Interrupts,
@@ -74,6 +76,7 @@ from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLear
 from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
 from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.provenance import current, differences
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
@@ -95,13 +98,11 @@ def default_sources() -> dict[str, str]:
 def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:
     """Install version 0 (the released defaults unless ``sources``) and write the ``start`` event, which says
     whether version 0 differs from the released starting programs (then it never takes the plain path)."""
-    from opalctl.opal.provenance import current, differences
 
     changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
     version = slots.start(sources or default_sources(), released=not changed)
     records.save_program(0, version.files)
     if changed:
-        import sys
 
         sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
                          + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
@@ -326,7 +327,6 @@ class AgentOptimizer(torch.optim.Optimizer):
     def _audited_step(self, version: Version, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once: outermost operator calls and, on CUDA,
         host synchronisations, shown to the agent beside the starting program's counts."""
-        from opalctl.opal.audit import count_step
 
         counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
         self.slots.audited(counts)

@@ -51,8 +51,11 @@ from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 from opalctl.opal.agents.dry_run import DRY_RUN_SECONDS, check_in_child
 from opalctl.opal.agents.options import ModelOptions, Strict
 from opalctl.opal.agents.workspace import Refused, Workspace, read_program
+from opalctl.opal.handover import handed_over_names
+from opalctl.opal.messages import prompt_text
 from opalctl.opal.prices import DEFAULT_PRICES, PRICE_KEYS, cost_of, default_prices, price_dict
 from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.records import SecretRedaction
 
 __all__ = ["AnthropicBackend", "AnthropicOptions", "Prices", "DEFAULT_PRICES", "PRICE_KEYS", "cost_of",
            "default_prices"]  # the prices are the one table's (opalctl.opal.prices), named here for the backend's users
@@ -198,7 +201,6 @@ class AnthropicBackend(Backend):
 
     # -- one decision ------------------------------------------------------------------------------------------
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-        from opalctl.opal.records import SecretRedaction
 
         deadline = time.monotonic() + self.seconds_per_decision
         space = Workspace(workspace, redaction=SecretRedaction(self.secrets(), environ=os.environ))
@@ -260,7 +262,6 @@ class AnthropicBackend(Backend):
     def _prompt_for(self, message: str) -> str:
         if self.prompt_text is not None:
             return self.prompt_text
-        from opalctl.opal.messages import prompt_text
 
         for name in ("neutral", "aggressive"):
             text = prompt_text(name)
@@ -416,7 +417,6 @@ def problems(agent: AnthropicOptions, where: str) -> list[tuple[str, str]]:
 
 def unready(agent: AnthropicOptions | None) -> str | None:
     """The key a protocol's arm cannot name: the environment's, or one `opalctl run` handed to this process."""
-    from opalctl.opal.handover import handed_over_names
 
     if os.environ.get("ANTHROPIC_API_KEY") or "ANTHROPIC_API_KEY" in handed_over_names():
         return None

@@ -39,6 +39,7 @@ from typing import Any
 from opalctl.errors import BadInput
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.options import ModelOptions
+from opalctl.opal.messages import prompt_text
 from opalctl.opal.prices import default_prices
 
 DEFAULT_BINARY = "claude"
@@ -170,7 +171,6 @@ class ClaudeCodeBackend(Backend):
     def _without_prompt(self, message: str) -> str:
         prompts = [self.prompt_text] if self.prompt_text else []
         if not prompts:
-            from opalctl.opal.messages import prompt_text
 
             prompts = [prompt_text("neutral"), prompt_text("aggressive")]
         for prompt in prompts:
