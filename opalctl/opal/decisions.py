@@ -39,6 +39,8 @@ from opalctl.opal.notes import read_new
 from opalctl.opal.prices import price_dict
 from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import line_changes, program_sha256, redact_json
+from opalctl.opal.schedule import DecisionSchedule, decision_fractions
+from opalctl.opal.settings import AgentSettings
 from opalctl.opal.slots import ProgramSlots, Version
 
 DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
@@ -322,22 +324,21 @@ class Decisions:
     """When to ask, asking, and applying answers. ``describe()`` gives the run's side of the facts shown to the
     agent (progress, total_steps, goal, lrs, shapes); ``progress()`` the budget fraction used now."""
 
-    def __init__(self, schedule, agent: AgentLine, records, slots: ProgramSlots, observer, *, blocking, max_lag: int,
-                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], notes: Path | None = None,
-                 cost_cap: CostCap | None = None):
-        self.schedule = schedule
-        self.notes = Path(notes) if notes is not None else None  # the notes a person leaves (opal/notes.py)
+    def __init__(self, settings: AgentSettings, agent: AgentLine, records, slots: ProgramSlots, observer, *,
+                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], cost_cap: CostCap):
+        self.schedule = DecisionSchedule(decision_fractions(settings.decisions, settings.schedule), settings.wakes)
+        self.notes = settings.notes_dir  # the notes a person leaves (opal/notes.py)
         self.agent = agent
         self.records = records
         self.slots = slots
         self.observer = observer
-        self.blocking = blocking
-        self.max_lag = max_lag
+        self.blocking = settings.blocking
+        self.max_lag = settings.max_lag
         self.describe = describe
         self.progress = progress
         self.counts = DecisionCounts()
         self.state = DecisionState()
-        self.cost_cap = cost_cap if cost_cap is not None else CostCap.of(None, {})
+        self.cost_cap = cost_cap
         self.closing = False
 
     # -- when ------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.provenance import current, differences
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.roles import role_of
-from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
+from opalctl.opal.schedule import SchedulerOwnership, SchedulerShared
 from opalctl.opal.settings import AgentSettings
 from opalctl.opal.slots import ProgramSlots, Snapshot, Version
 from opalctl.opal.user_state import UserState, said
@@ -150,11 +150,9 @@ class AgentOptimizer(torch.optim.Optimizer):
                                   self.findings.hangs.digests)
         self.user_state = UserState(self.spec, self.guard)
         self.decisions = Decisions(
-            DecisionSchedule(decision_fractions(settings.decisions, settings.schedule), settings.wakes),
-            make_line(backend, prompt_text(settings.prompt), self.records.redaction, run_dir=run_dir,
-                      agent_dir=settings.agent_dir, secrets=list(settings.secrets)),
-            self.records, self.slots, self.observer, blocking=settings.blocking, max_lag=settings.max_lag,
-            describe=self._describe, progress=self.progress, notes=settings.notes_dir, cost_cap=cap)
+            settings, make_line(backend, prompt_text(settings.prompt), self.records.redaction, run_dir=run_dir,
+                                agent_dir=settings.agent_dir, secrets=list(settings.secrets)),
+            self.records, self.slots, self.observer, describe=self._describe, progress=self.progress, cost_cap=cap)
         _start(self.slots, self.records, settings.sources, backend=self.decisions.agent.backend.describe(),
                decisions=settings.decisions, schedule=self.decisions.schedule.fractions, blocking=settings.blocking,
                trial_steps=settings.trial_steps, prompt=settings.prompt)
