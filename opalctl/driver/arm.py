@@ -16,6 +16,7 @@ from opalctl.driver.groups import assign, build_grouped, group_records
 from opalctl.opal import wrap
 from opalctl.opal.agents import registry
 from opalctl.opal.estimate import estimate
+from opalctl.opal.settings import AgentSettings
 from opalctl.protocol.schema import Arm
 
 DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows within the budget: learn the new "
@@ -41,13 +42,10 @@ def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
     return forecast["decisions"], "the most whose typical waiting stays within 4x the training time"
 
 
-def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, world: int = 1):
-    """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates. Under
-    torchrun (``world`` above 1) each rank wraps its own optimizer (``opal.distributed``): rank 0 has the agent and
-    its records, the others follow it; ``progress`` is the budget meter's, the same on every rank because every
-    rank's meter is charged the same reduced charge (driver/ranks.py)."""
+def agent_settings(arm: Arm, *, progress, layout, clip, budget) -> AgentSettings:
+    """The agent optimizer's settings (``opalctl.opal.settings.AgentSettings``) for an agent arm: its protocol's
+    ``agent:`` block, the budget meter's ``progress``, the run folder's places and the arm's clipping."""
     agent = arm.agent
-    backend = registry.from_protocol(agent)
     decisions, _ = agent_decisions(arm, budget)
     # the agent host's workspace and records (layout.agent) lie outside training/, which alone the confined training
     # process may write; the key stays with the host, whose redaction catches it (opalctl.opal.records)
@@ -57,20 +55,25 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
     if agent.notes == "allowed":
         layout.notes.mkdir(exist_ok=True)
         notes_dir = layout.notes
-    options = dict(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=backend, decisions=decisions,
-                   schedule=agent.schedule, blocking=agent.blocking, every=agent.every, trial_steps=agent.trial_steps,
-                   run_dir=layout.opal, agent_dir=layout.agent, prompt=agent.prompt, clip=clip,
-                   max_lag=agent.max_lag, notes_dir=notes_dir)
+    return AgentSettings(goal=agent.goal or DEFAULT_GOAL, progress=progress, backend=registry.from_protocol(agent),
+                         decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
+                         trial_steps=agent.trial_steps, run_dir=layout.opal, agent_dir=layout.agent,
+                         prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, notes_dir=notes_dir,
+                         max_cost_usd=agent.max_cost_usd)
+
+
+def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, world: int = 1):
+    """The agent optimizer for an agent arm, with clipping handed over and decisions between timed updates. Under
+    torchrun (``world`` above 1) each rank wraps its own optimizer (``opal.distributed``): rank 0 has the agent and
+    its records, the others follow it; ``progress`` is the budget meter's, the same on every rank because every
+    rank's meter is charged the same reduced charge (driver/ranks.py)."""
+    settings = agent_settings(arm, progress=progress, layout=layout, clip=clip, budget=budget)
     if world > 1:
         from opalctl.opal.distributed import wrap_distributed
 
-        wrapped = wrap_distributed(optimizer, model, rank_consistent_progress=True, boundaries_between_updates=True,
-                                   **options)
-        inner = wrapped.agent
-    else:
-        wrapped = inner = wrap(optimizer, model, manual_boundaries=True, **options)
-    inner.max_cost_usd = agent.max_cost_usd  # no decision is asked once the rest is below its expected cost
-    return wrapped
+        return wrap_distributed(optimizer, model, settings, rank_consistent_progress=True,
+                                boundaries_between_updates=True)
+    return wrap(optimizer, model, settings, manual_boundaries=True)
 
 
 def build_optimizer(arm: Arm, model, where: str = "arms") -> tuple[Any, list[dict] | None]:
@@ -83,7 +86,6 @@ def build_optimizer(arm: Arm, model, where: str = "arms") -> tuple[Any, list[dic
     cls = getattr(torch.optim, arm.optimizer.name)
     if arm.groups is None:
         return cls(model.parameters(), **arm.optimizer.arguments()), None
-
     groups = assign(arm.groups, model, where)
     optimizer = build_grouped(cls, arm.optimizer.arguments(), groups)
     return optimizer, group_records(optimizer, groups)

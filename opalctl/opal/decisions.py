@@ -16,7 +16,9 @@ load failure with the sentence); the training process then records the decision'
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 import traceback
@@ -25,13 +27,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import BadInput
 from opalctl.formats import Event
+from opalctl.layout import WORKSPACE
 from opalctl.opal.agents import Answer
 from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
 from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder, write_file_here
+from opalctl.opal.estimate import MEASURED_MODEL, decision_usd
 from opalctl.opal.messages import rebin, render
+from opalctl.opal.notes import read_new
+from opalctl.opal.prices import price_dict
+from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.records import line_changes, program_sha256, redact_json
-from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Version
+from opalctl.opal.schedule import DecisionSchedule, decision_fractions
+from opalctl.opal.settings import AgentSettings
+from opalctl.opal.slots import ProgramSlots, Version
 
 DEFAULT_ANSWER_SECONDS = 27.0  # how long an answer is expected to take before any has been timed
 ANSWER_SECONDS_KEPT = 64
@@ -179,7 +189,6 @@ class LocalLine(AgentLine):
 
     def close(self) -> None:
         if self.scratch:
-            import shutil
 
             shutil.rmtree(self.workspace, ignore_errors=True)
 
@@ -192,7 +201,6 @@ class HostedLine(AgentLine):
 
     def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str], agent_dir: Path, scratch: bool,
                  secrets: list[str] | None = None):
-        from opalctl.layout import WORKSPACE
 
         super().__init__(backend, prompt_text, redaction)
         self.agent_dir, self.scratch = Path(agent_dir), scratch
@@ -219,7 +227,6 @@ class HostedLine(AgentLine):
     def close(self) -> None:
         self.host.stop()
         if self.scratch:
-            import shutil
 
             shutil.rmtree(self.agent_dir, ignore_errors=True)
 
@@ -229,7 +236,6 @@ def make_line(backend, prompt_text: str, redaction: Callable[[str], str], *, run
     """The line for ``backend``: a ``HostedLine`` when its decisions run in the agent host (its folder ``agent_dir``,
     else ``run_dir/agent``, else a temporary one), a ``LocalLine`` otherwise (its workspace ``run_dir/workspace``,
     else a temporary one)."""
-    import tempfile
 
     if backend.runs_in == "host":
         folder = agent_dir if agent_dir is not None else (run_dir / "agent" if run_dir is not None else None)
@@ -264,6 +270,42 @@ class _Asked:
     waited: float
 
 
+@dataclass(frozen=True)
+class CostCap:
+    """The cost cap (``max_cost_usd``; None: none) and what a decision is expected to cost: the mean cost of the
+    decisions answered so far, or, before any has cost something, the typical cost ``opalctl.opal.estimate`` gives
+    for a first or a later decision of the model the backend calls (``priced_as``), at the backend's prices or the
+    one price table's (``opalctl.opal.prices``). A backend that names no model (``heuristic``, ``keep``, ``replay``,
+    a callable, ``claude-code`` without ``model``) is priced as the measured model; one that names a model with no
+    price is refused when there is a cap, since its decisions' cost could not be expected."""
+
+    limit: float | None
+    priced_as: str
+    first_usd: float
+    later_usd: float
+
+    @classmethod
+    def of(cls, limit: float | None, backend: dict[str, Any]) -> CostCap:
+        """The cap for a backend described by ``backend`` (its ``describe()``: ``model``, ``prices`` when it has
+        them)."""
+        model, prices = backend.get("model"), price_dict(backend.get("prices"))
+        named = model or MEASURED_MODEL
+        usd = decision_usd(named, prices)
+        if usd is None:
+            if limit is not None:
+                raise BadInput(f"max_cost_usd needs the prices of the agent's model {model!r}, which the price table "
+                               f"(opalctl/opal/prices.py) does not list; give its prices (arms.NAME.agent.prices) or "
+                               f"leave max_cost_usd out")
+            usd = decision_usd(MEASURED_MODEL)
+        return cls(limit, named, usd["first"]["typical"], usd["later"]["typical"])
+
+    def expected(self, spent: float, answered: int, *, asked: int) -> float:
+        """The expected cost of the next decision, ``asked`` decisions asked so far (``answered`` of them)."""
+        if spent > 0 and answered > 0:
+            return spent / answered
+        return self.later_usd if asked else self.first_usd
+
+
 @dataclass
 class DecisionState:
     """What the decisions carry from one boundary to the next (all plain data but ``inflight``)."""
@@ -282,21 +324,21 @@ class Decisions:
     """When to ask, asking, and applying answers. ``describe()`` gives the run's side of the facts shown to the
     agent (progress, total_steps, goal, lrs, shapes); ``progress()`` the budget fraction used now."""
 
-    def __init__(self, schedule, agent: AgentLine, records, slots: ProgramSlots, observer, *, blocking, max_lag: int,
-                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], notes: Path | None = None):
-        self.schedule = schedule
-        self.notes = Path(notes) if notes is not None else None  # the notes a person leaves (opal/notes.py)
+    def __init__(self, settings: AgentSettings, agent: AgentLine, records, slots: ProgramSlots, observer, *,
+                 describe: Callable[[], dict[str, Any]], progress: Callable[[], float], cost_cap: CostCap):
+        self.schedule = DecisionSchedule(decision_fractions(settings.decisions, settings.schedule), settings.wakes)
+        self.notes = settings.notes_dir  # the notes a person leaves (opal/notes.py)
         self.agent = agent
         self.records = records
         self.slots = slots
         self.observer = observer
-        self.blocking = blocking
-        self.max_lag = max_lag
+        self.blocking = settings.blocking
+        self.max_lag = settings.max_lag
         self.describe = describe
         self.progress = progress
         self.counts = DecisionCounts()
         self.state = DecisionState()
-        self.max_cost_usd: float | None = None  # cost cap (USD): see over_cost_cap; set by the caller
+        self.cost_cap = cost_cap
         self.closing = False
 
     # -- when ------------------------------------------------------------------------------------------------
@@ -353,22 +395,19 @@ class Decisions:
 
     # -- asking ----------------------------------------------------------------------------------------------
     def over_cost_cap(self, reason: str, t: int) -> bool:
-        """True (with a ``skipped`` event) when what is left of ``max_cost_usd`` is below the expected cost of the
-        next decision: the mean cost of the decisions answered so far, or before any has cost something the
-        typical figure of the estimate (``opalctl.opal.estimate``) for a first or a later decision."""
-        if self.max_cost_usd is None:
+        """True (with a ``skipped`` event) when what is left of the cost cap is below the expected cost of the next
+        decision (``CostCap.expected``)."""
+        cap = self.cost_cap
+        if cap.limit is None:
             return False
-        from opalctl.opal.estimate import FIGURES, MEASURED_EFFORT, MEASURED_MODEL
-
         counts = self.counts
         spent = counts.cost_usd
         answered = counts.asked - (1 if self.state.inflight is not None else 0)
-        figures = FIGURES[(MEASURED_MODEL, MEASURED_EFFORT)]["later" if counts.asked else "first"]
-        expected = spent / answered if spent > 0 and answered > 0 else figures["usd"]["typical"]
-        if self.max_cost_usd - spent >= expected:
+        expected = cap.expected(spent, answered, asked=counts.asked)
+        if cap.limit - spent >= expected:
             return False
         self.records.event(Event.SKIPPED, update=t, reason="cost cap", asked_for=reason, spent_usd=spent,
-                           max_cost_usd=self.max_cost_usd, expected_usd=expected)
+                           max_cost_usd=cap.limit, expected_usd=expected, priced_as=cap.priced_as)
         return True
 
     def expected_lag(self) -> float:
@@ -392,7 +431,7 @@ class Decisions:
                 "losses_observed": observer.observed_since(self.state.last_decision_update, t,
                                                            self.state.unobserved_at_last_decision),
                 "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
-                "report": observer.latest_report, "errors": observer.errors[-8:],
+                "report": observer.latest_report, "errors": observer.errors_shown(),
                 "last_change": self.state.last_change, "timing": timing,
                 "audit": {f"v{n:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
                           for n, counts in sorted(slots.audits.items())},
@@ -406,7 +445,6 @@ class Decisions:
         facts = self._facts(reason, number, t)
         notes_before, noted = self.state.notes_read, {}
         if self.notes is not None:
-            from opalctl.opal.notes import read_new
 
             taken = read_new(self.notes, notes_before)
             self.state.notes_read = taken.last
@@ -418,7 +456,6 @@ class Decisions:
         message, facts = self.agent.prepare(facts, files)
         self.records.event(Event.REQUESTED, update=t, decision=number, reason=reason,
                            version=self.slots.current.number, **noted)
-        self.observer.errors = []
         self.state.last_decision_update = t
         self.state.unobserved_at_last_decision = self.observer.unobserved.count
         blocking = self.blocking
@@ -501,8 +538,7 @@ class Decisions:
                 common: dict[str, Any], t: int) -> Outcome:
         """A program the workspace cannot give as a regular UTF-8 file (a link, a folder, a fifo, other bytes):
         a load failure with the sentence, and a failed version, as a program the check refused."""
-        version = Version(number=len(self.slots.versions), files=edited, status="failed", applied_at=t)
-        self.slots.versions.append(version)
+        version = self.slots.refused(edited, t)
         return self._load_failed(version, problem, edited, files, meta, common, t)
 
     def _load_failed(self, version: Version, rejection: str, edited: dict[str, str], files: dict[str, str],
@@ -510,8 +546,7 @@ class Decisions:
         number = common["decision"]
         self.counts.load_failed += 1
         first = rejection.splitlines()[0]
-        self.observer.errors.append({"kind": "load_failed", "update": t, "version": version.number,
-                                     "message": first, "traceback": rejection})
+        self.observer.record_error("load_failed", t, version.number, first, rejection)
         self.records.event(Event.LOAD_FAILED, version=version.number, message=first, **common)
         self.records.save_decision(number, files, {**meta, "outcome": Event.LOAD_FAILED, "error": rejection})
         self.records.save_program(version.number, edited)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from opalctl.errors import OpalctlError
 from opalctl.formats import Event
 from opalctl.opal.optimizer import AgentOptimizer, linked_ranks, wrap
+from opalctl.opal.settings import AgentSettings
 from opalctl.opal.slots import version_digest
 
 DEFAULT_CHECK_EVERY = 50
@@ -282,24 +283,28 @@ class DistributedAgent:
                                 f"loop (a seed, a branch on the data) or a rank that skipped an update")
 
 
-def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, total_steps: int | None = None,
-                     check_every: int = DEFAULT_CHECK_EVERY, group=None, rank_consistent_progress: bool = False,
-                     boundaries_between_updates: bool = False, **options: Any) -> DistributedAgent:
+def wrap_distributed(optimizer: torch.optim.Optimizer, model: torch.nn.Module, settings: AgentSettings | None = None,
+                     *, check_every: int = DEFAULT_CHECK_EVERY, group=None, rank_consistent_progress: bool = False,
+                     boundaries_between_updates: bool = False, **keywords: Any) -> DistributedAgent:
     """``opalctl.opal.wrap`` for one rank of a DDP run (``model``: the module DDP wraps, ``ddp.module``). Every
-    rank calls it with the same arguments; rank 0's ``backend`` and ``run_dir`` are the agent's, the other ranks
-    follow rank 0 (see the module docstring). Boundaries are the wrapper's: call ``step(loss=...)`` each update
-    (and ``between_updates()`` after it, with ``boundaries_between_updates``).
+    rank calls it with the same settings (an ``AgentSettings``, or ``wrap``'s keyword arguments); rank 0's
+    ``backend`` and ``run_dir`` are the agent's, the other ranks follow rank 0 (see the module docstring).
+    Boundaries are the wrapper's: call ``step(loss=...)`` each update (and ``between_updates()`` after it, with
+    ``boundaries_between_updates``).
 
     ``rank_consistent_progress`` admits a ``progress`` callable in place of ``total_steps``: only for a caller
     whose progress is computed on every rank from the same numbers (a formal run's budget meter), since ranks
     whose progress differs would schedule different decisions."""
-    if "manual_boundaries" in options:
+    if "manual_boundaries" in keywords or (settings is not None and settings.manual_boundaries):
         raise ValueError("under torchrun boundaries are taken by the wrapper: leave out manual_boundaries")
-    if "progress" in options and not rank_consistent_progress:
+    if (keywords.get("progress") is not None or (settings is not None and settings.progress is not None)) \
+            and not rank_consistent_progress:
         raise ValueError("under torchrun progress is counted in updates (total_steps), equal on every rank: leave "
                          "out progress, or pass rank_consistent_progress=True when it is the same on every rank")
     link = RankLink(group)
-    settings = dict(options) if link.rank == 0 else {**options, **FOLLOWER_OPTIONS}
+    keywords = {**keywords, "manual_boundaries": True}
+    if link.rank != 0:
+        keywords.update(FOLLOWER_OPTIONS)
     with linked_ranks():
-        agent = wrap(optimizer, model, total_steps=total_steps, manual_boundaries=True, **settings)
+        agent = wrap(optimizer, model, AgentSettings.of(settings, **keywords))
     return DistributedAgent(agent, link, check_every, boundaries_between_updates)

@@ -25,7 +25,9 @@ nothing to trade, and gets ``DEFAULT_DECISIONS`` (8), the default of ``wrap`` an
 the user sets is kept, with a line when its typical waiting exceeds the same 4x.
 
 Figures for another model or effort would be guesses, so none are made up: the measured ones are used, and a line
-says so.
+says so. The cost of a model in the one price table (``opalctl.opal.prices``) is the measured decisions priced at
+that model's prices (``decision_usd``); the cost cap (``max_cost_usd``) expects what this gives for the model its
+backend calls.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
+from opalctl.opal.prices import default_prices, price_ratio
 
 # the model and effort the figures below were measured for (the defaults of an agent arm)
 MEASURED_MODEL = DEFAULT_MODEL
@@ -98,10 +101,13 @@ def estimate(total_steps: int, sec_per_step: float, *, decisions: int | None = N
                      f"{_cap_words(training, cap)}; consider blocking=False or a longer run.")
     lines.append(_blocking_line(blocking, max_lag, sec_per_step, waits.later_s, waits.lag_updates, waits.later))
     if (model, effort) not in FIGURES:
+        priced = (f"; their cost is priced at {model}'s prices" if model != MEASURED_MODEL and decision_usd(model)
+                  else "")
         lines.append(f"These figures were measured for {MEASURED_MODEL} at effort {MEASURED_EFFORT}, not for "
-                     f"{model} at effort {effort}, and may not hold for it.")
+                     f"{model} at effort {effort}, and may not hold for it{priced}.")
 
-    first_usd, later_usd = table["first"]["usd"], table["later"]["usd"]
+    usd = decision_usd(model) or decision_usd(MEASURED_MODEL)
+    first_usd, later_usd = usd["first"], usd["later"]
     return {
         "total_steps": total_steps,
         "sec_per_step": sec_per_step,
@@ -119,6 +125,18 @@ def estimate(total_steps: int, sec_per_step: float, *, decisions: int | None = N
         "measured": {"model": measured_key[0], "effort": measured_key[1],
                      "decisions": table["sample_decisions"]},
     }
+
+
+def decision_usd(model: str | None, prices: dict[str, float] | None = None) -> dict[str, dict[str, float]] | None:
+    """The cost of a ``first`` and of a ``later`` decision (each ``{"low", "typical", "high"}``, USD) of ``model``:
+    the measured decisions (MEASURED_MODEL, MEASURED_EFFORT) priced at ``prices``, or at ``model``'s in the price
+    table; None when ``model`` is not in the table and no prices are given."""
+    own = prices if prices is not None else default_prices(model)
+    if own is None:
+        return None
+    ratio = price_ratio(own, default_prices(MEASURED_MODEL))
+    measured = FIGURES[(MEASURED_MODEL, MEASURED_EFFORT)]
+    return {which: {name: measured[which]["usd"][name] * ratio for name in FIGURE_NAMES} for which in ("first", "later")}
 
 
 class _Waiting:

@@ -32,12 +32,13 @@ in the agent figures.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -309,17 +310,15 @@ class StepGuard:
     """One optimizer's program calls under their time limit, and the checks of its parameters after a step. The
     alarm is ``active`` when it could be set (only from the main thread, and only when the program has no
     SIGALRM handler of its own); otherwise a step over its limit is still caught, after it returns
-    (``enforce``), and a call that never returns still ends the process. ``version`` is the version whose step
-    ``run`` runs (set by the caller); ``on_hang(version, call, limit)`` writes the records of a hang. Every call
-    of agent code is timed into ``time`` (``AgentCodeTime``), inside an update while ``in_update`` is set (by the
-    optimizer, while its ``step`` runs)."""
+    (``enforce``), and a call that never returns still ends the process. ``on_hang(version, call, limit)`` writes
+    the records of a hang. Every call of agent code is timed into ``time`` (``AgentCodeTime``), inside an update while ``in_update`` is set (by the
+    optimizer, through ``timing_update()``, while its ``step`` runs)."""
 
     def __init__(self, limit: float, named: dict[str, Any], on_hang: Callable[[Any, str, float], str] | None = None):
         self.limit = limit
         self.named = named
         self.layout = {name: (p.dtype, p.device, tuple(p.shape)) for name, p in named.items()}
         self.on_hang = on_hang
-        self.version: Any = None
         self.steps = 0  # steps run under this guard (the global generator is compared on some, see TorchState)
         self.changes: list[tuple[Any, str, list[str]]] = []  # (version, call, what it changed), for the records
         self.time = AgentCodeTime()
@@ -345,10 +344,18 @@ class StepGuard:
         watchdog.started, watchdog.limit = time.perf_counter(), self.limit
         watchdog.armed = bool(self.limit)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> float:
-        """A step, ``fn(*args)``, under the time limit, torch's global state put back after it; returns its
-        duration in seconds (arming is a few attribute writes: the watchdog thread does the timing)."""
-        version = self.version
+    @contextlib.contextmanager
+    def timing_update(self) -> Iterator[None]:
+        """Agent code run inside is timed as part of an update (``AgentCodeTime``)."""
+        self.in_update = True
+        try:
+            yield
+        finally:
+            self.in_update = False
+
+    def run(self, version: Any, fn: Callable[..., Any], *args: Any) -> float:
+        """``version``'s step, ``fn(*args)``, under the time limit, torch's global state put back after it; returns
+        its duration in seconds (arming is a few attribute writes: the watchdog thread does the timing)."""
         charged = is_agent_code(version)
         started = time.perf_counter()
         cpu = time.process_time() if charged else 0.0

@@ -18,6 +18,7 @@ A process that is not the one the variable was made for (a child: another pid) s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -96,7 +97,6 @@ def reexec_without_secrets(arguments: list[str]) -> None:
 def _fill(fd: int, payload: bytes) -> None:
     """Write ``payload`` whole into the pipe ``fd`` without blocking (nobody reads it before the host starts)."""
     if len(payload) > 65536:
-        import fcntl
 
         try:
             fcntl.fcntl(fd, F_SETPIPE_SZ, len(payload))

@@ -95,8 +95,7 @@ class GuardFindings:
                        f"Leave it alone (use torch.no_grad() blocks and a torch.Generator of your own)")
             self.records.event(Event.LOG, update=t, values={"torch_state_restored": new, "version": number,
                                                              "call": call, "message": message})
-            self.observer.errors.append({"kind": "torch_state", "update": t, "version": number, "message": message,
-                                         "traceback": ""})
+            self.observer.record_error("torch_state", t, number, message)
 
     def hung(self, version, call: str, limit: float, t: int, slots) -> str:
         """A line of ``hung.jsonl`` (the version never runs again in this folder) and a ``reverted`` event, written
@@ -121,5 +120,4 @@ class GuardFindings:
             self.records.event(Event.REVERTED, update=t, version=version.number,
                                to=slots.fallback_for(version).number, reason=reason, message=message, traceback="",
                                restored="none (resumed from the checkpoint)")
-            self.observer.errors.append({"kind": reason, "update": t, "version": version.number, "message": message,
-                                         "traceback": ""})
+            self.observer.record_error(reason, t, version.number, message)

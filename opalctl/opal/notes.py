@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, OpalctlError
-from opalctl.formats import NoteRecord
+from opalctl.files import NotAPlainFile, atomic_write_json, read_beneath, storage
+from opalctl.formats import Event, NoteRecord, StartRecord, decode_record, read_jsonl, read_record
+from opalctl.layout import FINISHED, RunLayout
 
 MAX_NOTE_CHARS = 2000
 MAX_NOTE_FILE_BYTES = 16384
@@ -65,8 +67,6 @@ class NotesTaken:
 def read_new(folder: Path, after: int, limit: int = NOTES_PER_DECISION) -> NotesTaken:
     """The notes of ``folder`` numbered after ``after``, in order, up to the first missing number and at most
     ``limit`` of them (the module docstring says how each is checked)."""
-    from opalctl.files import NotAPlainFile, read_beneath
-    from opalctl.formats import decode_record
 
     folder = Path(folder)
     notes: list[NoteRecord] = []
@@ -117,9 +117,6 @@ def notes_allowed(arm_config: dict[str, Any] | None) -> bool:
 
 def say(run_dir: str | os.PathLike, text: str) -> dict[str, Any]:
     """Leave ``text`` as a note for the agent of the run in ``run_dir``: the note's record, with its path."""
-    from opalctl.files import atomic_write_json, storage
-    from opalctl.formats import StartRecord, read_record
-    from opalctl.layout import FINISHED, RunLayout
 
     layout = RunLayout.of(run_dir)
     root = layout.root
@@ -165,8 +162,6 @@ def say(run_dir: str | os.PathLike, text: str) -> dict[str, Any]:
 def notes_flag(run_dirs: dict[int, Path]) -> tuple[str | None, dict[str, dict[str, int]]]:
     """The flag of an arm whose runs (seed -> run folder) received notes (None when none did), and per seed how many
     notes were left and how many a decision showed (``requested`` events naming them)."""
-    from opalctl.formats import Event, read_jsonl
-    from opalctl.layout import RunLayout
 
     counted: dict[str, dict[str, int]] = {}
     for seed, run_dir in sorted(run_dirs.items()):

@@ -20,6 +20,7 @@ import torch
 
 from opalctl.formats import Event
 from opalctl.opal.guard import failure_message, failure_text, trace_of
+from opalctl.opal.integrity import IntegrityRecorder
 from opalctl.opal.messages import rebin
 from opalctl.opal.plain import NotPlainData, json_text, plain_problem, type_name
 from opalctl.opal.slots import Snapshot, Version
@@ -49,6 +50,9 @@ class StepLearningRates:
 
     def _before_step(self, optimizer, _args, _kwargs) -> None:
         self.used = [group["lr"] for group in optimizer.param_groups]
+
+    def forget(self) -> None:
+        self.used = None
 
     def take(self) -> list | None:
         used, self.used = self.used, None
@@ -195,6 +199,21 @@ class Observer:
             return f"rolled back to update {good.update}", True
         return "none (the state after the failed step is kept)", False
 
+    def record_error(self, kind: str, t: int, version: int | None, message: str, traceback: str = "",
+                     **more: Any) -> None:
+        """An error the agent is shown at its next decision (``kind``: what failed, at update ``t``, in ``version``)."""
+        self.errors.append({"kind": kind, "update": t, "version": version, "message": message, "traceback": traceback,
+                            **more})
+
+    def errors_shown(self) -> list[dict[str, Any]]:
+        """The errors a decision shows the agent (the latest eight), forgotten once shown."""
+        shown, self.errors = self.errors[-8:], []
+        return shown
+
+    def keep_good(self, snapshot: Snapshot) -> None:
+        """The state a non-finite one is rolled back to (see ``good_due``)."""
+        self.good = snapshot
+
     def good_due(self, t: int, every: int) -> bool:
         """Whether to renew the rollback state: on every GOOD_EVERY-th check of an agent's program (a copy of the
         parameters, gradients and optimizer state is the dearest thing an agent's program adds to training)."""
@@ -218,8 +237,7 @@ class Observer:
             if type(error) is NotPlainData:  # raised by _analyze: the sentence is ours
                 return None, failure_message(error)
             message = failure_text(error)
-            self.errors.append({"kind": "analysis", "update": t, "version": version.number, "message": message,
-                                "traceback": trace_of(error, -4)})
+            self.record_error("analysis", t, version.number, message, trace_of(error, -4))
             self.records.event(Event.ANALYSIS_FAILED, update=t, version=version.number, message=message)
             return None, None
         wake, report_text = result
@@ -289,7 +307,6 @@ class IntegrityWatch:
     each update; an evaluation opens a check of the window around it) and its findings."""
 
     def __init__(self, named: dict[str, torch.Tensor], records, enabled: bool):
-        from opalctl.opal.integrity import IntegrityRecorder
 
         self.recorder = IntegrityRecorder(named, seed=0) if enabled else None
         self.findings: list[dict[str, Any]] = []

@@ -48,17 +48,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from opalctl.formats import AgentFigures, Event, RecordDamaged
 from opalctl.opal.agents import make_backend
-from opalctl.opal.decisions import Decisions, make_line
+from opalctl.opal.audit import count_step
+from opalctl.opal.decisions import CostCap, Decisions, make_line
 from opalctl.opal.guard import (
     Interrupts,
     StepFailure,
@@ -74,15 +75,18 @@ from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLearningRates
 from opalctl.opal.plain import plain_number, string_keyed, type_name
 from opalctl.opal.program_view import GradView, Spec, StepContext
+from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.provenance import current, differences
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.roles import role_of
-from opalctl.opal.schedule import DecisionSchedule, SchedulerOwnership, SchedulerShared, decision_fractions
-from opalctl.opal.slots import PROGRAM_FILES, ProgramSlots, Snapshot, Version
+from opalctl.opal.schedule import SchedulerOwnership, SchedulerShared
+from opalctl.opal.settings import AgentSettings
+from opalctl.opal.slots import ProgramSlots, Snapshot, Version
 from opalctl.opal.user_state import UserState, said
 
 FORMAT = "opal-state/2"
 
-__all__ = ["AgentOptimizer", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", "PROGRAM_FILES", "GradView", "Spec",
+__all__ = ["AgentOptimizer", "AgentSettings", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", "PROGRAM_FILES", "GradView", "Spec",
            "StepContext", "StepFailure", "StepTimeout", "Version", "SchedulerShared"]
 
 
@@ -94,13 +98,11 @@ def default_sources() -> dict[str, str]:
 def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:
     """Install version 0 (the released defaults unless ``sources``) and write the ``start`` event, which says
     whether version 0 differs from the released starting programs (then it never takes the plain path)."""
-    from opalctl.opal.provenance import current, differences
 
     changed = differences() if sources is None else {"(programs given to wrap)": "not the released defaults"}
     version = slots.start(sources or default_sources(), released=not changed)
     records.save_program(0, version.files)
     if changed:
-        import sys
 
         sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
                          + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
@@ -111,61 +113,53 @@ def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | 
 class AgentOptimizer(torch.optim.Optimizer):
     """See the module docstring; build one with ``opalctl.opal.wrap``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None,
-                 total_steps: int | None, progress: Callable[[], float] | None, backend, decisions: int,
-                 schedule, blocking, every: int, trial_steps: int, run_dir, prompt: str, scheduler, clip,
-                 max_lag: int, step_time_limit: float, max_wakes: int | None, manual_boundaries: bool,
-                 secrets: list[str] | None = None, sources: dict[str, str] | None = None,
-                 eval_integrity: bool = True, agent_dir=None, notes_dir=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, settings: AgentSettings):
         # not torch.optim.Optimizer.__init__: param_groups and state belong to the running program
         self.defaults = dict(optimizer.defaults)
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):  # what torch's Optimizer methods expect to find
             setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        if total_steps is None and progress is None:
-            raise ValueError("wrap() needs total_steps or progress (a callable returning the budget fraction used)")
-        if blocking not in (True, False, "auto"):
-            raise ValueError("blocking must be True, False or 'auto'")
-        backend = make_backend(backend)
+        self.settings = settings
+        backend = make_backend(settings.backend)
+        cap = CostCap.of(settings.max_cost_usd, backend.describe())  # refused before anything is started
         self.model = model
         self.named = OrderedDict((name, p) for name, p in model.named_parameters() if p.requires_grad)
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [name for name, p in self.named.items() if id(p) not in optimized]
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable parameters of the model: {missing[:3]}")
-        self.spec = Spec(optimizer, scheduler, clip, total_steps, goal, self.named)
-        self.scheduler_owner = SchedulerOwnership.of(scheduler)  # None: no scheduler is the programs' to step
-        self._progress_fn = progress
-        self.manual_boundaries = manual_boundaries
+        self.spec = Spec(optimizer, settings.scheduler, settings.clip, settings.total_steps, settings.goal, self.named)
+        self.scheduler_owner = SchedulerOwnership.of(settings.scheduler)  # None: no scheduler is the programs' to step
         self._grads = GradView(self.named)
         self.t = 0
         self._closed = False
         self._plain_until = 0  # see _plan: the only writer
-        run_dir = Path(run_dir) if run_dir is not None else None
+        run_dir = settings.run_dir
         # this process's records are redacted by pattern: it holds no secret to compare with (records.py), unless a
         # caller whose backend answers here gives its own (its code, its strings)
-        local_secrets = secrets if secrets and backend.runs_in != "host" else None
+        local_secrets = list(settings.secrets) if settings.secrets and backend.runs_in != "host" else None
         self.records = OpalRecords(run_dir, SecretRedaction(local_secrets) if local_secrets else Redaction())
         Interrupts.shared().install()  # a real Ctrl-C is told apart from a program's KeyboardInterrupt (guard.py)
-        self.guard = StepGuard(step_time_limit, self.named)
+        self.guard = StepGuard(settings.step_time_limit, self.named, on_hang=self._hung)
         self.step_rates = StepLearningRates(optimizer)  # what the analysis sees as obs["lrs"]
         self.observer = Observer(self.records, {name: role_of(name, tuple(p.shape)) for name, p in self.named.items()},
                                  self.guard)
         self.findings = GuardFindings(Hangs(run_dir), self.records, self.observer)
-        self.integrity = IntegrityWatch(self.named, self.records, eval_integrity)
-        self.slots = ProgramSlots(self.named, self.spec, every, trial_steps, self.guard, self.findings.hangs.digests)
+        self.integrity = IntegrityWatch(self.named, self.records, settings.eval_integrity)
+        self.slots = ProgramSlots(self.named, self.spec, settings.every, settings.trial_steps, self.guard,
+                                  self.findings.hangs.digests)
         self.user_state = UserState(self.spec, self.guard)
-        self.guard.on_hang = lambda version, call, limit: self.findings.hung(version, call, limit, self.t, self.slots)
         self.decisions = Decisions(
-            DecisionSchedule(decision_fractions(decisions, schedule),
-                             max_wakes if max_wakes is not None else max(1, decisions // 2)),
-            make_line(backend, prompt_text(prompt), self.records.redaction, run_dir=run_dir,
-                      agent_dir=Path(agent_dir) if agent_dir is not None else None, secrets=secrets),
-            self.records, self.slots,
-            self.observer, blocking=blocking, max_lag=max_lag, describe=self._describe, progress=self.progress,
-            notes=notes_dir)
-        _start(self.slots, self.records, sources, backend=self.decisions.agent.backend.describe(), decisions=decisions,
-               schedule=self.decisions.schedule.fractions, blocking=blocking, trial_steps=trial_steps, prompt=prompt)
+            settings, make_line(backend, prompt_text(settings.prompt), self.records.redaction, run_dir=run_dir,
+                                agent_dir=settings.agent_dir, secrets=list(settings.secrets)),
+            self.records, self.slots, self.observer, describe=self._describe, progress=self.progress, cost_cap=cap)
+        _start(self.slots, self.records, settings.sources, backend=self.decisions.agent.backend.describe(),
+               decisions=settings.decisions, schedule=self.decisions.schedule.fractions, blocking=settings.blocking,
+               trial_steps=settings.trial_steps, prompt=settings.prompt)
+
+    def _hung(self, version, call: str, limit: float) -> str:
+        """The guard's watchdog found a call of ``version`` past its limit (``StepGuard``'s ``on_hang``)."""
+        return self.findings.hung(version, call, limit, self.t, self.slots)
 
     # -- what torch, schedulers and callers see ------------------------------------------------------------
     @property
@@ -197,11 +191,11 @@ class AgentOptimizer(torch.optim.Optimizer):
     @property
     def max_cost_usd(self) -> float | None:
         """The cost cap (USD): no decision is asked once what is left is below its expected cost."""
-        return self.decisions.max_cost_usd
+        return self.settings.max_cost_usd
 
-    @max_cost_usd.setter
-    def max_cost_usd(self, value: float | None) -> None:
-        self.decisions.max_cost_usd = value
+    @property
+    def manual_boundaries(self) -> bool:
+        return self.settings.manual_boundaries
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.spec.optimizer.zero_grad(set_to_none=set_to_none)
@@ -214,8 +208,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         return f"AgentOptimizer(base={type(self.spec.optimizer).__name__}, version={version}, update={self.t})"
 
     def progress(self) -> float:
-        if self._progress_fn is not None:
-            return float(self._progress_fn())
+        if self.settings.progress is not None:
+            return float(self.settings.progress())
         total = self.spec.total_steps
         return min(1.0, self.t / total) if total else 0.0
 
@@ -247,7 +241,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                    self.integrity.quiet_until(t),
                    Observer.quiet_until(t, self.slots.current.every),
                    self.decisions.quiet_until(t, checks_boundaries=not self.manual_boundaries,
-                                              total_steps=self.spec.total_steps, counted=self._progress_fn is None))
+                                              total_steps=self.spec.total_steps, counted=self.settings.progress is None))
 
     def _plan(self) -> None:
         """Work the plain path's horizon out again (after anything that may change a part's state)."""
@@ -277,11 +271,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.guard.in_update = True  # agent code run from here on is timed as part of the update (AgentCodeTime)
-        try:
+        with self.guard.timing_update():  # agent code run from here on is timed as part of the update
             self._full_path(loss)
-        finally:
-            self.guard.in_update = False
         if owner is not None:
             owner.settle()
         self._plan()
@@ -305,7 +296,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         before = {name: p.detach().clone() for name, p in self.named.items()} if probe else None
         in_trial = version.status == "trial"
         snapshot = slots.trial_snapshot(self.t)
-        self.step_rates.used = None  # the learning rates of this update's step, none of an earlier one
+        self.step_rates.forget()  # the learning rates of this update's step, none of an earlier one
         _, error = contained(self._checked_step, version, ctx, in_trial)
         if error is not None:
             self._step_failed(version, error, snapshot, ctx)
@@ -334,10 +325,9 @@ class AgentOptimizer(torch.optim.Optimizer):
     def _audited_step(self, version: Version, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once: outermost operator calls and, on CUDA,
         host synchronisations, shown to the agent beside the starting program's counts."""
-        from opalctl.opal.audit import count_step
 
         counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
-        self.slots.audits[version.number] = counts
+        self.slots.audited(counts)
         self.records.event(Event.AUDIT, **counts)
 
     def _step_failed(self, version: Version, error: BaseException, snapshot: Snapshot | None, ctx: StepContext,
@@ -349,10 +339,10 @@ class AgentOptimizer(torch.optim.Optimizer):
                                                                         else "exception")
         message = failure_message(error) or type_name(error)
         trace = "" if kind == "check" else trace_of(error, -4)
-        self.slots.step_failures += 1
-        self.observer.errors.append({"kind": kind, "update": self.t, "version": version.number, "message": message,
-                                     "traceback": trace, "fallback": self.slots.fallback_for(version).number,
-                                     "in_trial": version.status == "trial"})
+        self.slots.failed_step()
+        self.observer.record_error(kind, self.t, version.number, message, trace,
+                                   fallback=self.slots.fallback_for(version).number,
+                                   in_trial=version.status == "trial")
         restored, rolled_back = self.observer.restore_after(snapshot, self.named, self.spec)
         if rolled_back:
             self.integrity.discontinuity(self.t + 1)
@@ -366,7 +356,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         if second is None:
             return
         # the fallback itself failed: the starting program takes over
-        self.slots.step_failures += 1
+        self.slots.failed_step()
         self.records.event(Event.FAILED_STEP, update=self.t, version=fallback.number,
                            message=failure_text(second))
         if fallback is not self.slots.versions[0]:
@@ -388,7 +378,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                 self._step_failed(slots.current, StepFailure(problem), None, StepContext(self.progress(), None, t),
                                   redo=False)
             elif observer.good_due(t, slots.current.every):
-                observer.good = Snapshot.take(t, self.named, self.spec)
+                observer.keep_good(Snapshot.take(t, self.named, self.spec))
         version = slots.current
         wake, refused = observer.analyse(t, version, progress=self.progress(), losses=losses, params=self.named,
                                          before=before, grads=self._grads, optimizer=self.spec.optimizer,
@@ -522,8 +512,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                               redo=False)
             return
         self.records.event(Event.LOG, update=self.t, values={"not_saved": problem, "version": version.number})
-        self.observer.errors.append({"kind": "check", "update": self.t, "version": version.number, "message": problem,
-                                     "traceback": ""})
+        self.observer.record_error("check", self.t, version.number, problem)
 
     def _state_failed(self, version: Version, problem: str) -> None:
         """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""
@@ -546,15 +535,13 @@ def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch, agent_code)
         eval_integrity=integrity.figures(), agent_code_seconds=agent_code.figures()).to_json()
 
 
-def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str | None = None,
-         total_steps: int | None = None, progress: Callable[[], float] | None = None,
-         backend: Any = "heuristic", decisions: int = 8, schedule: str | list[float] = "front",
-         blocking: bool | str = True, every: int = 25, trial_steps: int = 20, run_dir: str | Path | None = None,
-         prompt: str = "neutral", scheduler=None, clip: float | None = None, max_lag: int = 50,
-         step_time_limit: float = 10.0, max_wakes: int | None = None, manual_boundaries: bool = False,
-         secrets: list[str] | None = None, eval_integrity: bool = True,
-         agent_dir: str | Path | None = None, notes_dir: str | Path | None = None) -> AgentOptimizer:
+def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, settings: AgentSettings | None = None,
+         **keywords: Any) -> AgentOptimizer:
     """Wrap a torch optimizer so that an agent may rewrite its update rule while the model trains.
+
+    ``settings`` is an ``AgentSettings`` (``opalctl.opal.settings``: every setting, with its default); keyword
+    arguments name its fields (``wrap(optimizer, model, total_steps=1000, backend="keep")``) and, beside
+    ``settings``, take the place of its values.
 
     ``optimizer`` (and ``scheduler``, and ``clip`` when given) are what the starting program runs, unchanged.
     ``progress`` returns the fraction of the budget used (decisions are scheduled on it); without it, progress is
@@ -581,12 +568,7 @@ def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *, goal: str 
         raise ValueError(f"wrap() in a process group of {ranks} ranks would run one agent per rank; call "
                          f"opalctl.opal.wrap_distributed(optimizer, model, ...) on every rank instead (rank 0's "
                          f"agent decides, the others follow it)")
-    return AgentOptimizer(optimizer, model, goal=goal, total_steps=total_steps, progress=progress, backend=backend,
-                          decisions=decisions, schedule=schedule, blocking=blocking, every=every,
-                          trial_steps=trial_steps, run_dir=run_dir, prompt=prompt, scheduler=scheduler, clip=clip,
-                          max_lag=max_lag, step_time_limit=step_time_limit, max_wakes=max_wakes,
-                          manual_boundaries=manual_boundaries, secrets=secrets, eval_integrity=eval_integrity,
-                          agent_dir=agent_dir, notes_dir=notes_dir)
+    return AgentOptimizer(optimizer, model, AgentSettings.of(settings, **keywords))
 
 
 # set by wrap_distributed around its own call of wrap(): the one caller that makes one agent optimizer per rank

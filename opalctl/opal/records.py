@@ -44,6 +44,8 @@ heuristic transcript unchanged).
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import os
 import re
@@ -52,8 +54,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from opalctl.files import atomic_write_json, atomic_write_text
-from opalctl.formats import Event, HostDecisionRecord, HostRefusal
+from opalctl.files import atomic_write_json, atomic_write_text, read_plain
+from opalctl.formats import (
+    PROGRAM_MAX_BYTES,
+    Event,
+    HostDecisionRecord,
+    HostRefusal,
+    RecordChanged,
+    RecordDamaged,
+    read_bounded,
+    read_record,
+)
 from opalctl.opal.handover import SECRET_NAME, secret_names
 from opalctl.opal.programs import PROGRAM_FILES
 
@@ -331,14 +342,12 @@ class HostRecords:
 
 
 def program_sha256(text: str) -> str:
-    import hashlib
 
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def line_changes(old: str, new: str) -> dict[str, int]:
     """Lines added and removed from ``old`` to ``new`` (a short summary of a program change)."""
-    import difflib
 
     lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
     return {"added": sum(1 for x in lines if x.startswith("+") and not x.startswith("+++")),
@@ -358,8 +367,6 @@ class DecisionRecord:
         return (self.folder / ANSWER).is_file()
 
     def text(self, name: str) -> str | None:
-        from opalctl.files import read_plain
-        from opalctl.formats import PROGRAM_MAX_BYTES
 
         try:  # never a FIFO waited on, nor a device read without end (files.read_plain)
             return read_plain(self.folder / name, PROGRAM_MAX_BYTES).decode("utf-8")
@@ -374,7 +381,6 @@ class DecisionRecord:
         """``answer.json`` (None for a record the training process wrote)."""
         if not self.by_host:
             return None
-        from opalctl.formats import read_record
 
         return read_record(self.folder / ANSWER, HostDecisionRecord)
 
@@ -395,7 +401,6 @@ class DecisionRecord:
 
     @staticmethod
     def _checked(path: Path, sha256: str | None) -> str:
-        from opalctl.formats import PROGRAM_MAX_BYTES, RecordChanged, RecordDamaged, read_bounded
 
         try:
             text = read_bounded(path, PROGRAM_MAX_BYTES, "the agent host's record is damaged").decode("utf-8")

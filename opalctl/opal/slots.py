@@ -264,10 +264,24 @@ class ProgramSlots:
             version.updater.step(grads, t, ctx)
             version.timed(time.perf_counter() - started)
             return
-        self.guard.version = version
-        elapsed = self.guard.run(_no_grad_step, version, grads, t, ctx)
+        elapsed = self.guard.run(version, _no_grad_step, version, grads, t, ctx)
         version.timed(elapsed)
         self.guard.enforce(elapsed)
+
+    def failed_step(self) -> None:
+        """A step failed (a fallback's failed redo counts too)."""
+        self.step_failures += 1
+
+    def audited(self, counts: dict[str, Any]) -> None:
+        """The profiler's counts of a version's audited step (``counts["version"]``), shown to the agent."""
+        self.audits[counts["version"]] = counts
+
+    def refused(self, files: dict[str, str], update: int) -> Version:
+        """Programs an answer carries that cannot be loaded at all (not regular UTF-8 files): kept as the next
+        version, failed, as a program the check refused."""
+        version = Version(number=len(self.versions), files=files, status="failed", applied_at=update)
+        self.versions.append(version)
+        return version
 
     def audit_due(self, version: Version) -> bool:
         return version.steps == 1 and version.number not in self.audits

@@ -328,9 +328,10 @@ def test_the_dry_run_uses_the_real_shapes_and_dtypes(tmp_path, opal):
 # -- cost, turns, settings -----------------------------------------------------------------------------------------
 
 def test_no_request_is_sent_once_the_cost_cap_would_be_passed(project, key):
-    # 1,000 input tokens at $1,000 per million: each reply costs $1.00; the cap is $1.50
-    prices = {"input": 1000.0, "output": 0.0, "cache_read": 0.0, "cache_write": 0.0}
-    usage = {"input_tokens": 1000, "output_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    # 200,000 input tokens at $5 per million: each reply costs $1.00; the cap is $1.50, above the $1.08 a first
+    # decision is expected to cost at these prices (the measured model's input price)
+    prices = {"input": 5.0, "output": 0.0, "cache_read": 0.0, "cache_write": 0.0}
+    usage = {"input_tokens": 200_000, "output_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     project.freeze({"claude": agent_arm(decisions=3, schedule=[0.25, 0.5, 0.75], prices=prices, max_cost_usd=1.5)})
     script = [ms.reply(ms.text(KEPT), usage=usage)] * 3
     with ms.MessagesServer(script) as server:

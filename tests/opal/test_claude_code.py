@@ -175,3 +175,12 @@ def test_a_missing_binary_is_refused_before_the_run_starts(digits_project, tmp_p
     assert "no-such-claude" in message and "npm install" in message and "OPALCTL_CLAUDE_BIN" in message
     assert not (tmp_path / "runs").exists()  # refused before any folder is made (tests/driver/test_refused_early.py)
     assert os.environ["OPALCTL_CLAUDE_BIN"].endswith("no-such-claude")
+
+
+def test_freeze_refuses_a_cost_cap_on_a_model_without_prices(digits_project):
+    with pytest.raises(BadInput) as refused:
+        freeze_project(digits_project, {"decisions": 1, "model": "sonnet", "max_cost_usd": 2.0})
+    message = str(refused.value)
+    assert "max_cost_usd" in message and "'sonnet'" in message and "price table" in message
+    freeze_project(digits_project, {"decisions": 1, "model": "claude-sonnet-4-5", "max_cost_usd": 2.0})
+    freeze_project(digits_project, {"decisions": 1, "model": "sonnet"})

@@ -17,6 +17,7 @@ from opalctl.opal.estimate import (
     DEFAULT_DECISIONS,
     FIGURES,
     MAX_AUTO_DECISIONS,
+    decision_usd,
     estimate,
     format_lines,
 )
@@ -273,3 +274,15 @@ def test_the_automatic_blocking_count_is_the_most_within_4x(total_steps, sec_per
     assert n == 1 or 250 + (n - 1) * 27 <= cap
     assert n == MAX_AUTO_DECISIONS or 250 + n * 27 > cap
     assert result["waiting_ratio"] == pytest.approx((250 + (n - 1) * 27) / result["training_seconds"])
+
+
+def test_a_model_of_the_price_table_is_priced_at_its_prices_and_says_so():
+    # claude-sonnet-4-5 lists at 3/5 of the measured model's prices: the same decisions cost 3/5 as much
+    result = estimate(1000, 0.5, decisions=8, model="claude-sonnet-4-5", effort="high")
+    assert result["waiting_seconds"] == approx(BLOCKING_8)
+    assert result["cost_usd"] == approx({name: value * 0.6 for name, value in COST_8.items()})
+    assert "priced at claude-sonnet-4-5's prices" in next(line for line in result["lines"] if "measured for" in line)
+    assert decision_usd("claude-sonnet-4-5")["first"]["typical"] == pytest.approx(1.08 * 0.6)
+    assert decision_usd("claude-unknown-9") is None
+    assert decision_usd("claude-unknown-9", {"input": 10.0, "output": 50.0, "cache_read": 0.0,
+                                             "cache_write": 0.0})["later"]["typical"] == pytest.approx(0.23 * 2)

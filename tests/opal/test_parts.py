@@ -35,7 +35,7 @@ def test_agent_code_that_fails_hands_back_its_error_even_a_keyboard_interrupt_it
 def test_a_step_over_its_limit_is_a_failure_even_without_the_alarm():
     guard = StepGuard(0.01, {})
     guard.active = False  # as off the main thread
-    elapsed = guard.run(lambda: None)
+    elapsed = guard.run(None, lambda: None)
     guard.enforce(elapsed)  # in time: nothing
     with pytest.raises(StepFailure, match="over its limit"):
         guard.enforce(0.5)

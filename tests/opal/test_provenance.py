@@ -26,16 +26,14 @@ def test_a_run_records_the_defaults_it_used(tmp_path):
 
 
 def test_a_run_with_other_programs_says_so(tmp_path, capsys):
-    from opalctl.opal.optimizer import AgentOptimizer, default_sources
+    from opalctl.opal.optimizer import AgentOptimizer, AgentSettings, default_sources
 
     sources = default_sources()
     sources["updater.py"] = sources["updater.py"].replace("LR_SCALE = 1.0", "LR_SCALE = 0.5")
     model = torch.nn.Linear(3, 1)
-    optimizer = AgentOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, goal=None, total_steps=10,
-                               progress=None, backend="keep", decisions=1, schedule="front", blocking=True, every=25,
-                               trial_steps=20, run_dir=tmp_path / "opal", prompt="neutral", scheduler=None,
-                               clip=None, max_lag=50, step_time_limit=10.0, max_wakes=None,
-                               manual_boundaries=False, sources=sources)
+    optimizer = AgentOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                               AgentSettings(total_steps=10, backend="keep", decisions=1, run_dir=tmp_path / "opal",
+                                             sources=sources))
     optimizer.close()
     start = json.loads((tmp_path / "opal" / "events.jsonl").read_text().splitlines()[0])
     assert start["defaults_differ"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from opalctl.opal.agents import registry
 from opalctl.opal.agents.base import Answer, Backend, FunctionBackend
 
 
@@ -19,8 +20,6 @@ def make_backend(backend: str | Callable | Backend, **options: Any) -> Backend:
         return backend
     if callable(backend):
         return FunctionBackend(backend)
-    from opalctl.opal.agents import registry
-
     return registry.create(str(backend), **options)
 
 

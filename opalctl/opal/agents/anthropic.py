@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -51,25 +50,18 @@ from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
 from opalctl.opal.agents.dry_run import DRY_RUN_SECONDS, check_in_child
 from opalctl.opal.agents.options import ModelOptions, Strict
-from opalctl.opal.agents.workspace import PROGRAM_FILES, Refused, Workspace, read_program
+from opalctl.opal.agents.workspace import Refused, Workspace, read_program
+from opalctl.opal.handover import handed_over_names
+from opalctl.opal.messages import prompt_text
+from opalctl.opal.prices import DEFAULT_PRICES, PRICE_KEYS, cost_of, default_prices, price_dict
+from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.records import SecretRedaction
 
-# Default prices in US dollars per million tokens: input, output, cache read, cache write (5-minute cache). They
-# are the public list prices as of this writing, and only defaults: a protocol's `arms.NAME.agent.prices`
-# overrides them (and must be given for a model not listed here). DEFAULT_MODEL, the model of the measured
-# figures in estimate.py, is priced like the current Opus list price.
-DEFAULT_PRICES: dict[str, tuple[float, float, float, float]] = {
-    DEFAULT_MODEL: (5.0, 25.0, 0.50, 6.25),
-    "claude-opus-4-5": (5.0, 25.0, 0.50, 6.25),
-    "claude-opus-4-1": (15.0, 75.0, 1.50, 18.75),
-    "claude-opus-4-0": (15.0, 75.0, 1.50, 18.75),
-    "claude-sonnet-4-5": (3.0, 15.0, 0.30, 3.75),
-    "claude-sonnet-4-0": (3.0, 15.0, 0.30, 3.75),
-    "claude-haiku-4-5": (1.0, 5.0, 0.10, 1.25),
-    "claude-3-5-haiku": (0.80, 4.0, 0.08, 1.0),
-}
+__all__ = ["AnthropicBackend", "AnthropicOptions", "Prices", "DEFAULT_PRICES", "PRICE_KEYS", "cost_of",
+           "default_prices"]  # the prices are the one table's (opalctl.opal.prices), named here for the backend's users
+
 # models that take `output_config.effort`; for any other model the effort setting is not sent
 EFFORT_MODELS = (DEFAULT_MODEL, "claude-opus-4-5")
-PRICE_KEYS = ("input", "output", "cache_read", "cache_write")
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 RETRYABLE_STATUS = (408, 429)  # and every 5xx (500, 502, 503, 504, 529 overloaded)
 MAX_BACKOFF_SECONDS = 60.0
@@ -142,32 +134,6 @@ class AnthropicOptions(ModelOptions):
 OPTION_DEFAULTS = AnthropicOptions()
 
 
-# -- prices and cost ---------------------------------------------------------------------------------------------
-
-def default_prices(model: str | None) -> dict[str, float] | None:
-    """The default prices of ``model`` (None when it has none): an exact name, or one with a date suffix."""
-    if not model:
-        return None
-    name = re.sub(r"-(\d{8}|latest)$", "", model)
-    row = DEFAULT_PRICES.get(name)
-    return dict(zip(PRICE_KEYS, row)) if row is not None else None
-
-
-def _price_dict(prices: Any) -> dict[str, float] | None:
-    if prices is None:
-        return None
-    if hasattr(prices, "model_dump"):
-        prices = prices.model_dump()
-    return {key: float(prices.get(key) or 0.0) for key in PRICE_KEYS}
-
-
-def cost_of(usage: dict[str, Any], prices: dict[str, float]) -> float:
-    """US dollars for ``usage`` (token counts as the API reports them) at ``prices`` (per million tokens)."""
-    return (usage.get("input_tokens", 0) * prices["input"] + usage.get("output_tokens", 0) * prices["output"]
-            + usage.get("cache_read_input_tokens", 0) * prices["cache_read"]
-            + usage.get("cache_creation_input_tokens", 0) * prices["cache_write"]) / 1e6
-
-
 # -- the backend -------------------------------------------------------------------------------------------------
 
 class AnthropicBackend(Backend):
@@ -185,7 +151,7 @@ class AnthropicBackend(Backend):
         self.turns = int(turns)
         self.seconds_per_decision = float(seconds_per_decision)
         self.retries = int(retries)
-        self.prices = _price_dict(prices) or default_prices(self.model)
+        self.prices = price_dict(prices) or default_prices(self.model)
         if self.prices is None:
             raise BadInput(f"agent model {self.model!r} has no default prices; give them as "
                            f"arms.NAME.agent.prices (input, output, cache_read, cache_write in USD per million tokens)")
@@ -235,7 +201,6 @@ class AnthropicBackend(Backend):
 
     # -- one decision ------------------------------------------------------------------------------------------
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-        from opalctl.opal.records import SecretRedaction
 
         deadline = time.monotonic() + self.seconds_per_decision
         space = Workspace(workspace, redaction=SecretRedaction(self.secrets(), environ=os.environ))
@@ -297,7 +262,6 @@ class AnthropicBackend(Backend):
     def _prompt_for(self, message: str) -> str:
         if self.prompt_text is not None:
             return self.prompt_text
-        from opalctl.opal.messages import prompt_text
 
         for name in ("neutral", "aggressive"):
             text = prompt_text(name)
@@ -453,7 +417,6 @@ def problems(agent: AnthropicOptions, where: str) -> list[tuple[str, str]]:
 
 def unready(agent: AnthropicOptions | None) -> str | None:
     """The key a protocol's arm cannot name: the environment's, or one `opalctl run` handed to this process."""
-    from opalctl.opal.handover import handed_over_names
 
     if os.environ.get("ANTHROPIC_API_KEY") or "ANTHROPIC_API_KEY" in handed_over_names():
         return None

@@ -39,6 +39,8 @@ from typing import Any
 from opalctl.errors import BadInput
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.options import ModelOptions
+from opalctl.opal.messages import prompt_text
+from opalctl.opal.prices import default_prices
 
 DEFAULT_BINARY = "claude"
 BINARY_ENV = "OPALCTL_CLAUDE_BIN"
@@ -169,7 +171,6 @@ class ClaudeCodeBackend(Backend):
     def _without_prompt(self, message: str) -> str:
         prompts = [self.prompt_text] if self.prompt_text else []
         if not prompts:
-            from opalctl.opal.messages import prompt_text
 
             prompts = [prompt_text("neutral"), prompt_text("aggressive")]
         for prompt in prompts:
@@ -221,5 +222,15 @@ def unready(agent: ClaudeCodeOptions) -> str | None:
     return _find_binary(None)[1]  # a protocol names no binary: the environment's or the PATH's
 
 
+def problems(agent, where: str) -> list[tuple[str, str]]:
+    """A cost cap expects a decision of the model the CLI calls to cost what the price table says of it
+    (``opalctl.opal.decisions.CostCap``): a named model the table does not list cannot be capped."""
+    if agent.max_cost_usd is not None and agent.model and default_prices(agent.model) is None:
+        return [("max_cost_usd", f"model {agent.model!r} is not in the price table (opalctl/opal/prices.py), so "
+                                 f"{where}.max_cost_usd cannot expect a decision's cost; name a listed model or leave "
+                                 f"max_cost_usd out")]
+    return []
+
+
 KIND = BackendKind(name="claude-code", waits=True, factory=ClaudeCodeBackend, options=ClaudeCodeOptions,
-                   prompted=True, unready=unready)
+                   prompted=True, unready=unready, problems=problems)

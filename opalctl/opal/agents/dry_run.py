@@ -23,6 +23,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from opalctl.opal.agents.workspace import PROGRAM_FILES, read_program
+from opalctl.opal.programs import ProgramRejected, check_program, load_program
+from opalctl.opal.records import secret_names
+from opalctl.opal.roles import role_of
+from opalctl.sandbox import Bounds, confine_process, training_paths
+
 DRY_RUN_SECONDS = 60.0  # one check's limit (and never past the decision's own)
 STDERR_CHARS = 2000
 
@@ -30,7 +36,6 @@ STDERR_CHARS = 2000
 def check_in_child(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None,
                    seconds: float = DRY_RUN_SECONDS) -> str | None:
     """``dry_run`` in a child process without the secrets, stopped after ``seconds``: its error text, or None."""
-    from opalctl.opal.records import secret_names
 
     environment = {name: value for name, value in os.environ.items() if name not in secret_names(os.environ)}
     question = json.dumps({"workspace": str(workspace), "facts": facts, "running": running}).encode()
@@ -56,7 +61,6 @@ def _confine_if_possible(workspace: Path) -> None:
     on trial (where the kernel has Landlock): what they could read, they could print into the check's answer,
     which the agent reads. No process either, and no capability: a process the programs started would outlive
     the check's time limit, which kills this one."""
-    from opalctl.sandbox import Bounds, confine_process, training_paths
 
     confine_process(writable=[], readable=[*training_paths(), Path(workspace)], deny_network=True,
                     bounds=Bounds(no_processes=True, drop_capabilities=True))
@@ -107,7 +111,6 @@ def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | No
 
 
 def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
-    from opalctl.opal.agents.workspace import PROGRAM_FILES, read_program
 
     sources = {}
     for name in PROGRAM_FILES:
@@ -150,7 +153,6 @@ def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | N
 
 def _loaded_programs(sources: dict[str, str]):
     """``(build, analyze, EVERY)`` of the workspace's programs, or the text of why they do not load."""
-    from opalctl.opal.programs import ProgramRejected, check_program, load_program
 
     try:
         for name in ("updater", "analysis"):  # both refused before either's code runs, as in training
@@ -206,7 +208,6 @@ class _Trial:
         """The running program built and stepped once, so the new one is built with a ``previous`` and an optimizer
         state, as it will be in the run; None when there is none, it is the new one, or it fails (it is not on
         trial here)."""
-        from opalctl.opal.programs import load_program
 
         if not (running and running.get("updater.py") and running["updater.py"] != new_source):
             return None
@@ -239,7 +240,6 @@ class _Trial:
         """One ``analyze()`` on what the run would observe; what is wrong with its result (None: nothing)."""
         import torch
 
-        from opalctl.opal.roles import role_of
 
         params, optimizer = self.params, self.optimizer
         obs = {"update": self.update + 1, "progress": self.progress, "losses": [2.0 - 0.01 * i for i in range(every)],

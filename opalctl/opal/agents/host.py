@@ -55,9 +55,12 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from opalctl.formats import HostDecisionRecord, HostRefusal
 from opalctl.opal.agents.base import Answer
-from opalctl.opal.handover import HANDOVER, Handover
+from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, FixedWorkspace, WorkspaceMoved, sweep
+from opalctl.opal.handover import HANDOVER, Handover, release, secret_names, take
 from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.records import HostRecords, SecretRedaction, program_sha256, redact_json
 
 LIMIT_GRACE_SECONDS = 10.0  # a backend keeps its own limit first; the host's is that and this much more
 STOP_SECONDS = 5.0
@@ -81,7 +84,6 @@ def release_secrets() -> None:
     (``opalctl.opal.handover``), without reading it: the agent host, if one was started, holds its own end. Call
     it once the agent optimizer is built and before the training process is confined; nothing happens where
     nothing was handed over."""
-    from opalctl.opal.handover import release
 
     release()
 
@@ -89,7 +91,6 @@ def release_secrets() -> None:
 def scrub_environment(environ=None) -> list[str]:
     """Remove the secret-looking variables from this process's environment (the host holds them); returns their
     names. They do not come back: a library caller sets one again itself (docs/integrations.md)."""
-    from opalctl.opal.handover import secret_names
 
     environ = os.environ if environ is None else environ
     names = secret_names(environ)
@@ -307,8 +308,6 @@ class Host:
     redaction), its workers, and the decisions asked so far; ``receive`` takes one line of its input."""
 
     def __init__(self, start: dict[str, Any], reply):
-        from opalctl.opal.agents.workspace import FixedWorkspace, WorkspaceMoved
-        from opalctl.opal.records import HostRecords, SecretRedaction
 
         recipe, limit, secrets = start.get("recipe"), start.get("limit"), start.get("secrets", [])
         if not (isinstance(recipe, dict) and isinstance(recipe.get("backend"), str)):
@@ -362,7 +361,6 @@ class Host:
 
     def refuse(self, request: dict[str, Any], sentence: str) -> None:
         """Record a refused request (the names of its keys, never its values) and answer its id, if it has one."""
-        from opalctl.formats import HostRefusal
 
         number = request.get("id")
         op = request.get("op")
@@ -377,7 +375,6 @@ class Host:
 
     def _problem(self, request: dict[str, Any]) -> str | None:
         """Why the host will not work on this decide request (None: it will)."""
-        from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES
 
         number = request.get("id")
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
@@ -423,9 +420,6 @@ class Host:
             self.reply({"id": number, "answer": answer.to_json()})
 
     def _work(self, number: int, request: dict[str, Any]) -> tuple[Answer, bool]:
-        from opalctl.formats import HostDecisionRecord
-        from opalctl.opal.agents.workspace import WorkspaceMoved, sweep
-        from opalctl.opal.records import program_sha256, redact_json
 
         started = time.monotonic()
         redaction = self.redaction
@@ -478,7 +472,6 @@ def serve(requests, replies, handover_fd: int | None = None) -> int:
     """The host's loop: the handed-over keys taken, the start read, then ``requests`` lines in and ``replies``
     lines out, until the input ends."""
     if handover_fd is not None:
-        from opalctl.opal.handover import take
 
         take(handover_fd)
     lock = threading.Lock()

@@ -31,11 +31,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from opalctl.errors import BadInput
+from opalctl.formats import MailboxAnswer, MailboxRequest, RecordDamaged
 from opalctl.opal.agents.anthropic import AnthropicOptions
 from opalctl.opal.agents.anthropic import lock_defaults as answering_lock_defaults
 from opalctl.opal.agents.anthropic import problems as answering_problems
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
-from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, PROGRAM_FILES, read_program, write_file_here
+from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, read_program, write_file_here
+from opalctl.opal.mailbox.box import Mailbox, decoded, new_request_id
+from opalctl.opal.mailbox.folder import LocalMailboxFolder, MailboxRefusal
+from opalctl.opal.programs import PROGRAM_FILES
 
 POLL_SECONDS = 0.25
 ANSWERING_KEYS = ("model", "max_tokens", "turns", "seconds_per_decision", "retries", "prices", "effort")
@@ -61,7 +66,6 @@ class MailboxBackend(Backend):
 
     def __init__(self, mailbox: str | None = None, answered_by: str | None = None, queue_seconds: float = 600.0,
                  prompt_text: str | None = None, session: str | None = None, **answering: Any):
-        from opalctl.errors import BadInput
 
         if not mailbox:
             raise BadInput("agent backend 'mailbox' needs arms.NAME.agent.mailbox, the mailbox folder that "
@@ -94,8 +98,6 @@ class MailboxBackend(Backend):
         return {"backend": self.name, "mailbox": self.mailbox, "answered_by": answering}
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-        from opalctl.opal.mailbox.box import Mailbox
-        from opalctl.opal.mailbox.folder import LocalMailboxFolder
 
         box = Mailbox(LocalMailboxFolder(self.mailbox))
         box.prepare()
@@ -106,8 +108,6 @@ class Asking:
     """One decision asked in the mailbox: the request posted, answers checked as they come, the request withdrawn."""
 
     def __init__(self, box, backend: MailboxBackend, workspace: Path, message: str, facts: dict[str, Any]):
-        from opalctl.formats import MailboxRequest
-        from opalctl.opal.mailbox.box import new_request_id
 
         self.box, self.backend, self.workspace = box, backend, workspace
         self.started = time.time()
@@ -139,8 +139,6 @@ class Asking:
     def withdraw_stale(self) -> None:
         """Withdraw the requests an earlier process of this run left (a training job killed while it waited, then
         resumed): its decision is asked again now, and no server should spend a decision on the old request."""
-        from opalctl.formats import RecordDamaged
-        from opalctl.opal.mailbox.folder import MailboxRefusal
 
         prefix = self.request.request.rsplit("-d", 1)[0] + "-d"
         for request_id in self.box.requests():
@@ -160,9 +158,6 @@ class Asking:
 
     def _answer(self, sha: str):
         """The answer if one is there and passes the checks; a refused one is recorded and removed."""
-        from opalctl.formats import MailboxAnswer, RecordDamaged
-        from opalctl.opal.mailbox.box import decoded
-        from opalctl.opal.mailbox.folder import MailboxRefusal
 
         try:
             data = self.box.answer_bytes(self.request.request)

@@ -13,8 +13,10 @@ import importlib
 from functools import cache
 from typing import Any
 
+from opalctl.errors import BadInput
 from opalctl.opal.agents.base import Backend, BackendKind
 from opalctl.opal.agents.default_model import DEFAULT_MODEL
+from opalctl.opal.messages import prompt_text
 
 NAMES = ("keep", "heuristic", "anthropic", "claude-code", "mailbox", "replay")
 
@@ -71,7 +73,6 @@ def from_protocol(agent) -> Backend:
     """The backend of a protocol's agent section (``opalctl.protocol.schema.AgentSpec``), with the keys it reads."""
     found = find(agent.backend)
     if found is None:  # the schema refuses such a protocol; a lock written by another opalctl may still hold one
-        from opalctl.errors import BadInput
 
         raise BadInput(f"agent backend {agent.backend!r} is not available in this version of opalctl; use "
                        f"{spellings()}")
@@ -80,7 +81,6 @@ def from_protocol(agent) -> Backend:
     if kind.options is not None:
         options = {key: getattr(agent, key) for key in kind.options.model_fields}
     if kind.prompted:
-        from opalctl.opal.messages import prompt_text
 
         options["prompt_text"] = prompt_text(agent.prompt)
     return kind.factory(argument, **options) if kind.argument else kind.factory(**options)

@@ -18,6 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from opalctl.opal.agents import Answer, registry
+
 MAX_TRANSCRIPT_CHARS = 1_000_000  # what one decision's transcript may hold once written out
 
 
@@ -40,7 +42,6 @@ def _capped(transcript: list) -> list:
 
 def answer(question: dict) -> dict:
     """The worker's answer to one question (``{"answer": ..., "carry": ...}``); a failure is a failed answer."""
-    from opalctl.opal.agents import Answer, registry
 
     recipe = question["recipe"]
     workspace = Path(question["workspace"])
@@ -61,7 +62,6 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # whatever the backend prints goes to standard error, not into the answer
     if argv and argv[0]:
-        from opalctl.opal.agents import registry
 
         registry.find(argv[0])  # import the backend's module while the decision is not yet asked
     question = json.loads(sys.stdin.read())

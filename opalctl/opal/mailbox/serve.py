@@ -32,9 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opalctl.errors import BadInput
 from opalctl.formats import MailboxAnswer, MailboxRequest, RecordDamaged
+from opalctl.opal.agents import registry
+from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host
 from opalctl.opal.mailbox.box import LEASE_SECONDS, Lease, Mailbox, server_identity
-from opalctl.opal.mailbox.folder import MailboxFolder, MailboxRefusal
+from opalctl.opal.mailbox.folder import LocalMailboxFolder, MailboxFolder, MailboxRefusal
+from opalctl.opal.mailbox.ssh import SshMailboxFolder
 
 POLL_SECONDS = 0.5
 SWEEP_GRACE_SECONDS = 300.0  # a request past its deadline by this much is removed (its training job died)
@@ -56,8 +60,6 @@ class Server:
     def __init__(self, folder: MailboxFolder, backend: str, *, model: str | None = None, max_concurrent: int = 4,
                  lease_seconds: float = LEASE_SECONDS, poll_seconds: float = POLL_SECONDS,
                  show: Callable[[dict[str, Any]], None] = lambda event: None):
-        from opalctl.errors import BadInput
-        from opalctl.opal.agents import registry
 
         found = registry.find(backend)
         if found is None or not found[0].waits or backend == "mailbox":
@@ -212,7 +214,6 @@ class Server:
 
     def decide(self, work: Work, scratch: Path) -> dict[str, Any] | None:
         """The answer (``Answer.to_json()``) of an agent host of this server's, or None when the work stopped."""
-        from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host
 
         request = work.request
         recipe = self.recipe(request)
@@ -240,15 +241,12 @@ class Server:
 
 def mailbox_folder(mailbox: str, ssh_target: str | None) -> MailboxFolder:
     """The mailbox's folder: here (a local or shared folder), or ``mailbox`` on ``ssh_target`` over ssh."""
-    from opalctl.errors import BadInput
-    from opalctl.opal.mailbox.folder import LocalMailboxFolder
 
     if ssh_target is None:
         if not Path(mailbox).is_dir():
             raise BadInput(f"the mailbox folder {mailbox} does not exist; give the folder the runs' "
                            f"arms.NAME.agent.mailbox names (on a file system this machine shares)")
         return LocalMailboxFolder(mailbox)
-    from opalctl.opal.mailbox.ssh import SshMailboxFolder
 
     return SshMailboxFolder(f"{ssh_target}:{mailbox}")
 
