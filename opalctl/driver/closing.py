@@ -170,8 +170,9 @@ def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outco
 
 def sealed_report(layout: RunLayout, report: dict[str, Any], stages: list[StageRecord], anchor_digest: str,
                   last: dict[str, Any], selected: dict[str, Any]) -> dict[str, Any]:
-    """The report with its ``digests`` (formats.RunDigests): the records this process wrote from its memory, the
-    steps file (the training process's) as it is now, and the report's own digest last."""
+    """The report with its ``digests`` (formats.RunDigests): the stage, last and selected records hashed from the
+    records this process holds (the ones it wrote), ``start.json`` and the steps file (the training process's)
+    hashed from the disk as they are now, and the report's own digest last."""
     steps = layout.steps
     digests = RunDigests(
         start=sha256_file(layout.start), steps=sha256_file(steps) if steps.is_file() else None,
