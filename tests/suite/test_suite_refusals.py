@@ -55,8 +55,7 @@ def write(folder: Path, suite: dict | str) -> Path:
     (suite_text(tasks={"digits": {"protocol": "missing.yaml", "target": {"metric": "selection.loss", "value": 1}}}),
      "missing.yaml is not a file"),
 ])
-def test_a_bad_suite_is_refused_in_one_sentence_and_nothing_is_frozen(digits_project, suite,
-                                                                      words):
+def test_a_bad_suite_is_refused_in_one_sentence_and_nothing_is_frozen(digits_project, suite, words):
     path = write(digits_project.parent, suite)
     result = call_cli("suite", "freeze", path)
     assert result.code == 2, result.output
