@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.cli import call_cli, run_cli
 from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 
 # The modules whose tests start real runs, grids or browsers and take most of the suite's time: marked ``slow``, so
@@ -83,30 +82,6 @@ def digits_project(digits_init_folder, tmp_path) -> Path:
     target = tmp_path / "project"
     shutil.copytree(digits_init_folder, target)
     return target
-
-
-# The fixtures that stood in for imports before tests/support could be imported: kept, as thin aliases, for the
-# test modules other work has open at the moment (tests/opal, tests/suite, driver/test_chain.py,
-# driver/test_run_folder.py); a module moved to ``tests.support`` no longer asks for them.
-
-@pytest.fixture(scope="session")
-def cli():
-    """``tests.support.cli.run_cli``."""
-    return run_cli
-
-
-@pytest.fixture(scope="session")
-def cli_inprocess():
-    """``tests.support.cli.call_cli``."""
-    return call_cli
-
-
-@pytest.fixture(scope="session")
-def helpers():
-    """``tests.support``."""
-    import tests.support
-
-    return tests.support
 
 
 # Finished runs that compare, report and export read -----------------------------------------------------------

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import call_cli
 from tests.support.runs import ADAMW, PAUSE_TASK, Project
 
 
@@ -35,23 +34,6 @@ def pausing(project) -> Project:
     project.freeze(entry=entry, budget={"clock": "updates", "amount": 20, "fractions": [0.25, 0.5, 0.75, 1.0]},
                    training={"checkpoint_every": 0.25}, arms={"adamw": ADAMW})
     return project
-
-
-# The fixtures that stood in for imports before tests/support could be imported: kept, as thin aliases, for the
-# modules other work has open at the moment (driver/test_chain.py, driver/test_run_folder.py).
-
-@pytest.fixture
-def main_cli():
-    """``main_cli([...])`` -> ``tests.support.cli.call_cli(...)``."""
-    return lambda args: call_cli(*args)
-
-
-@pytest.fixture(scope="session")
-def tools():
-    """``tests.support``."""
-    import tests.support
-
-    return tests.support
 
 
 @pytest.fixture(scope="module")

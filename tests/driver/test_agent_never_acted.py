@@ -18,12 +18,13 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.support.cli import CliResult, run_cli
 
 UPDATES = 60
 SEEDS = (1, 2)
@@ -60,13 +61,12 @@ class Made:
         self.project = root / "project"
         self.runs = root / "runs"
         self.lock: Path | None = None
-        self.grid: subprocess.CompletedProcess | None = None
-        self.single: subprocess.CompletedProcess | None = None
-        self.env: dict[str, str] = {}
+        self.grid: CliResult | None = None
+        self.single: CliResult | None = None
+        self.env: dict[str, str] = {}  # added to this process's environment less its OPALCTL_ and PYTEST_ variables
 
-    def opalctl(self, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "opalctl", *map(str, args)], cwd=self.root,
-                              env=env or self.env, capture_output=True, text=True, timeout=TIMEOUT)
+    def opalctl(self, *args) -> CliResult:
+        return run_cli(*args, cwd=self.root, env=self.env, clean=True, timeout=TIMEOUT)
 
     def run_dir(self, arm: str, seed: int, runs: Path | None = None) -> Path:
         return next((runs or self.runs).glob("digits-*")) / arm / f"seed-{seed}"
@@ -103,8 +103,7 @@ def made(digits_init_folder, tmp_path_factory) -> Made:
     (tools / "claude").chmod(0o755)
     ms = _messages_server()
     with ms.MessagesServer([ms.error(401, "authentication_error", REFUSED)] * 40) as server:
-        made.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("OPALCTL_", "PYTEST_"))},
-                    "NO_COLOR": "1", "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
+        made.env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
                     "ANTHROPIC_API_KEY": "sk-ant-api03-" + "x" * 40, "ANTHROPIC_BASE_URL": server.url}
         made.grid = made.opalctl("grid", made.lock, "--jobs", "2", "--json", "--runs-dir", made.runs)
         made.single = made.opalctl("run", made.lock, "--arm", "api", "--seed", "1", "--json", "--runs-dir",
@@ -116,7 +115,7 @@ def made(digits_init_folder, tmp_path_factory) -> Made:
 
 def test_a_run_whose_agent_never_answered_warns_and_exits_5_with_its_folder_complete(made):
     single = made.single
-    assert single.returncode == 5, single.stderr[-3000:]
+    assert single.code == 5, single.stderr[-3000:]
     report = json.loads(single.stdout)
     acted = report["agent_acted"]
     assert acted["exit_code"] == 5
@@ -129,7 +128,7 @@ def test_a_run_whose_agent_never_answered_warns_and_exits_5_with_its_folder_comp
     assert "this run is AdamW alone" in acted["warning"] and "exit 5" in acted["warning"]
     # the folder is complete: it verifies
     verified = made.opalctl("verify", made.run_dir("api", 1, made.root / "single"))
-    assert verified.returncode == 0, verified.stderr
+    assert verified.code == 0, verified.stderr
 
 
 def test_each_run_of_the_grid_exits_by_what_its_agent_did(made):
@@ -150,7 +149,7 @@ def test_each_run_of_the_grid_exits_by_what_its_agent_did(made):
 
 
 def test_the_grid_ends_saying_which_agents_never_acted_and_exits_5(made):
-    assert made.grid.returncode == 5, made.grid.stderr[-3000:]
+    assert made.grid.code == 5, made.grid.stderr[-3000:]
     (end,) = [e for e in made.grid_lines() if e.get("event") == "grid"]
     warnings = end["agent_warnings"]
     assert [w.split(" never acted")[0] for w in warnings[:3]] == ["agent arm api", "agent arm cli", "agent arm heur"]
@@ -163,7 +162,7 @@ def test_the_grid_ends_saying_which_agents_never_acted_and_exits_5(made):
 
 def test_compare_gives_no_verdict_to_an_agent_arm_that_never_acted_but_says_why(made):
     shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--json")
-    assert shown.returncode == 0, shown.stderr
+    assert shown.code == 0, shown.stderr
     arms = {row["arm"]: row for row in json.loads(shown.stdout)["arms"]}
     primary = json.loads(shown.stdout)["primary"]
     api = arms["api"]["paired"][primary]["verdict"]
@@ -191,7 +190,7 @@ def test_compare_gives_no_verdict_to_an_agent_arm_that_never_acted_but_says_why(
 
 def test_compare_prints_the_decision_columns_for_agent_arms_only_and_the_sentence(made):
     shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs)
-    assert shown.returncode == 0, shown.stderr
+    assert shown.code == 0, shown.stderr
     out = " ".join(shown.stdout.split())
     assert "agent decisions, summed over seeds" in out
     assert "asked applied rolled back kept failed timed out acted on" in out
@@ -208,7 +207,7 @@ def test_compare_prints_the_decision_columns_for_agent_arms_only_and_the_sentenc
 
 def test_compare_csv_has_the_decision_columns_empty_on_fixed_arms(made):
     shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--csv")
-    assert shown.returncode == 0, shown.stderr
+    assert shown.code == 0, shown.stderr
     rows = list(csv.DictReader(io.StringIO(shown.stdout)))
     api = next(r for r in rows if r["arm"] == "api")
     assert (api["decisions_asked"], api["decisions_applied"], api["decisions_failed"], api["acted_seeds"]) == \
@@ -220,7 +219,7 @@ def test_compare_csv_has_the_decision_columns_empty_on_fixed_arms(made):
 
 def test_the_report_page_shows_the_counts_and_the_sentence(made):
     written = made.opalctl("report", made.lock, "--runs-dir", made.runs, "--out", made.root / "page")
-    assert written.returncode == 0, written.stderr
+    assert written.code == 0, written.stderr
     page = (made.root / "page" / "report.html").read_text()
     assert "Did the agent act?" in page and "seeds acted on" in page
     assert 'data-arm="api" data-field="decisions_failed" data-value="4"' in page
@@ -232,7 +231,7 @@ def test_the_report_page_shows_the_counts_and_the_sentence(made):
 
 def test_an_agent_arm_that_acted_on_some_seeds_is_compared_on_those_and_names_the_others(made):
     shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--json")
-    assert shown.returncode == 0, shown.stderr
+    assert shown.code == 0, shown.stderr
     result = json.loads(shown.stdout)
     mixed = next(row for row in result["arms"] if row["arm"] == "mixed")
     decisions = mixed["decisions"]
@@ -247,7 +246,7 @@ def test_an_agent_arm_that_acted_on_some_seeds_is_compared_on_those_and_names_th
 
 def test_grid_status_says_what_each_runs_agent_did(made):
     shown = made.opalctl("grid", made.lock, "--status", "--json", "--runs-dir", made.runs)
-    assert shown.returncode == 0, shown.stderr
+    assert shown.code == 0, shown.stderr
     agents = {(run["arm"], run["seed"]): run["agent"] for run in json.loads(shown.stdout)["runs"]}
     assert agents == {**{("adamw", s): None for s in SEEDS}, **{("api", s): "never answered" for s in SEEDS},
                       **{("cli", s): "never answered" for s in SEEDS}, **{("heur", s): "only kept" for s in SEEDS},

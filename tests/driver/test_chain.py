@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.cli import call_cli
+
 ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}},
         "paused": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}},
         "fresh": {"optimizer": {"name": "AdamW", "lr": 3.0e-2}}}
@@ -225,12 +227,12 @@ def one_sentence(err: str, named: str) -> str:
     return lines[0]
 
 
-def test_a_finished_run_verifies_and_its_report_names_the_digest_of_every_record(chain_runs, cli_inprocess):
+def test_a_finished_run_verifies_and_its_report_names_the_digest_of_every_record(chain_runs):
     from opalctl.files import sha256_file
     from opalctl.formats import anchor_sha256, report_sha256
 
     run = chain_runs["base"] / "adamw" / "seed-1"
-    result = cli_inprocess("verify", run)
+    result = call_cli("verify", run)
     assert result.code == 0 and result.stdout.startswith("ok: 1 run folder(s)"), result.output
     report = json.loads((run / "report.json").read_text())
     digests = report["digests"]
@@ -244,47 +246,47 @@ def test_a_finished_run_verifies_and_its_report_names_the_digest_of_every_record
     for stage in report["stages"]:
         assert stage["anchor_sha256"] == anchor["sha256"]
         assert stage["checkpoint"]["sha256"] == sha256_file(run / stage["checkpoint"]["file"])
-    result = cli_inprocess("verify", chain_runs["lock"], "--runs", "--runs-dir", chain_runs["runs"], "--json")
+    result = call_cli("verify", chain_runs["lock"], "--runs", "--runs-dir", chain_runs["runs"], "--json")
     checked = json.loads(result.stdout)
     assert {Path(r["run_dir"]).parent.name: r["ok"] for r in checked["runs"]} == {"adamw": True, "paused": True}
 
 
 @pytest.mark.parametrize("case, damage, named", CASES, ids=[c[0] for c in CASES])
 def test_every_damaged_record_is_caught_by_verify_and_refused_by_show_and_compare_naming_the_file(
-        copy, cli_inprocess, case, damage, named):
+        copy, case, damage, named):
     run = copy.run()
     damage(run)
-    verified = cli_inprocess("verify", run)
+    verified = call_cli("verify", run)
     assert verified.code == 3, verified.output
     sentence, *details = verified.stderr.strip().splitlines()
     assert f"run {run} does not verify" in sentence and "internal error" not in verified.output
     assert details and all(line.startswith("  ") for line in details), verified.stderr
     assert any(named in line for line in details), verified.stderr
-    as_json = cli_inprocess("verify", run, "--json")
+    as_json = call_cli("verify", run, "--json")
     assert as_json.code == 3 and any(named in f["file"] for f in json.loads(as_json.stdout)["findings"])
-    shown = cli_inprocess("show", run)
+    shown = call_cli("show", run)
     assert shown.code in (1, 3) and shown.stdout == "", shown.output
     one_sentence(shown.stderr, named)
-    compared = cli_inprocess("compare", copy.lock, "--runs-dir", copy.runs)
+    compared = call_cli("compare", copy.lock, "--runs-dir", copy.runs)
     assert compared.code in (1, 3) and compared.stdout == "", compared.output
     one_sentence(compared.stderr, named)
 
 
-def test_an_edited_record_is_exit_3_and_an_unreadable_one_exit_1(copy, cli_inprocess):
+def test_an_edited_record_is_exit_3_and_an_unreadable_one_exit_1(copy):
     run = copy.run()
     edit_json(run / "report.json", lambda v: metric_up()(v["stages"][0]))
-    assert cli_inprocess("compare", copy.lock, "--runs-dir", copy.runs).code == 3
-    assert cli_inprocess("show", run).code == 3
+    assert call_cli("compare", copy.lock, "--runs-dir", copy.runs).code == 3
+    assert call_cli("show", run).code == 3
     cut(run / "report.json")
-    assert cli_inprocess("compare", copy.lock, "--runs-dir", copy.runs).code == 1
-    assert cli_inprocess("show", run).code == 1
+    assert call_cli("compare", copy.lock, "--runs-dir", copy.runs).code == 1
+    assert call_cli("show", run).code == 1
 
 
-def test_verify_names_each_mismatch_on_its_own_line(copy, cli_inprocess):
+def test_verify_names_each_mismatch_on_its_own_line(copy):
     run = copy.run()
     flip(run / "training" / "stage-02.pt")
     edit_json(run / "stage-03.json", metric_up())
-    result = cli_inprocess("verify", run)
+    result = call_cli("verify", run)
     details = result.stderr.strip().splitlines()[1:]
     assert result.code == 3
     assert any("stage-02.pt: has sha256" in line for line in details)
@@ -293,29 +295,29 @@ def test_verify_names_each_mismatch_on_its_own_line(copy, cli_inprocess):
     assert "(4 findings)" in result.stderr.splitlines()[0] or len(details) >= 3
 
 
-def test_records_written_before_the_chain_still_read_and_verify_says_they_predate_it(copy, cli_inprocess):
+def test_records_written_before_the_chain_still_read_and_verify_says_they_predate_it(copy):
     run = copy.run()
     for path in sorted(run.glob("stage-*.json")):
         edit_json(path, lambda v: v.pop("anchor_sha256"))
     edit_json(run / "report.json", lambda v: (v.pop("digests"), v.pop("machine"),
                                              [s.pop("anchor_sha256") for s in v["stages"]]))
     edit_json(anchor_of(run), lambda v: v.pop("sha256"))
-    result = cli_inprocess("verify", run, "--json")
+    result = call_cli("verify", run, "--json")
     checked = json.loads(result.stdout)
     assert result.code == 0 and checked["ok"], result.output
     assert {note["file"] for note in checked["notes"] if "predates the chain" in note["problem"]} >= \
         {"report.json", "stage-01.json", "../../anchors/seed-1/anchor.json"}
-    assert cli_inprocess("show", run).code == 0
-    assert cli_inprocess("compare", copy.lock, "--runs-dir", copy.runs).code == 0
+    assert call_cli("show", run).code == 0
+    assert call_cli("compare", copy.lock, "--runs-dir", copy.runs).code == 0
 
 
-def test_verify_tells_a_run_folder_from_a_lock_and_refuses_a_folder_that_is_neither(copy, cli_inprocess, tmp_path):
-    result = cli_inprocess("verify", tmp_path)
+def test_verify_tells_a_run_folder_from_a_lock_and_refuses_a_folder_that_is_neither(copy, tmp_path):
+    result = call_cli("verify", tmp_path)
     assert result.code == 2 and "is not a run folder" in result.stderr
-    result = cli_inprocess("verify", copy.run(), "--runs")
+    result = call_cli("verify", copy.run(), "--runs")
     assert result.code == 2 and "go with a lock file" in result.stderr
     flip(copy.run() / "initial.pt")
-    result = cli_inprocess("verify", copy.lock, "--runs", "--runs-dir", copy.runs)
+    result = call_cli("verify", copy.lock, "--runs", "--runs-dir", copy.runs)
     assert result.code == 3 and any("adamw/seed-1/initial.pt" in line for line in result.stderr.splitlines()[1:])
 
 
@@ -389,12 +391,12 @@ def test_the_evaluator_of_an_honest_resume_keeps_the_stage_records_as_they_were_
         [sha256_file(run / f"stage-0{n}.json") for n in (1, 2)], "report.json's stages will be the stage files"
 
 
-def test_resume_after_the_anchor_record_was_edited_is_refused_naming_it(copy, main_cli):
+def test_resume_after_the_anchor_record_was_edited_is_refused_naming_it(copy):
     run = copy.run("paused")
     edit_json(anchor_of(run), metric_up("retention.correct"))  # 127 -> 132: another stage would be promoted
     before = json.loads(anchor_of(run).read_text())
-    got, out, err = main_cli(["run", copy.lock, "--arm", "paused", "--seed", "1", "--resume", "--runs-dir",
-                              copy.runs])
+    got, out, err = call_cli("run", copy.lock, "--arm", "paused", "--seed", "1", "--resume", "--runs-dir",
+                              copy.runs)
     assert got == 3, err
     assert "no longer matches its digest" in one_sentence(err, str(anchor_of(run)))
     assert not (run / "report.json").exists() and json.loads(anchor_of(run).read_text()) == before

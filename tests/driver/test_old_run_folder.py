@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import call_cli
+
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "format_029fb15"
 RUNS = "runs_dir/digits-586d962ba73c"
 ARMS = ("adamw", "high")
@@ -29,20 +31,20 @@ def expected(name: str) -> str:
 
 @pytest.mark.parametrize("arm", ARMS)
 @pytest.mark.parametrize("command", ["show", "verify"])
-def test_show_and_verify_read_a_run_folder_of_the_previous_format_as_before(old_folder, cli_inprocess, command, arm):
+def test_show_and_verify_read_a_run_folder_of_the_previous_format_as_before(old_folder, command, arm):
     run_dir = f"{RUNS}/{arm}/seed-1"
-    as_json = cli_inprocess(command, run_dir, "--json")
+    as_json = call_cli(command, run_dir, "--json")
     assert as_json.code == 0, as_json.output
     assert as_json.json() == json.loads(expected(f"{command}-{arm}.json"))
-    as_text = cli_inprocess(command, run_dir)
+    as_text = call_cli(command, run_dir)
     assert as_text.code == 0 and as_text.stdout == expected(f"{command}-{arm}.txt"), as_text.output
 
 
-def test_compare_reads_the_runs_of_the_previous_format_as_before(old_folder, cli_inprocess):
-    as_json = cli_inprocess("compare", "digits.lock.json", "--runs-dir", "runs_dir", "--json")
+def test_compare_reads_the_runs_of_the_previous_format_as_before(old_folder):
+    as_json = call_cli("compare", "digits.lock.json", "--runs-dir", "runs_dir", "--json")
     assert as_json.code == 0, as_json.output
     assert as_json.json() == json.loads(expected("compare.json"))
-    as_text = cli_inprocess("compare", "digits.lock.json", "--runs-dir", "runs_dir")
+    as_text = call_cli("compare", "digits.lock.json", "--runs-dir", "runs_dir")
     assert as_text.code == 0 and as_text.stdout == expected("compare.txt"), as_text.output
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from opalctl.files import canonical_json
+from tests.support.runs import Project
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "format_029fb15"
 OLD = FIXTURE / "runs_dir" / "digits-586d962ba73c"
@@ -41,10 +42,10 @@ def files_of(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs_now(digits_template, tmp_path_factory, tools) -> Path:
+def runs_now(digits_template, tmp_path_factory) -> Path:
     monkeypatch = pytest.MonkeyPatch()
     try:
-        project = tools.Project(digits_template, tmp_path_factory.mktemp("shapes") / "project", monkeypatch)
+        project = Project(digits_template, tmp_path_factory.mktemp("shapes") / "project", monkeypatch)
         project.freeze(budget=BUDGET, arms=ARMS, selection=SELECTION)
         for arm in ARMS:
             project.run(arm, 1)

@@ -12,6 +12,9 @@ import pytest
 
 from opalctl.driver.records import read_steps
 from opalctl.tasks.calls import TaskFailed
+from tests.support.cli import call_cli
+from tests.support.files import read, snapshot
+from tests.support.runs import CHILD_TIMEOUT, FINISHED_FILES, spawn
 
 
 def names(folder):
@@ -33,70 +36,70 @@ def paused_pid(pause, children, timeout):
 
 
 def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second_is_refused_naming_the_folder(
-        pausing, tools, main_cli, tmp_path):
+        pausing, tmp_path):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
     pause, release = tmp_path / "paused", tmp_path / "release"
     # both race for the folder; the one that trains stands still at update 12 until released
-    together = [tools.spawn(project, project.run_args("adamw", 1), PAUSE_AT="12", PAUSE_FILE=str(pause),
-                            RELEASE_FILE=str(release)) for _ in range(2)]
+    together = [spawn(project, project.run_args("adamw", 1), PAUSE_AT="12", PAUSE_FILE=str(pause),
+                      RELEASE_FILE=str(release)) for _ in range(2)]
     alone = project.run("adamw", 1, runs_dir=tmp_path / "alone")  # the same run with no neighbour, meanwhile
-    pid = paused_pid(pause, together, tools.CHILD_TIMEOUT)
+    pid = paused_pid(pause, together, CHILD_TIMEOUT)
     trains = next(child for child in together if child.pid == pid)
     refused = next(child for child in together if child is not trains)
-    _, err = refused.communicate(timeout=tools.CHILD_TIMEOUT)
+    _, err = refused.communicate(timeout=CHILD_TIMEOUT)
     assert refused.returncode == 2, err[-2000:]
     refusal = err.strip().splitlines()
     assert len(refusal) == 1 and refusal[0].startswith("opalctl: error: ") and str(run_dir) in refusal[0]
 
     # while the run stands at update 12, a second --resume (or run) of it is refused at once, changing nothing
-    before = tools.snapshot(run_dir.parent)
+    before = snapshot(run_dir.parent)
     for more in (["--resume"], []):
-        code, out, err = main_cli(project.run_args("adamw", 1, *more))
+        code, out, err = call_cli(*project.run_args("adamw", 1, *more))
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert f"another opalctl process (pid {pid}) is running {run_dir} now" in err
-    assert tools.snapshot(run_dir.parent) == before
+    assert snapshot(run_dir.parent) == before
     release.touch()
-    assert trains.wait(timeout=tools.CHILD_TIMEOUT) == 0, trains.communicate()[1][-2000:]
+    assert trains.wait(timeout=CHILD_TIMEOUT) == 0, trains.communicate()[1][-2000:]
 
-    survivor, alone_dir = tools.read(run_dir / "report.json"), project.run_dir("adamw", 1, runs=tmp_path / "alone")
+    survivor, alone_dir = read(run_dir / "report.json"), project.run_dir("adamw", 1, runs=tmp_path / "alone")
     assert survivor["final_model_sha256"] == alone["final_model_sha256"] and survivor["resumes"] == 0
     assert [s["update"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == list(range(1, 21))
     # a finished folder holds its records and nothing else: no lock, no marker, no temporary file
-    assert names(run_dir) == names(alone_dir) == tools.FINISHED_FILES
+    assert names(run_dir) == names(alone_dir) == FINISHED_FILES
     assert sorted(path.name for path in run_dir.parent.iterdir()) == [".seed-1.lock", "seed-1"]
 
 
 def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_aside_and_never_restarts_a_finished_run(
-        pausing, tools, main_cli, monkeypatch, tmp_path):
+        pausing, monkeypatch, tmp_path):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
     monkeypatch.setenv("FAIL_AT", "13")
     with pytest.raises(TaskFailed, match="failed in loss: RuntimeError: the test stops this run here"):
         project.run("adamw", 1)
     monkeypatch.delenv("FAIL_AT")
     (run_dir / "training" / "resume.pt").unlink()
-    abandoned = tools.snapshot(run_dir)
-    before = tools.snapshot(project.runs)
+    abandoned = snapshot(run_dir)
+    before = snapshot(project.runs)
 
     for more in (["--resume"], []):
-        code, out, err = main_cli(project.run_args("adamw", 1, *more))
+        code, out, err = call_cli(*project.run_args("adamw", 1, *more))
         lines = err.strip().splitlines()
         assert code == 2 and out == "" and len(lines) == 1 and str(run_dir) in lines[0], err
         assert f"{' '.join(project.run_args('adamw', 1, '--restart'))}`" in lines[0]
-    assert "resume.pt is missing" in main_cli(project.run_args("adamw", 1, "--resume"))[2]
-    assert tools.snapshot(project.runs) == before, "a refused start changes nothing"
+    assert "resume.pt is missing" in call_cli(*project.run_args("adamw", 1, "--resume")).stderr
+    assert snapshot(project.runs) == before, "a refused start changes nothing"
 
-    code, _, err = main_cli(project.run_args("adamw", 1, "--restart"))
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--restart"))
     assert code == 0, err
-    assert tools.snapshot(run_dir.parent / "seed-1.abandoned-1") == abandoned, "the abandoned attempt is kept whole"
-    restarted = tools.read(run_dir / "report.json")
+    assert snapshot(run_dir.parent / "seed-1.abandoned-1") == abandoned, "the abandoned attempt is kept whole"
+    restarted = read(run_dir / "report.json")
     uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
     assert restarted["final_model_sha256"] == uninterrupted["final_model_sha256"] and restarted["resumes"] == 0
-    assert names(run_dir) == tools.FINISHED_FILES
+    assert names(run_dir) == FINISHED_FILES
 
-    finished = tools.snapshot(project.runs)
-    code, out, err = main_cli(project.run_args("adamw", 1, "--restart"))
+    finished = snapshot(project.runs)
+    code, out, err = call_cli(*project.run_args("adamw", 1, "--restart"))
     assert code == 2 and "already finished" in err and "never restarted" in err and str(run_dir) in err
-    assert tools.snapshot(project.runs) == finished
+    assert snapshot(project.runs) == finished
 
 
 def rewrite_steps(path, forge):
@@ -107,7 +110,7 @@ def rewrite_steps(path, forge):
 
 
 def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_changed_or_missing_start_record(
-        pausing, tools, main_cli, monkeypatch):
+        pausing, monkeypatch):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
     monkeypatch.setenv("FAIL_AT", "13")  # the resume checkpoint of update 10 counts 10 steps lines
     with pytest.raises(TaskFailed):
@@ -120,7 +123,7 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
         lines[3]["loss"] = 0.5  # every rows digest still chains: only the bytes tell
 
     def edited_start():
-        record = tools.read(start)
+        record = read(start)
         record["seed"] = 2
         start.write_text(json.dumps(record, indent=2) + "\n")
 
@@ -128,12 +131,12 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
                                  (edited_start, start, "is not the one this run wrote"),
                                  (start.unlink, start, "is missing")]:
         damage()
-        before = tools.snapshot(project.runs)
-        code, out, err = main_cli(project.run_args("adamw", 1, "--resume"))
+        before = snapshot(project.runs)
+        code, out, err = call_cli(*project.run_args("adamw", 1, "--resume"))
         lines = err.strip().splitlines()
         assert code == 3 and out == "" and len(lines) == 1, err
         assert str(named) in lines[0] and words in lines[0] and "--restart" in lines[0], lines[0]
-        assert tools.snapshot(project.runs) == before, "a refused resume changes nothing"
+        assert snapshot(project.runs) == before, "a refused resume changes nothing"
         for path, data in written.items():
             path.write_bytes(data)
 
@@ -141,7 +144,7 @@ def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_chang
 
     located, locate = [], formal.locate  # the steps file is decompressed once on the resume, not once per look
     monkeypatch.setattr(formal, "locate", lambda path, lines: located.append(lines) or locate(path, lines))
-    code, _, err = main_cli(project.run_args("adamw", 1, "--resume"))
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--resume"))
     assert code == 0, err
-    assert tools.read(run_dir / "report.json")["resumes"] == 1
+    assert read(run_dir / "report.json")["resumes"] == 1
     assert located == [10]

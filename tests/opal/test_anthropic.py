@@ -35,6 +35,7 @@ from opalctl.opal.agents.anthropic import DEFAULT_PRICES, Workspace, cost_of, de
 from opalctl.opal.agents.dry_run import dry_run
 from opalctl.opal.messages import prompt_text
 from opalctl.protocol.freeze import freeze
+from tests.support.cli import call_cli
 
 _spec = importlib.util.spec_from_file_location("messages_server", Path(__file__).with_name("messages_server.py"))
 ms = importlib.util.module_from_spec(_spec)
@@ -115,7 +116,7 @@ def tool_results(body):
 
 # -- the whole decision --------------------------------------------------------------------------------------------
 
-def test_a_decision_reads_writes_checks_and_is_applied_at_its_update(project, key, cli_inprocess):
+def test_a_decision_reads_writes_checks_and_is_applied_at_its_update(project, key):
     project.freeze({"adamw": ADAMW, "claude": agent_arm()})
 
     def write_halved(body):
@@ -175,12 +176,12 @@ def test_a_decision_reads_writes_checks_and_is_applied_at_its_update(project, ke
     assert response.startswith("Observed: the loss falls steadily.") and "[redacted]" in response
 
     # opalctl show: seconds, cost, the changed files with their diff, the rationale
-    shown = cli_inprocess("show", run_dir, "--json")
+    shown = call_cli("show", run_dir, "--json")
     assert shown.code == 0, shown.stderr
     (decision,) = shown.json()["decisions"]
     assert decision["outcome"] == "applied" and decision["cost_usd"] == meta["cost_usd"]
     assert decision["seconds"] > 0 and decision["diff"] == applied["diff"]
-    table = cli_inprocess("show", run_dir)
+    table = call_cli("show", run_dir)
     lines = table.stdout.splitlines()
     row = lines[lines.index("agent decisions") + 2]
     assert "updater.py +1 -1" in row and "Changed: LR_SCALE 1.0 -> 0.5" in row
@@ -355,18 +356,18 @@ def test_the_last_turn_has_no_tools_and_an_unfinished_agent_fails(project, key):
     assert "all 2 turns" in failed["message"] and not events(Path(report["run_dir"]), "applied")
 
 
-def test_freeze_refuses_a_model_without_prices(digits_project, cli_inprocess):
+def test_freeze_refuses_a_model_without_prices(digits_project):
     path = digits_project / "digits.yaml"
     data = yaml.safe_load(path.read_text())
     data["arms"] = {"claude": agent_arm(model="claude-unknown-9")}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = cli_inprocess("freeze", path)
+    result = call_cli("freeze", path)
     assert result.code == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "arms.claude.agent.prices" in lines[0] and "claude-unknown-9" in lines[0]
     data["arms"]["claude"]["agent"]["prices"] = {"input": 1.0, "output": 2.0}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    assert cli_inprocess("freeze", path, "--force").code == 0
+    assert call_cli("freeze", path, "--force").code == 0
 
 
 def test_a_run_without_an_api_key_is_refused_before_any_work(project, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 
 from opalctl.opal.messages import render
 from opalctl.opal.notes import MAX_NOTE_CHARS, MAX_NOTE_FILE_BYTES, read_new
+from tests.support.cli import call_cli
 
 
 def _note(folder, number, text="slow down", **more):
@@ -76,21 +77,21 @@ def test_the_message_shows_the_notes_of_its_decision():
     ("adamw", "which has no agent: there is no one to leave a note for"),
     ("agent", "does not allow notes"),
 ])
-def test_say_refuses_a_run_that_takes_no_notes(finished_runs, cli_inprocess, tmp_path, arm, sentence):
+def test_say_refuses_a_run_that_takes_no_notes(finished_runs, tmp_path, arm, sentence):
     run_dir = tmp_path / "seed-1"
     shutil.copytree(finished_runs["base"] / arm / "seed-1", run_dir)
-    result = cli_inprocess("say", run_dir, "hello")
+    result = call_cli("say", run_dir, "hello")
     assert result.code == 2, result.output
     assert sentence in result.stderr and result.stderr.count("\n") == 1
     assert not (run_dir / "notes").exists()
 
 
-def test_say_refuses_a_folder_that_is_no_run(cli_inprocess, tmp_path):
-    result = cli_inprocess("say", tmp_path, "hello")
+def test_say_refuses_a_folder_that_is_no_run(tmp_path):
+    result = call_cli("say", tmp_path, "hello")
     assert result.code == 2 and "is not the folder of a run that has started" in result.stderr
 
 
-def test_say_refuses_an_empty_or_overlong_note(finished_runs, cli_inprocess, tmp_path):
+def test_say_refuses_an_empty_or_overlong_note(finished_runs, tmp_path):
     run_dir = tmp_path / "seed-1"
     shutil.copytree(finished_runs["base"] / "agent" / "seed-1", run_dir)
     start = json.loads((run_dir / "start.json").read_text())
@@ -98,11 +99,11 @@ def test_say_refuses_an_empty_or_overlong_note(finished_runs, cli_inprocess, tmp
     (run_dir / "start.json").write_text(json.dumps(start))
     (run_dir / "report.json").unlink()  # as a run that is still training
     for text, sentence in (("  ", "the note is empty"), ("x" * (MAX_NOTE_CHARS + 1), "at most 2000 characters")):
-        result = cli_inprocess("say", run_dir, text)
+        result = call_cli("say", run_dir, text)
         assert result.code == 2 and sentence in result.stderr, result.output
     assert not list((run_dir / "notes").glob("*.json"))  # nothing written
-    left = cli_inprocess("say", run_dir, "one", "--json")
-    second = cli_inprocess("say", run_dir, "two", "--json")
+    left = call_cli("say", run_dir, "one", "--json")
+    second = call_cli("say", run_dir, "two", "--json")
     assert (left.code, second.code) == (0, 0), left.output + second.output
     assert [left.json()["note"], second.json()["note"]] == [1, 2]
     assert [note.text for note in read_new(run_dir / "notes", 0).notes] == ["one", "two"]

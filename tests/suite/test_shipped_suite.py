@@ -19,19 +19,22 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.cli import run_cli
+from tests.support.files import REPO
+
 # task: (seed, budget over the shipped one or None, the update at which the baseline first reaches the target)
 CASES = {"illcond": (1, None, 2400),
          "modular": (3, {"amount": 2000, "fractions": [0.5, 1.0]}, 2000)}
 
 
-def shipped(helpers) -> dict:
-    return yaml.safe_load((helpers.REPO / "protocols" / "suite.yaml").read_text(encoding="utf-8"))
+def shipped() -> dict:
+    return yaml.safe_load((REPO / "protocols" / "suite.yaml").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def baseline_runs(tmp_path_factory, helpers, cli):
+def baseline_runs(tmp_path_factory):
     """The shipped suite cut to its baseline and the cases' tasks and seeds, frozen, and each case's run."""
-    suite = shipped(helpers)
+    suite = shipped()
     baseline = suite["baseline"]
     cut = {"name": "shipped", "seeds": [1], "baseline": baseline, "arms": {baseline: suite["arms"][baseline]},
            "tasks": {}}
@@ -46,11 +49,11 @@ def baseline_runs(tmp_path_factory, helpers, cli):
     folder = tmp_path_factory.mktemp("shipped")
     path = folder / "shipped.yaml"
     path.write_text(yaml.safe_dump(cut, sort_keys=False), encoding="utf-8")
-    frozen = cli("suite", "freeze", path, "--json", cwd=folder, timeout=900)
+    frozen = run_cli("suite", "freeze", path, "--json", cwd=folder, timeout=900)
     assert frozen.code == 0, frozen.output
     locks = {task: Path(frozen.json()["folder"]) / entry["lock"] for task, entry in frozen.json()["tasks"].items()}
     for task, (seed, _, _) in CASES.items():
-        ran = cli("run", locks[task], "--arm", baseline, "--seed", seed, "--runs-dir", folder / "runs", "--json",
+        ran = run_cli("run", locks[task], "--arm", baseline, "--seed", seed, "--runs-dir", folder / "runs", "--json",
                   cwd=folder, timeout=900)
         assert ran.code == 0, ran.output
     return {"suite": suite, "cut": cut, "folder": folder, "locks": locks, "runs": folder / "runs"}
@@ -95,11 +98,11 @@ def test_the_tuned_baseline_reaches_the_target_within_the_budget_not_at_its_firs
                                                          for s in records)
 
 
-def test_an_illcond_run_at_the_suites_settings_is_deterministic(baseline_runs, cli):
+def test_an_illcond_run_at_the_suites_settings_is_deterministic(baseline_runs):
     seed = CASES["illcond"][0]
     baseline = baseline_runs["suite"]["baseline"]
     again = baseline_runs["folder"] / "again"
-    ran = cli("run", baseline_runs["locks"]["illcond"], "--arm", baseline, "--seed", seed, "--runs-dir", again,
+    ran = run_cli("run", baseline_runs["locks"]["illcond"], "--arm", baseline, "--seed", seed, "--runs-dir", again,
               "--json", cwd=baseline_runs["folder"], timeout=900)
     assert ran.code == 0, ran.output
     first = run_folder(baseline_runs["runs"], baseline, seed, "illcond")

@@ -48,10 +48,11 @@ def child_env(extra: dict[str, str] | None = None, *, clean: bool = False) -> di
 
 
 def run_cli(*args, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-            timeout: float = 180) -> CliResult:
-    """``python -m opalctl ARGS`` in a child process; ``env`` adds to (not replaces) this process's environment."""
-    completed = subprocess.run(opalctl_command(*args), cwd=cwd, env=child_env(env), capture_output=True, text=True,
-                               timeout=timeout)
+            timeout: float = 180, clean: bool = False) -> CliResult:
+    """``python -m opalctl ARGS`` in a child process; ``env`` adds to (not replaces) this process's environment,
+    less any ``OPALCTL_`` and ``PYTEST_`` variable with ``clean`` (``child_env``)."""
+    completed = subprocess.run(opalctl_command(*args), cwd=cwd, env=child_env(env, clean=clean), capture_output=True,
+                               text=True, timeout=timeout)
     return CliResult(completed.returncode, completed.stdout, completed.stderr)
 
 

@@ -20,6 +20,7 @@ from opalctl.errors import BadInput
 from opalctl.tasks.builtin import protocol_text
 from opalctl.tasks.common import torch_threads, write_arrays
 from opalctl.tasks.shapes import NEW, OLD, PER_CLASS, SHAPES, SIZE, Shapes, draw
+from tests.support.files import REPO
 
 SPLITS = ("train", "development", "selection", "retention")
 TINY = {"channels": 8, "groups": 4, "parent_updates": 600, "parent_batch": 64, "parent_lr": 1e-2}
@@ -228,6 +229,6 @@ def test_an_arm_learns_the_new_shapes(prepared):
     assert after["loss"] < before["loss"] and after["correct"] > before["correct"]
 
 
-def test_the_committed_example_protocol_is_what_init_writes(helpers):
-    committed = helpers.REPO / "protocols" / "shapes.yaml"
+def test_the_committed_example_protocol_is_what_init_writes():
+    committed = REPO / "protocols" / "shapes.yaml"
     assert committed.read_text(encoding="utf-8") == protocol_text("shapes", [1, 2, 3])

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +16,12 @@ from opalctl.compare.target import TargetRule, time_to_target
 from opalctl.protocol.lock import read_lock
 from opalctl.tasks import BUILTIN, make_task
 from opalctl.tasks.builtin import protocol_text
+from tests.support.cli import run_cli
 
 SPLITS = ("development", "retention", "selection", "train")
 TINY = {"channels": 8, "groups": 4, "parent_updates": 50}
 UPDATES = 30
+CHILD_SECONDS = 900  # init and a full-budget run of the template: longer than run_cli's default
 
 
 def read(path: Path) -> dict:
@@ -37,27 +37,22 @@ def stages(folder: Path) -> list[dict]:
     return [read(path) for path in sorted(folder.glob("stage-*.json"))]
 
 
-def opalctl(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opalctl", *map(str, args)], capture_output=True, text=True,
-                          timeout=900)
-
-
 @pytest.fixture(scope="module")
 def initialised(tmp_path_factory) -> tuple[Path, dict]:
     """``opalctl init shapes --seeds 1`` as a user runs it: the template's task, its data and one parent."""
     folder = tmp_path_factory.mktemp("shapes-init")
-    result = opalctl("init", "shapes", "--dir", folder, "--seeds", "1", "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("init", "shapes", "--dir", folder, "--seeds", "1", "--json", timeout=CHILD_SECONDS)
+    assert result.code == 0, result.stderr[-3000:]
     return folder, json.loads(result.stdout)
 
 
-def test_init_writes_a_protocol_that_freezes(initialised, cli):
+def test_init_writes_a_protocol_that_freezes(initialised):
     folder, body = initialised
     written = sorted(Path(f["path"]).relative_to(folder).as_posix() for f in body["files"])
     assert written == sorted(["shapes.yaml", "parents/shapes/seed-1.pt"]
                              + [f"data/shapes/{split}.npz" for split in SPLITS])
     assert (folder / "shapes.yaml").read_text(encoding="utf-8") == protocol_text("shapes", [1])
-    frozen = cli("freeze", folder / "shapes.yaml", "--json")
+    frozen = run_cli("freeze", folder / "shapes.yaml", "--json")
     assert frozen.code == 0, frozen.output
     assert set(yaml.safe_load(protocol_text("shapes", [1]))["arms"]) >= {"adamw", "adamw-cosine", "agent",
                                                                          "adamw-anneal-end"}
@@ -69,8 +64,9 @@ def test_the_tuned_baseline_reaches_the_target_after_its_first_stage_within_the_
 
     folder, _ = initialised
     lock_path = Path(freeze(folder / "shapes.yaml", force=True)["lock"])
-    result = opalctl("run", lock_path, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path, "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("run", lock_path, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path, "--json",
+                     timeout=CHILD_SECONDS)
+    assert result.code == 0, result.stderr[-3000:]
     lock = read_lock(lock_path)
     rule = TargetRule.of(lock)
     assert rule is not None and rule.higher and rule.metric == "selection.correct"
@@ -101,8 +97,9 @@ def test_two_runs_end_with_the_same_digests(tiny_lock, tmp_path):
     from opalctl.driver.run import run
 
     run(tiny_lock, "adamw", 1, runs_dir=tmp_path / "first")
-    child = opalctl("run", tiny_lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "second", "--json")
-    assert child.returncode == 0, child.stderr[-3000:]
+    child = run_cli("run", tiny_lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "second", "--json",
+                    timeout=CHILD_SECONDS)
+    assert child.code == 0, child.stderr[-3000:]
     first, second = run_folder(tmp_path / "first", "adamw"), run_folder(tmp_path / "second", "adamw")
     one, two = read(first / "report.json"), read(second / "report.json")
     assert one["updates"] == two["updates"] == UPDATES
