@@ -14,6 +14,8 @@ def _run_pytest(folder, require: bool) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "OPALCTL_REQUIRE_SYSTEM"}
     if require:
         env["OPALCTL_REQUIRE_SYSTEM"] = "1"
+    # the copied conftest imports tests.support, which lives in the repository, not beside the copy
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(support.REPO), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                            str(folder)], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
