@@ -26,7 +26,7 @@ version 1. ``from_json`` refuses a record that lacks a field or holds a value of
 naming the record; a field added later has a default, so that older records still read.
 
 The chain of digests, from the lock to the verdict (each record names only records written before it, so it
-has no loop; ``opalctl verify RUN_DIR`` checks it, driver/chain.py holds the checks):
+has no loop; ``opalctl verify RUN_DIR`` checks it, verify/chain.py holds the checks):
 
 - ``start.json`` names the lock's sha256 and ``initial.pt``'s sha256 and ``model_sha256``;
 - ``anchor.json`` names the lock, the parent and the data, and carries ``sha256``, the digest of its own content

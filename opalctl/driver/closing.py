@@ -162,7 +162,7 @@ def close_run(layout: RunLayout, lock, arm_name: str, seed: int, protocol, outco
         limitations=limitations(arm_name, seed, budget, outcome, splits, change),
         peak_device_memory_bytes=training.peak_device_memory_bytes, confinement=outcome.confinement,
         machine=outcome.machine, ranks=protocol.training.ranks, process=outcome.process)
-    # report.json is written once, with the digests of the chain it closes (driver/chain.py)
+    # report.json is written once, with the digests of the chain it closes (verify/chain.py)
     data = sealed_report(layout, report.to_json(), outcome.stages, anchor_sha256(anchor), last, selected)
     atomic_write_json(layout.report, data)
     return data
