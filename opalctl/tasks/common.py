@@ -65,6 +65,28 @@ def model_from_parent(build_model: Callable[..., Any], config: Any, expected_sha
     return Built(model=model.to(device), inherited=checkpoints.describe_tensors(payload["model"]))
 
 
+def classification_metrics(model: Any, rows: Any) -> dict[str, float | int]:
+    """A classifying built-in task's ``evaluate``: ``rows["x"]`` through the model in eval mode (its mode restored
+    after), scored against the class indices ``rows["y"]``: rows right, rows in all, and the mean cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    x = torch.from_numpy(rows["x"]).to(device)
+    y = torch.from_numpy(rows["y"]).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(x)
+            loss = float(F.cross_entropy(logits, y, reduction="sum").item())
+            correct = int((logits.argmax(dim=1) == y).sum().item())
+    finally:
+        model.train(was_training)
+    total = int(len(y))
+    return {"correct": correct, "total": total, "loss": loss / max(1, total)}
+
+
 @contextlib.contextmanager
 def torch_threads(count: int):
     """Run a block with a fixed intra-op thread count (parents must not depend on the machine's core count)."""

@@ -21,7 +21,7 @@ from pydantic import Field
 from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
-from opalctl.tasks.common import read_arrays, torch_threads, write_arrays
+from opalctl.tasks.common import classification_metrics, read_arrays, torch_threads, write_arrays
 
 SPLIT_SEED = 20_240_607
 OLD = (0, 1, 2, 3, 4)
@@ -232,20 +232,4 @@ class Digits(Task):
         return F.cross_entropy(model(batch.inputs), batch.targets), {}
 
     def evaluate(self, model: Any, rows: Any) -> dict[str, float | int]:
-        import torch
-        import torch.nn.functional as F
-
-        device = next(model.parameters()).device
-        x = torch.from_numpy(rows["x"]).to(device)
-        y = torch.from_numpy(rows["y"]).to(device)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(x)
-                loss = F.cross_entropy(logits, y, reduction="sum").item()
-                correct = int((logits.argmax(dim=1) == y).sum().item())
-        finally:
-            model.train(was_training)
-        total = int(len(y))
-        return {"correct": correct, "total": total, "loss": loss / max(1, total)}
+        return classification_metrics(model, rows)

@@ -37,7 +37,14 @@ from pydantic import Field, model_validator
 from opalctl import checkpoints
 from opalctl.errors import BadInput
 from opalctl.tasks.base import Batch, Built, Sampler, Task, TaskConfig
-from opalctl.tasks.common import ReplaySampler, model_from_parent, read_arrays, torch_threads, write_arrays
+from opalctl.tasks.common import (
+    ReplaySampler,
+    classification_metrics,
+    model_from_parent,
+    read_arrays,
+    torch_threads,
+    write_arrays,
+)
 
 SPLIT_SEED = 20_261_205
 SIZE = 16  # pixels a side
@@ -321,17 +328,4 @@ class Shapes(Task):
         return F.cross_entropy(model(batch.inputs), batch.targets), {}
 
     def evaluate(self, model: Any, rows: Any) -> dict[str, float | int]:
-        device = next(model.parameters()).device
-        x = torch.from_numpy(rows["x"]).to(device)
-        y = torch.from_numpy(rows["y"]).to(device)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                logits = model(x)
-                loss = float(F.cross_entropy(logits, y, reduction="sum").item())
-                correct = int((logits.argmax(dim=1) == y).sum().item())
-        finally:
-            model.train(was_training)
-        total = int(len(y))
-        return {"correct": correct, "total": total, "loss": loss / max(1, total)}
+        return classification_metrics(model, rows)
