@@ -328,6 +328,11 @@ class StepGuard:
         if self.limit:
             self._watchdog.start()
 
+    def take_changes(self) -> list[tuple[Any, str, list[str]]]:
+        """The changes to torch's global state put back since the last take, ``(version, call, what)`` each."""
+        changes, self.changes = self.changes, []
+        return changes
+
     def _install(self) -> bool:
         if not self.limit or threading.current_thread() is not threading.main_thread():
             return False

@@ -81,11 +81,8 @@ class GuardFindings:
         self.noted: set[tuple[Any, str, str]] = set()  # (version, call, setting) already recorded
 
     def torch_state_changed(self, guard, t: int) -> None:
-        """Record the changes the guard put back (``guard.changes``, emptied here)."""
-        if not guard.changes:
-            return
-        changes, guard.changes = guard.changes, []
-        for version, call, changed in changes:
+        """Record the changes the guard put back since the last time (``guard.take_changes()``)."""
+        for version, call, changed in guard.take_changes():
             number = getattr(version, "number", None)
             new = [what for what in changed if (number, call, what) not in self.noted]
             if not new:
