@@ -10,6 +10,8 @@ The optimizer is a thin torch facade over parts that each own their state (and t
   step before, summed, plus the step's own; the updates that had none), the analysis, the errors shown to the
   agent, the rollback state, the evaluation-integrity recorder;
 - ``Decisions`` (``decisions``): when and how the agent is asked, and what becomes of its answers;
+- ``Recovery`` (``recovery``): what a failed step or an unsaveable output does to the others (revert, restore,
+  hand the update to the fallback, tell the agent);
 - ``UserState`` (``user_state``): the user's optimizer and scheduler as a checkpoint saves them (plain data only).
 
 In the order an update meets them:
@@ -66,18 +68,16 @@ from opalctl.opal.guard import (
     StepGuard,
     StepTimeout,
     contained,
-    failure_message,
-    failure_text,
-    trace_of,
 )
 from opalctl.opal.hangs import GuardFindings, Hangs
 from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLearningRates
-from opalctl.opal.plain import plain_number, string_keyed, type_name
+from opalctl.opal.plain import plain_number, string_keyed
 from opalctl.opal.program_view import GradView, Spec, StepContext
 from opalctl.opal.programs import PROGRAM_FILES
 from opalctl.opal.provenance import current, differences
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
+from opalctl.opal.recovery import Recovery
 from opalctl.opal.roles import role_of
 from opalctl.opal.schedule import SchedulerOwnership, SchedulerShared
 from opalctl.opal.settings import AgentSettings
@@ -153,6 +153,8 @@ class AgentOptimizer(torch.optim.Optimizer):
             settings, make_line(backend, prompt_text(settings.prompt), self.records.redaction, run_dir=run_dir,
                                 agent_dir=settings.agent_dir, secrets=list(settings.secrets)),
             self.records, self.slots, self.observer, describe=self._describe, progress=self.progress, cost_cap=cap)
+        self.recovery = Recovery(self.slots, self.observer, self.integrity, self.records, self.decisions, self.named,
+                                 self.spec, self._grads)
         _start(self.slots, self.records, settings.sources, backend=self.decisions.agent.backend.describe(),
                decisions=settings.decisions, schedule=self.decisions.schedule.fractions, blocking=settings.blocking,
                trial_steps=settings.trial_steps, prompt=settings.prompt)
@@ -213,6 +215,10 @@ class AgentOptimizer(torch.optim.Optimizer):
         total = self.spec.total_steps
         return min(1.0, self.t / total) if total else 0.0
 
+    def _context(self) -> StepContext:
+        """The step context of the current update, for a failure found outside a step (no loss)."""
+        return StepContext(self.progress(), None, self.t)
+
     def _describe(self) -> dict[str, Any]:
         """The run's side of the facts a decision shows the agent."""
         return {"progress": self.progress(), "total_steps": self.spec.total_steps, "goal": self.spec.goal,
@@ -258,7 +264,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             _, error = contained(version.updater.step, self._grads, t, StepContext(self.progress(), loss, t))
             if error is not None:  # handled as on the full path (the user's optimizer raised)
                 with self.records.hold:  # its records wait for the next boundary (the next step is a full one)
-                    self._step_failed(version, error, None, StepContext(self.progress(), loss, t))
+                    self.recovery.step_failed(version, error, None, StepContext(self.progress(), loss, t))
             self.observer.after_step(loss)
             self.t = t + 1
             version.steps += 1
@@ -299,7 +305,7 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.step_rates.forget()  # the learning rates of this update's step, none of an earlier one
         _, error = contained(self._checked_step, version, ctx, in_trial)
         if error is not None:
-            self._step_failed(version, error, snapshot, ctx)
+            self.recovery.step_failed(version, error, snapshot, ctx)
         elif in_trial and slots.trial_step_passed():
             self.records.event(Event.TRIAL_PASSED, update=self.t + 1, version=version.number)
         self.observer.after_step(loss)
@@ -330,40 +336,6 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.slots.audited(counts)
         self.records.event(Event.AUDIT, **counts)
 
-    def _step_failed(self, version: Version, error: BaseException, snapshot: Snapshot | None, ctx: StepContext,
-                     redo: bool = True) -> None:
-        """``version``'s step failed: restore what can be, hand over to its fallback, and (``redo``) let the
-        fallback do the same update."""
-        # the error may be a program's: its class is looked at, and its text read, without running its code
-        kind = "timeout" if issubclass(type(error), StepTimeout) else ("check" if issubclass(type(error), StepFailure)
-                                                                        else "exception")
-        message = failure_message(error) or type_name(error)
-        trace = "" if kind == "check" else trace_of(error, -4)
-        self.slots.failed_step()
-        self.observer.record_error(kind, self.t, version.number, message, trace,
-                                   fallback=self.slots.fallback_for(version).number,
-                                   in_trial=version.status == "trial")
-        restored, rolled_back = self.observer.restore_after(snapshot, self.named, self.spec)
-        if rolled_back:
-            self.integrity.discontinuity(self.t + 1)
-        fallback = self.slots.revert(version)
-        self.records.event(Event.REVERTED, update=self.t, version=version.number, to=fallback.number, reason=kind,
-                           message=message, traceback=trace, restored=restored)
-        self.decisions.reverted(version.number, self.t, message)
-        if not redo:
-            return
-        _, second = contained(self.slots.run_step, fallback, self._grads, self.t, ctx)
-        if second is None:
-            return
-        # the fallback itself failed: the starting program takes over
-        self.slots.failed_step()
-        self.records.event(Event.FAILED_STEP, update=self.t, version=fallback.number,
-                           message=failure_text(second))
-        if fallback is not self.slots.versions[0]:
-            if snapshot is not None:
-                snapshot.restore(self.named, self.spec)
-            self.slots.run_step(self.slots.to_start(), self._grads, self.t, ctx)
-
     # -- analysis ------------------------------------------------------------------------------------------
     def _analyse(self, before: dict[str, torch.Tensor]) -> None:
         t, observer, slots = self.t, self.observer, self.slots
@@ -375,8 +347,7 @@ class AgentOptimizer(torch.optim.Optimizer):
             # (the user's own optimizer, version 0, is not second-guessed and costs nothing here)
             problem = self.guard.check(full=True)
             if problem:
-                self._step_failed(slots.current, StepFailure(problem), None, StepContext(self.progress(), None, t),
-                                  redo=False)
+                self.recovery.step_failed(slots.current, StepFailure(problem), None, self._context(), redo=False)
             elif observer.good_due(t, slots.current.every):
                 observer.keep_good(Snapshot.take(t, self.named, self.spec))
         version = slots.current
@@ -384,7 +355,7 @@ class AgentOptimizer(torch.optim.Optimizer):
                                          before=before, grads=self._grads, optimizer=self.spec.optimizer,
                                          groups=self.param_groups, step_lrs=self.step_rates.used)
         if refused is not None:
-            self._output_refused(version, refused)
+            self.recovery.output_refused(version, refused, self._context())
         elif wake is not None:
             self.decisions.wake(wake, t)
 
@@ -463,8 +434,9 @@ class AgentOptimizer(torch.optim.Optimizer):
         base, scheduler = self._user_states()
         memory, problem = self.observer.saved_memory()
         if problem is not None:
-            self._output_refused(self.slots.current, problem)
-        updater_state, fallback_state = self.slots.program_states(self._state_failed)
+            self.recovery.output_refused(self.slots.current, problem, self._context())
+        updater_state, fallback_state = self.slots.program_states(
+            lambda version, problem: self.recovery.state_failed(version, problem, self._context()))
         return {"format": FORMAT, "t": self.t, **self.slots.state_dict(updater_state, fallback_state),
                 "base": base, "scheduler": scheduler, "observer": self.observer.state_dict(memory),
                 "decisions": self.decisions.state_dict(), "integrity": self.integrity.state_dict(),
@@ -476,8 +448,8 @@ class AgentOptimizer(torch.optim.Optimizer):
         may have restored a snapshot)."""
         base, scheduler, left_out = self.user_state.checked(self.slots.current)
         if left_out:
-            self._output_refused(self.slots.current, "the user's optimizer or scheduler holds what a checkpoint "
-                                                     f"cannot hold, left out of it: {said(left_out)}")
+            self.recovery.output_refused(self.slots.current, "the user's optimizer or scheduler holds what a "
+                                         f"checkpoint cannot hold, left out of it: {said(left_out)}", self._context())
             base, scheduler, _ = self.user_state.checked(self.slots.current)
         return base, scheduler
 
@@ -502,26 +474,6 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.findings.failed_at_resume(failures, self.t, self.slots)  # failed at the resume itself
         self.findings.torch_state_changed(self.guard, self.t)
         self._plan()
-
-    def _output_refused(self, version: Version, problem: str) -> None:
-        """What ``version`` made cannot be saved or written (its report or wake-up reason, the analysis memory, what
-        it left in the user's optimizer or scheduler): when it runs and is the agent's, it fails now as a step does
-        (reverted, the agent told at its next decision); else the agent is told and a ``log`` event says it."""
-        if version is self.slots.current and version is not self.slots.versions[0]:
-            self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
-                              redo=False)
-            return
-        self.records.event(Event.LOG, update=self.t, values={"not_saved": problem, "version": version.number})
-        self.observer.record_error("check", self.t, version.number, problem)
-
-    def _state_failed(self, version: Version, problem: str) -> None:
-        """``version``'s ``state_dict()`` failed (``ProgramSlots.program_states``): the running one fails as a step."""
-        if version is self.slots.current and version is not self.slots.versions[0]:
-            self._step_failed(version, StepFailure(problem), None, StepContext(self.progress(), None, self.t),
-                              redo=False)
-        else:
-            self.records.event(Event.REVERTED, update=self.t, version=version.number, to=0, reason="check",
-                               message=problem, traceback="", restored="none (it was not running)")
 
 
 def _figures(counts, slots: ProgramSlots, integrity: IntegrityWatch, agent_code) -> dict[str, Any]:

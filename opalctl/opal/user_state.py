@@ -18,7 +18,7 @@ smallest part that can be left out keeps everything else as it is:
   attributes are its own to set), and an entry is said once: the entries that were not plain data when the
   optimizer was wrapped are the user's own and never said.
 
-What was left out is the running program's failure (the optimizer reverts it; ``AgentOptimizer._output_refused``).
+What was left out is the running program's failure (the optimizer reverts it; ``Recovery.output_refused``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 callable backend at a known update, runs every update, finds the right event in ``events.jsonl``, and checks that
 the parameters are exactly where the fallback program's path leads.
 
-The semantics tested (``AgentOptimizer.step`` / ``_step_failed`` / ``_snapshot``): during a new version's trial a
+The semantics tested (``AgentOptimizer.step``, ``Recovery.step_failed``, the slots' trial snapshot): during a new version's trial a
 snapshot (parameters, gradients, the base torch optimizer's state; for the first step the base state from just
 before the swap) is taken before each step; a failure restores it and the same update is redone by the last
 version that passed its trial. The base optimizer's state (AdamW's moments and step count) persists across
