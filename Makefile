@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 CONSTRAINTS ?= ci/constraints-cpu.txt
 JOBS ?= 2
 # by test module: a module's module-scoped fixtures (a grid, a torchrun world, a killed run) are built once, not
-# once in each worker that gets one of its tests
-DIST ?= loadfile
+# once in each worker that gets one of its tests; modules in the order tests/conftest.py gives them (heaviest first)
+DIST ?= loadfile --no-loadscope-reorder
 
 .PHONY: install demo test test-fast test-gpu bench lint clean
 

@@ -32,29 +32,37 @@ from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 
 # The modules whose tests start real runs, grids or browsers and take most of the suite's time: marked ``slow``, so
 # that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs everything.
-SLOW_MODULES = frozenset({
-    "driver/test_verdict_holds.py", "driver/test_agent_unsaveable.py", "driver/test_torchrun_run.py",
-    "driver/test_crash_resume.py", "driver/test_signals.py", "driver/test_agent_hang.py", "driver/test_agent_keys.py",
-    "driver/test_agent_arm.py", "driver/test_run_folder.py", "driver/test_evaluator.py", "grid/test_slurm_grid.py",
-    "grid/test_local_grid.py", "grid/test_concurrent_grids.py", "grid/test_grid_ranks.py", "grid/test_readers_race.py",
-    "distributed/test_ddp.py", "opal/test_anthropic.py", "opal/test_prompt_edit.py",
-    "report/test_page.py", "report/test_pictures.py", "driver/test_learning_rates.py",
-    "driver/test_diverging_run.py", "driver/test_task_failures.py", "driver/test_evaluator_dies_with_its_run.py",
-    "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py",
-    "report/test_export_trackers.py", "test_watch.py", "driver/test_nanogpt_recipe.py",
-    "driver/test_mailbox_run.py", "driver/test_notes.py", "tasks/test_task_runs.py", "suite/test_suite_run.py",
-    "driver/test_record_shapes.py", "suite/test_shipped_suite.py", "tasks/test_shapes_runs.py",
-    # formal runs to their end (and a resume, a replay, a report or an export of them): the fast lane's slowest
-    # modules under --durations (issue 29)
-    "driver/test_run.py", "driver/test_confined_run.py", "driver/test_storage_faults.py", "driver/test_compare_flags.py",
-    "driver/test_agent_code_charge.py", "test_write_faults.py", "opal/test_replay.py", "opal/test_claude_code.py"})
+# Listed heaviest first (CPU seconds, or wall for those that mostly wait, as measured by a whole run): the tests are
+# handed to the xdist workers module by module in this order, then the fast modules, so that the last modules to
+# start are small ones and both workers finish together (the Makefile passes --no-loadscope-reorder, which would
+# otherwise order modules by their number of tests and leave a long two-test module such as Slurm's to the end).
+SLOW_MODULES = (
+    "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py", "driver/test_agent_arm.py",
+    "tasks/test_shapes_runs.py", "suite/test_suite_run.py", "tasks/test_task_runs.py", "suite/test_shipped_suite.py",
+    "driver/test_mailbox_run.py", "driver/test_signals.py", "driver/test_crash_resume.py",
+    "driver/test_verdict_holds.py", "opal/test_anthropic.py", "driver/test_agent_hang.py", "grid/test_slurm_grid.py",
+    "driver/test_torchrun_run.py", "driver/test_task_failures.py", "driver/test_agent_unsaveable.py",
+    "report/test_page.py", "grid/test_local_grid.py", "driver/test_diverging_run.py", "driver/test_evaluator.py",
+    "driver/test_run.py", "driver/test_nanogpt_recipe.py", "report/test_pictures.py", "driver/test_learning_rates.py",
+    "driver/test_run_folder.py", "driver/test_notes.py", "report/test_export_trackers.py", "test_write_faults.py",
+    "test_watch.py", "driver/test_evaluator_dies_with_its_run.py", "grid/test_grid_ranks.py",
+    "opal/test_prompt_edit.py", "grid/test_concurrent_grids.py", "driver/test_agent_keys.py",
+    "driver/test_confined_run.py", "driver/test_agent_code_charge.py", "opal/test_replay.py",
+    "distributed/test_ddp.py", "driver/test_storage_faults.py", "driver/test_compare_flags.py",
+    "grid/test_readers_race.py", "driver/test_record_shapes.py", "opal/test_claude_code.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).resolve().parent
+    rank = {module: place for place, module in enumerate(SLOW_MODULES)}
+    modules = {}
     for item in items:
-        if Path(item.fspath).resolve().relative_to(tests).as_posix() in SLOW_MODULES:
+        module = modules[item] = Path(item.fspath).resolve().relative_to(tests).as_posix()
+        if module in rank:
             item.add_marker(pytest.mark.slow)
+    # stable: the tests of one module keep their order
+    items.sort(key=lambda item: rank.get(modules[item], len(SLOW_MODULES)))
 
 
 @pytest.hookimpl(hookwrapper=True)
