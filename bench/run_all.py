@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["overhead.py", "integrity_overhead.py", "driver_overhead.py"]
+BENCHES = ["overhead.py", "integrity_overhead.py", "driver_overhead.py", "suite_targets.py"]
 
 if __name__ == "__main__":
     folder = Path(__file__).parent

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.cli import call_cli, child_env, opalctl_command, run_cli
+from tests.support.cli import call_cli, child_env, opalctl_command
 
 UPDATES = 600
 ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
@@ -95,7 +95,7 @@ def test_watching_a_running_grid_sees_each_run_start_train_judge_decide_and_end(
 
 def test_once_json_on_finished_runs_gives_their_stages_decisions_and_state(watched_grid):
     agent_dir = next(Path(run["run_dir"]) for run in watched_grid["grid"][-1]["runs"] if run["arm"] == "agent")
-    result = run_cli("watch", agent_dir, "--once", "--json")
+    result = call_cli("watch", agent_dir, "--once", "--json")  # in this process: a child is not what it is about
     assert result.code == 0, result.stderr
     view = result.json()
     assert view["kind"] == "run" and view["ended"] and len(view["runs"]) == 1
@@ -108,24 +108,25 @@ def test_once_json_on_finished_runs_gives_their_stages_decisions_and_state(watch
     assert all(d["said"] for d in run["decisions"])
     assert run["loss"] is not None and run["lrs"] and len(run["recent_losses"]) > 0
 
-    whole = run_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once", "--json")
+    whole = call_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once", "--json")
     assert whole.code == 0, whole.stderr
     assert {r["arm"]: r["state"] for r in whole.json()["runs"]} == {"adamw": "finished", "agent": "finished"}
     assert whole.json()["runs"][0]["decisions"] == [] or whole.json()["runs"][1]["decisions"] == []
 
-    shown = run_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once")
+    shown = call_cli("watch", watched_grid["lock"], "--runs-dir", watched_grid["runs"], "--once")
     assert shown.code == 0, shown.stderr
     assert "agent seed 1" in shown.stdout and "adamw seed 1" in shown.stdout and "finished" in shown.stdout
 
 
 def test_watch_writes_nothing_into_the_run_folders(watched_grid):
+    """Every way of watching a lock and a run, in this process (what it writes is the point, not a child)."""
     base = watched_grid["runs"]
     before = _folder_state(base)
     for args in (("--once",), ("--once", "--json"), ("--json", "--interval", "0.2"), ()):
-        result = run_cli("watch", watched_grid["lock"], "--runs-dir", base, *args)
+        result = call_cli("watch", watched_grid["lock"], "--runs-dir", base, *args)
         assert result.code == 0, result.stderr
         agent_dir = next(p for p in base.glob("*/agent/seed-1"))
-        assert run_cli("watch", agent_dir, *args).code == 0
+        assert call_cli("watch", agent_dir, *args).code == 0
     assert _folder_state(base) == before
 
 

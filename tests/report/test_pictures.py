@@ -1,5 +1,6 @@
-"""The report's pictures, looked at in a real headless Chromium: a 3-arm x 3-seed grid (digits, a tiny
-``updates`` budget: adamw, adamw with a cosine schedule and the heuristic agent), its page and one run's page.
+"""The report's pictures, looked at in a real headless Chromium: the session's finished runs (tests/conftest.py's
+``finished_runs``: digits on a tiny ``updates`` budget, fixed AdamW arms and the heuristic agent, whose decisions
+both changed and kept the program, on two seeds), their page and one run's page.
 
 What a machine can judge is asserted: the page loads with no error, every figure is drawn at a size, the
 learning-rate figure is there, the single-seed sentence is said at most once, the decisions that kept the program
@@ -16,53 +17,23 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
-SEEDS = (1, 2, 3)
-UPDATES = 120
-ADAMW = {"optimizer": {"name": "AdamW", "lr": 2.0e-3, "weight_decay": 0.01}}
-ARMS = {"adamw": ADAMW, "adamw-cosine": {**ADAMW, "schedule": "cosine"},
-        "agent": {**ADAMW, "agent": {"backend": "heuristic", "decisions": 8}}}
-# some stages promoted, some refused (the first stages lose too much of the retention split)
-SELECTION = {"denominators": ["selection.total", "retention.total"], "floors": {"retention.correct": 20},
-             "improve_any": ["selection.correct"]}
+from tests.support.files import SEEDS
+
 SINGLE_SEED = "a single seed says nothing about spread"
 # every figure of the page: its name, its drawn width and height in CSS pixels
 FIGURES = ("Array.from(document.querySelectorAll('figure')).map(f => {const r = f.querySelector('svg')"
            ".getBoundingClientRect(); return [f.dataset.figure || '', r.width, r.height];})")
 
 
-def build_grid(root: Path) -> dict[str, Path]:
-    """Initialise digits for three seeds, freeze ``ARMS`` on ``UPDATES`` updates, run every arm on every seed."""
-    from opalctl.driver.run import run
-    from opalctl.protocol.freeze import freeze
-    from opalctl.tasks.builtin import init
-
-    project = root / "project"
-    init("digits", project, seeds=list(SEEDS))
-    protocol = yaml.safe_load((project / "digits.yaml").read_text())
-    protocol.update(budget={"clock": "updates", "amount": UPDATES, "threads": 1}, arms=ARMS, selection=SELECTION)
-    (project / "digits.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
-    lock = Path(freeze(project / "digits.yaml", force=True)["lock"])
-    for arm in ARMS:
-        for seed in SEEDS:
-            run(lock, arm, seed, runs_dir=root / "runs")
-    return {"lock": lock, "runs": root / "runs"}
-
-
 @pytest.fixture(scope="module")
-def three_by_three(tmp_path_factory) -> dict[str, Path]:
-    return build_grid(tmp_path_factory.mktemp("three-by-three"))
-
-
-@pytest.fixture(scope="module")
-def pages(three_by_three, tmp_path_factory) -> dict[str, Path]:
+def pages(grid, tmp_path_factory) -> dict[str, Path]:
     from opalctl.report.grid_page import write_grid_page
     from opalctl.report.run_page import write_run_page
 
     out = tmp_path_factory.mktemp("pages")
-    run_dir = next(three_by_three["runs"].glob("*/agent/seed-1"))
-    return {"grid": write_grid_page(three_by_three["lock"], runs_dir=three_by_three["runs"], out=out),
+    run_dir = next(grid["runs"].glob("*/agent/seed-1"))
+    return {"grid": write_grid_page(grid["lock"], runs_dir=grid["runs"], out=out),
             "run": write_run_page(run_dir, out / "run.html")}
 
 
@@ -93,11 +64,11 @@ def test_the_page_loads_and_every_figure_is_drawn_at_a_size(browser, pages, whic
     assert width >= 1000 and height > sum(h for _, _, h in figures)
 
 
-def test_the_grid_page_says_the_single_seed_sentence_once_and_folds_the_kept_decisions(browser, pages, three_by_three):
+def test_the_grid_page_says_the_single_seed_sentence_once_and_folds_the_kept_decisions(browser, pages, grid):
     dom = browser.load(pages["grid"].as_uri())["dom"]
     assert dom.count(SINGLE_SEED) <= 1
-    assert "agent: 3" in dom and "adamw-cosine: 3" in dom, "the seeds each arm has, said once"
-    kept = sum(1 for path in three_by_three["runs"].glob("*/agent/seed-*/training/opal/events.jsonl")
+    assert f"agent: {len(SEEDS)}" in dom and f"high: {len(SEEDS)}" in dom, "the seeds each arm has, said once"
+    kept = sum(1 for path in grid["runs"].glob("*/agent/seed-*/training/opal/events.jsonl")
                for line in path.read_text().splitlines() if json.loads(line)["kind"] == "kept")
     assert kept, "the heuristic agent keeps the program at some decisions in this protocol"
     assert f'<details class="kept"><summary>{kept} decision{"s" if kept != 1 else ""} kept the program' in dom
@@ -110,7 +81,7 @@ def test_the_run_page_keeps_its_own_single_seed_sentence(pages):
     assert text.count(SINGLE_SEED) == 1
 
 
-def test_runs_recorded_before_the_learning_rate_still_draw_their_loss(three_by_three, tmp_path):
+def test_runs_recorded_before_the_learning_rate_still_draw_their_loss(grid, tmp_path):
     """A steps file of an opalctl older than the ``lrs`` field: the loss is drawn, the learning rate is said to be
     missing (the page itself is refused, as ``show`` refuses a steps file that no longer matches its digest)."""
     import gzip
@@ -120,7 +91,8 @@ def test_runs_recorded_before_the_learning_rate_still_draw_their_loss(three_by_t
     from opalctl.report.sections import loss_and_lr_figures
 
     run_dir = tmp_path / "run"
-    shutil.copytree(next(three_by_three["runs"].glob("*/adamw/seed-2")), run_dir)
+    shutil.copytree(next(grid["runs"].glob("*/adamw/seed-2")), run_dir)
+    updates = int(json.loads((run_dir / "report.json").read_text())["updates"])
     steps = run_dir / "training" / "steps.jsonl.gz"
     lines = [json.loads(line) for line in gzip.decompress(steps.read_bytes()).decode().splitlines()]
     assert all(len(line["lrs"]) == 1 for line in lines)
@@ -128,7 +100,7 @@ def test_runs_recorded_before_the_learning_rate_still_draw_their_loss(three_by_t
                              sort_keys=True) + "\n" for line in lines)
     steps.write_bytes(gzip.compress(old.encode(), mtime=0))
     curve = loss_curve(run_dir)
-    assert len(curve.losses) == UPDATES and curve.lrs == [None] * UPDATES
+    assert len(curve.losses) == updates and curve.lrs == [None] * updates
     run = {"seed": 2, "curve": curve, "stages": [], "marks": []}
     parts = loss_and_lr_figures(figures, {"adamw": [run]}, "updates")
     assert len(parts) == 2 and "<svg" in parts[0] and "hold no learning rates" in parts[1]

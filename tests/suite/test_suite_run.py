@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from opalctl.compare.profiles import profiles
-from tests.support.cli import run_cli
+from tests.support.cli import call_cli, run_cli
 from tests.support.files import sha256_of
 
 SUITE = {
@@ -41,14 +41,14 @@ def suite_run(tmp_path_factory):
     path = folder / "tiny.yaml"
     path.write_text(yaml.safe_dump(SUITE, sort_keys=False), encoding="utf-8")
     runs = folder / "runs"
-    frozen = run_cli("suite", "freeze", path, "--json", cwd=folder, timeout=900)
+    # the grids' run in a child, as a user types it; the rest in this process (no child is what they are about)
+    frozen = call_cli("suite", "freeze", path, "--json")
     assert frozen.code == 0, frozen.output
     ran = run_cli("suite", "run", path, "--jobs", "2", "--runs-dir", runs, "--json", cwd=folder, timeout=1200)
     assert ran.code == 0, ran.output
-    again = run_cli("suite", "run", path, "--runs-dir", runs, "--json", cwd=folder, timeout=600)
+    again = call_cli("suite", "run", path, "--runs-dir", runs, "--json")
     assert again.code == 0, again.output
-    summary = run_cli("suite", "summary", path, "--runs-dir", runs, "--json", "--html", folder / "page", cwd=folder,
-                  timeout=600)
+    summary = call_cli("suite", "summary", path, "--runs-dir", runs, "--json", "--html", folder / "page")
     assert summary.code == 0, summary.output
     return {"folder": folder, "runs": runs, "frozen": frozen.json(), "ran": json.loads(ran.stdout.splitlines()[-1]),
             "again": json.loads(again.stdout.splitlines()[-1]), "summary": summary.json()}
@@ -65,7 +65,7 @@ def test_the_suite_lock_names_each_task_lock_by_digest(suite_run):
         assert resolved["name"] == f"tiny-{task}" and resolved["budget"]["clock"] == "updates"
         assert resolved["target"]["metric"] == SUITE["tasks"][task]["target"]["metric"]
         assert list(resolved["arms"]) == ["adamw", "slow"]
-        assert run_cli("verify", task_lock).code == 0
+        assert call_cli("verify", task_lock).code == 0
 
 
 def test_every_run_finished_and_a_second_run_skips_them(suite_run):
@@ -115,16 +115,16 @@ def test_times_are_the_stage_records_and_the_scores_the_profiles_of_their_median
 
 def test_compare_of_a_task_shows_time_to_target_with_the_paired_figures(suite_run):
     lock = suite_run["summary"]["tasks"]["digits"]["lock"]
-    shown = run_cli("compare", lock, "--runs-dir", suite_run["runs"])
+    shown = call_cli("compare", lock, "--runs-dir", suite_run["runs"])
     assert shown.code == 0, shown.output
     assert "time to target selection.loss <= 1" in shown.stdout
-    as_json = run_cli("compare", lock, "--runs-dir", suite_run["runs"], "--json").json()
+    as_json = call_cli("compare", lock, "--runs-dir", suite_run["runs"], "--json").json()
     assert as_json["target"] == {"metric": "selection.loss", "value": 1.0, "direction": "lower"}
     slow = next(row for row in as_json["arms"] if row["arm"] == "slow")
     pair = slow["time_to_target"]["paired"]
     assert sum(pair["all_seeds"][key] for key in ("wins", "ties", "losses")) == 2
     assert pair["n"] + len(pair["left_out"]) == 2
-    table = run_cli("compare", lock, "--runs-dir", suite_run["runs"], "--csv")
+    table = call_cli("compare", lock, "--runs-dir", suite_run["runs"], "--csv")
     rows = list(csv.DictReader(io.StringIO(table.stdout)))
     adamw = [row for row in rows if row["arm"] == "adamw"]
     expected = as_json["arms"][0]["time_to_target"]
@@ -141,8 +141,8 @@ def test_the_pages_show_the_profiles_and_every_task(suite_run):
         assert re.search(rf'data-arm="{arm}" data-field="score" data-value="{re.escape(repr(score))}"', page)
     assert "default-src 'none'" in page
     lock = suite_run["summary"]["tasks"]["pylm"]["lock"]
-    report = run_cli("report", lock, "--runs-dir", suite_run["runs"], "--out", suite_run["folder"] / "pylm-page")
+    report = call_cli("report", lock, "--runs-dir", suite_run["runs"], "--out", suite_run["folder"] / "pylm-page")
     assert report.code == 0, report.output
     assert "Time to target: selection.bits_per_byte" in (suite_run["folder"] / "pylm-page" / "report.html").read_text()
-    written = run_cli("suite", "report", suite_run["frozen"]["suite_lock"], "--runs-dir", suite_run["runs"], "--json")
+    written = call_cli("suite", "report", suite_run["frozen"]["suite_lock"], "--runs-dir", suite_run["runs"], "--json")
     assert written.code == 0 and Path(written.json()["page"]).is_file()

@@ -1,7 +1,10 @@
-"""The ``shapes`` built-in task end to end: ``opalctl init shapes`` writes a protocol that freezes, the tuned
-baseline of that protocol (its ``adamw`` arm at the template's budget) reaches the template's target on seed 1 after
-its first stage and within the budget, and formal runs are deterministic on the ``updates`` clock (a run in this
-process and one in a fresh process end with the same digests)."""
+"""The ``shapes`` built-in task end to end: ``opalctl init shapes`` writes a protocol that freezes, whose target the
+time-to-target rule reads, and formal runs are deterministic on the ``updates`` clock (a run in this process and one
+in a fresh process end with the same digests).
+
+That the template's tuned baseline (its ``adamw`` arm at the template's budget) reaches that target on seed 1 after
+its first stage and within the budget is a long run's figure: ``bench/suite_targets.py`` re-measures it (``make
+bench``; docs/tasks.md holds the figures)."""
 
 from __future__ import annotations
 
@@ -12,16 +15,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opalctl.compare.target import TargetRule, time_to_target
+from opalctl.compare.target import TargetRule
 from opalctl.protocol.lock import read_lock
 from opalctl.tasks import BUILTIN, make_task
 from opalctl.tasks.builtin import protocol_text
-from tests.support.cli import run_cli
+from tests.support.cli import call_cli, run_cli
 
 SPLITS = ("development", "retention", "selection", "train")
 TINY = {"channels": 8, "groups": 4, "parent_updates": 50}
 UPDATES = 30
-CHILD_SECONDS = 900  # init and a full-budget run of the template: longer than run_cli's default
+PARENT_UPDATES = 50  # the init test's parent: a short training of the template's model
 
 
 def read(path: Path) -> dict:
@@ -37,45 +40,25 @@ def stages(folder: Path) -> list[dict]:
     return [read(path) for path in sorted(folder.glob("stage-*.json"))]
 
 
-@pytest.fixture(scope="module")
-def initialised(tmp_path_factory) -> tuple[Path, dict]:
-    """``opalctl init shapes --seeds 1`` as a user runs it: the template's task, its data and one parent."""
-    folder = tmp_path_factory.mktemp("shapes-init")
-    result = run_cli("init", "shapes", "--dir", folder, "--seeds", "1", "--json", timeout=CHILD_SECONDS)
-    assert result.code == 0, result.stderr[-3000:]
-    return folder, json.loads(result.stdout)
+def test_init_writes_a_protocol_that_freezes_whose_target_the_rule_reads(tmp_path):
+    """What ``opalctl init shapes --seeds 1`` does (the template's protocol, the task's data and one parent of the
+    template's model), with the parent trained for ``PARENT_UPDATES`` rather than the template's 2,000 (no assertion
+    reads the parent's quality; bench/suite_targets.py runs a whole init); then ``opalctl freeze``."""
+    from opalctl.tasks.builtin import init
 
-
-def test_init_writes_a_protocol_that_freezes(initialised):
-    folder, body = initialised
+    folder = tmp_path / "shapes"
+    body = init("shapes", folder, seeds=[1], config={"parent_updates": PARENT_UPDATES})
     written = sorted(Path(f["path"]).relative_to(folder).as_posix() for f in body["files"])
     assert written == sorted(["shapes.yaml", "parents/shapes/seed-1.pt"]
                              + [f"data/shapes/{split}.npz" for split in SPLITS])
     assert (folder / "shapes.yaml").read_text(encoding="utf-8") == protocol_text("shapes", [1])
-    frozen = run_cli("freeze", folder / "shapes.yaml", "--json")
+    frozen = call_cli("freeze", folder / "shapes.yaml", "--json")
     assert frozen.code == 0, frozen.output
-    assert set(yaml.safe_load(protocol_text("shapes", [1]))["arms"]) >= {"adamw", "adamw-cosine", "agent",
-                                                                         "adamw-anneal-end"}
-
-
-def test_the_tuned_baseline_reaches_the_target_after_its_first_stage_within_the_budget(initialised, tmp_path):
-    """The template's target was fixed from this arm on seeds 1-3 (docs/tasks.md); this is seed 1 again."""
-    from opalctl.protocol.freeze import freeze
-
-    folder, _ = initialised
-    lock_path = Path(freeze(folder / "shapes.yaml", force=True)["lock"])
-    result = run_cli("run", lock_path, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path, "--json",
-                     timeout=CHILD_SECONDS)
-    assert result.code == 0, result.stderr[-3000:]
-    lock = read_lock(lock_path)
-    rule = TargetRule.of(lock)
+    template = yaml.safe_load(protocol_text("shapes", [1]))
+    assert set(template["arms"]) >= {"adamw", "adamw-cosine", "agent", "adamw-anneal-end"}
+    rule = TargetRule.of(read_lock(frozen.json()["lock"]))
     assert rule is not None and rule.higher and rule.metric == "selection.correct"
-    report = read(run_folder(tmp_path, "adamw") / "report.json")
-    budget = float(lock.resolved["budget"]["amount"])
-    assert report["updates"] == budget
-    time = time_to_target(report["stages"], rule, budget)
-    first = float(report["stages"][0]["fraction"]) * budget
-    assert first < time <= budget, [s["metrics"][rule.metric] for s in report["stages"]]
+    assert rule.value == template["target"]["value"]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +80,7 @@ def test_two_runs_end_with_the_same_digests(tiny_lock, tmp_path):
     from opalctl.driver.run import run
 
     run(tiny_lock, "adamw", 1, runs_dir=tmp_path / "first")
-    child = run_cli("run", tiny_lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "second", "--json",
-                    timeout=CHILD_SECONDS)
+    child = run_cli("run", tiny_lock, "--arm", "adamw", "--seed", "1", "--runs-dir", tmp_path / "second", "--json")
     assert child.code == 0, child.stderr[-3000:]
     first, second = run_folder(tmp_path / "first", "adamw"), run_folder(tmp_path / "second", "adamw")
     one, two = read(first / "report.json"), read(second / "report.json")
