@@ -91,9 +91,9 @@ def events(run_dir):
     return [json.loads(line) for line in (opal_records(run_dir) / "events.jsonl").read_text().splitlines()]
 
 
-def frozen(project, tmp_path, case):
+def frozen(project, folder, case):
     updater, analysis, _ = PROGRAMS[case]
-    original = recorded_original(tmp_path / "original", updater, analysis)
+    original = recorded_original(folder / "original", updater, analysis)
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
              "agent": {"backend": f"replay:{original}", "decisions": 8}}
     project.freeze(entry=project.task_module(support.KILLABLE_TASK, "KillableDigits"),
@@ -101,6 +101,24 @@ def frozen(project, tmp_path, case):
                    arms={"agent": agent},
                    selection={"denominators": ["selection.total", "retention.total"],
                               "floors": {"retention.correct": 10}, "improve_any": ["selection.correct"]})
+
+
+@pytest.fixture(scope="module")
+def finished(made_project):
+    """``finished(case)``: the project frozen on ``case``'s programs and its run of ``agent`` on seed 1 through the
+    command line, made once for the module (the killed run's test reads the meta-tensor case's as its uninterrupted
+    run); read-only."""
+    made = {}
+
+    def of(case):
+        if case not in made:
+            project = made_project(f"unsaveable-{case}")
+            frozen(project, project.folder.parent, case)
+            result = project.process(project.run_args("agent", 1))
+            made[case] = (project, result)
+        return made[case]
+
+    return of
 
 
 def the_revert(run_dir, words) -> dict:
@@ -126,20 +144,19 @@ def assert_finished(run_dir):
 
 
 @pytest.mark.parametrize("case", sorted(PROGRAMS))
-def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(project, tmp_path, case):
-    frozen(project, tmp_path, case)
+def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(finished, case):
+    project, result = finished(case)
     run_dir = project.run_dir("agent", 1)
-    finished = project.process(project.run_args("agent", 1))
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     assert_finished(run_dir)
     the_revert(run_dir, PROGRAMS[case][2])
 
 
-def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(project, tmp_path):
+def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(finished, tmp_path):
     case = "meta_tensor_in_state_dict"
-    frozen(project, tmp_path, case)
+    project, result = finished(case)
     first = project.run_dir("agent", 1)
-    assert project.process(project.run_args("agent", 1)).returncode == 0
+    assert result.returncode == 0, result.stderr[-3000:]
     reverted_at = the_revert(first, PROGRAMS[case][2])["update"]
 
     # the same run again, killed two updates after the checkpoint that reverted the program
