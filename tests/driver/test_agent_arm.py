@@ -96,19 +96,39 @@ def freeze_agent_protocol(project, *, entry=None, budget=None, arms=None):
                           training={"checkpoint_every": 0.05}, arms=arms or ARMS, selection=SELECTION)
 
 
-@pytest.fixture
-def agent_project(project):
+@pytest.fixture(scope="module")
+def agent_runs(made_project, tmp_path_factory):
+    """Runs made once for the module and only read: ``adamw`` and ``agent`` on seeds 1 and 2 in this process (under
+    ``project.runs``), and ``agent`` on seed 1 once more through the command line in a child process (under
+    ``cli_runs``)."""
+    project = made_project("agent-arm")
     freeze_agent_protocol(project)
+    for arm in ("adamw", "agent"):
+        for seed in (1, 2):
+            project.run(arm, seed)
+    project.cli_runs = tmp_path_factory.mktemp("agent-arm-cli")
+    project.cli_result = project.process(project.run_args("agent", 1, runs=project.cli_runs))
+    return project
+
+
+@pytest.fixture(scope="module")
+def crash_made(made_project, tmp_path_factory):
+    """The protocol on the crash task, with the uninterrupted reference run of the agent arm: made once for the
+    module (the reference is only read)."""
+    project = made_project("agent-arm-crash")
+    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
+    reference = tmp_path_factory.mktemp("agent-arm-reference")
+    project.run("agent", 1, runs_dir=reference)
+    project.reference = project.run_dir("agent", 1, runs=reference)
+    assert first_applied(project.reference) is not None, "the reference run must change the program at least once"
     return project
 
 
 @pytest.fixture
-def crash(project, tmp_path):
-    """The protocol on the crash task, with the uninterrupted reference run of the agent arm."""
-    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
-    project.run("agent", 1, runs_dir=tmp_path / "reference")
-    project.reference = project.run_dir("agent", 1, runs=tmp_path / "reference")
-    assert first_applied(project.reference) is not None, "the reference run must change the program at least once"
+def crash(crash_made, tmp_path, monkeypatch):
+    """The test's own copy of the crash project (no runs yet), with the module's reference run."""
+    project = crash_made.copy(tmp_path, monkeypatch)
+    project.reference = crash_made.reference
     return project
 
 
@@ -188,12 +208,12 @@ def assert_same_agent_run(got_dir, want_dir, resumes):
 
 # -- 1. through the command line --------------------------------------------------------------------------------
 
-def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project):
+def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_runs):
     from opalctl.opal.optimizer import default_sources
 
-    result = agent_project.process(agent_project.run_args("agent", 1))
+    result = agent_runs.cli_result
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = agent_project.run_dir("agent", 1)
+    run_dir = agent_runs.run_dir("agent", 1, runs=agent_runs.cli_runs)
     report = support.read(run_dir / "report.json")
     figures = report["agent"]
     assert figures is not None
@@ -239,20 +259,17 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project):
 
 # -- 2. determinism, and bit for bit the plain arm until the agent changes something -----------------------------
 
-def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_project, tmp_path):
+def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_runs):
     # one run in this process, one through the command line in a fresh process
-    agent_project.run("agent", 1, runs_dir=tmp_path / "first")
-    result = agent_project.process(agent_project.run_args("agent", 1, runs=tmp_path / "second"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    first = agent_project.run_dir("agent", 1, runs=tmp_path / "first")
-    second = agent_project.run_dir("agent", 1, runs=tmp_path / "second")
+    assert agent_runs.cli_result.returncode == 0, agent_runs.cli_result.stderr[-3000:]
+    first = agent_runs.run_dir("agent", 1)
+    second = agent_runs.run_dir("agent", 1, runs=agent_runs.cli_runs)
     applied = first_applied(first)
     assert applied is not None, "the heuristic agent must change the program at least once in this protocol"
     assert_same_agent_run(second, first, resumes=0)
 
     # until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
-    agent_project.run("adamw", 1, runs_dir=tmp_path / "first")
-    plain = agent_project.run_dir("adamw", 1, runs=tmp_path / "first")
+    plain = agent_runs.run_dir("adamw", 1)
     agent_steps = list(read_steps(first / "training" / "steps.jsonl.gz"))
     plain_steps = list(read_steps(plain / "training" / "steps.jsonl.gz"))
     assert [(s["loss"], s["seen"]) for s in agent_steps[:applied["update"]]] == \
@@ -485,8 +502,17 @@ def fake_clock_runs(project, monkeypatch, watch=None):
     return reports, clocks, decided
 
 
-def test_the_agents_waiting_is_not_charged_to_the_budget(project, monkeypatch):
-    reports, clocks, decided = fake_clock_runs(project, monkeypatch)
+@pytest.fixture(scope="module")
+def fake_clock(made_project):
+    """``fake_clock_runs`` once for the module, watching the agent's records folder (the watch only reads)."""
+    project = made_project("agent-arm-clock")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reports, clocks, decided = fake_clock_runs(project, monkeypatch, watch="opal")
+    return project, reports, clocks, decided
+
+
+def test_the_agents_waiting_is_not_charged_to_the_budget(fake_clock):
+    project, reports, clocks, decided = fake_clock
     plain, agent = reports["adamw"], reports["agent"]
     run_dir = project.run_dir("agent", 1)
 
@@ -522,18 +548,16 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, monkeypatch):
     assert [e["update"] for e in log if e["kind"] == "requested"] == due
 
 
-def test_no_agent_record_is_written_inside_a_timed_update(project, monkeypatch):
-    _, clocks, _ = fake_clock_runs(project, monkeypatch, watch="opal")
+def test_no_agent_record_is_written_inside_a_timed_update(fake_clock):
+    _, _, clocks, _ = fake_clock
     assert clocks["agent"].given == CHARGES
     assert clocks["agent"].changed == []
 
 
 # -- 5. compare and show -----------------------------------------------------------------------------------------
 
-def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project):
-    for arm in ("adamw", "agent"):
-        for seed in (1, 2):
-            agent_project.run(arm, seed)
+def test_compare_and_show_report_the_agents_figures_and_decisions(agent_runs):
+    agent_project = agent_runs
     reports = {seed: support.read(agent_project.run_dir("agent", seed) / "report.json")["agent"] for seed in (1, 2)}
 
     code, out, err = call_cli("compare", agent_project.lock, "--runs-dir", agent_project.runs, "--json")
