@@ -5,12 +5,12 @@ One digits lock, ``updates`` clock, tiny budget, two seeds, four arms: ``adamw``
 request ``401 authentication_error``: a bad key), ``cli`` (the ``claude-code`` backend with a real ``claude``
 script on PATH that exits 1) and ``heur`` (the offline heuristic, asked once at 10 % of the budget, where no rule
 of it fires: it answers and keeps), and ``mixed`` (``claude-code`` again, whose ``claude`` acts on seed 1, halving
-the learning rate, and exits 1 on seed 2: the mixed case). The grid runs them once for the module (``opalctl grid --json`` in a child
-process); then one more ``opalctl run --json`` of ``api`` into a second runs folder, for a run's own exit and
-output (in this process, ``call_cli``: its exit code is the one ``main`` exits with). Every test reads what these
-made: the runs' warnings and exit codes, compare's sentence in place of a verdict (terminal, ``--json``,
-``--csv``), the decision columns, the report page, and the grid's end; compare, report and status are called in
-this process too (they only read the runs).
+the learning rate, and exits 1 on seed 2: the mixed case). The grid runs them once for the module (``opalctl grid --json``, each run a
+child process of it); then one more ``opalctl run --json`` of ``api`` into a second runs folder, for a run's own
+exit and output. Every test reads what these made: the runs' warnings and exit codes, compare's sentence in place
+of a verdict (terminal, ``--json``, ``--csv``), the decision columns, the report page, and the grid's end. Every
+``opalctl`` command is called in this process (``call_cli``: the exit code is the one ``main`` exits with), with
+the module's environment.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.cli import CliResult, call_cli, run_cli
+from tests.support.cli import CliResult, call_cli
 
 UPDATES = 60
 SEEDS = (1, 2)
@@ -52,7 +52,6 @@ updater.write_text(updater.read_text().replace("LR_SCALE = 1.0", "LR_SCALE = 0.5
 print(json.dumps({{"type": "result", "subtype": "success", "is_error": False, "session_id": "s", "num_turns": 1,
                   "total_cost_usd": 0.0, "result": "Observed: the loss falls.\\nChanged: LR_SCALE 1.0 -> 0.5."}}))
 """
-TIMEOUT = 600
 
 
 class Made:
@@ -65,15 +64,11 @@ class Made:
         self.lock: Path | None = None
         self.grid: CliResult | None = None
         self.single: CliResult | None = None
-        self.env: dict[str, str] = {}  # added to this process's environment less its OPALCTL_ and PYTEST_ variables
-
-    def opalctl(self, *args) -> CliResult:
-        """``opalctl ARGS`` in a child process, with the module's environment."""
-        return run_cli(*args, cwd=self.root, env=self.env, clean=True, timeout=TIMEOUT)
+        self.env: dict[str, str] = {}  # set in this process's environment, less its OPALCTL_ variables, for a command
 
     def called(self, *args) -> CliResult:
         """``opalctl ARGS`` in this process (``call_cli``), with the module's environment and no ``OPALCTL_``
-        variable, as ``opalctl`` gives its child."""
+        variable (a user's shell: no test setting reaches the runs a grid starts)."""
         with pytest.MonkeyPatch.context() as monkeypatch:
             for name in [name for name in os.environ if name.startswith("OPALCTL_")]:
                 monkeypatch.delenv(name)
@@ -118,7 +113,7 @@ def made(digits_init_folder, tmp_path_factory) -> Made:
     with ms.MessagesServer([ms.error(401, "authentication_error", REFUSED)] * 40) as server:
         made.env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
                     "ANTHROPIC_API_KEY": "sk-ant-api03-" + "x" * 40, "ANTHROPIC_BASE_URL": server.url}
-        made.grid = made.opalctl("grid", made.lock, "--jobs", "2", "--json", "--runs-dir", made.runs)
+        made.grid = made.called("grid", made.lock, "--jobs", "2", "--json", "--runs-dir", made.runs)
         made.single = made.called("run", made.lock, "--arm", "api", "--seed", "1", "--json", "--runs-dir",
                                    made.root / "single")
     return made
