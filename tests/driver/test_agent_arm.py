@@ -16,12 +16,16 @@ What is shown here:
 - the agent's waiting is never charged to the budget clock;
 - ``compare`` and ``show`` report the agent's figures and decisions;
 - LLM backends are refused by ``run`` until they land.
+
+The runs every test reads are made once for the module (``agent_runs``, on the crash task; the fake clock's pair,
+``fake_clock``); each crash test kills and resumes runs in its own copy of the project.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import time
 
@@ -98,37 +102,29 @@ def freeze_agent_protocol(project, *, entry=None, budget=None, arms=None):
 
 @pytest.fixture(scope="module")
 def agent_runs(made_project, tmp_path_factory):
-    """Runs made once for the module and only read: ``adamw`` and ``agent`` on seeds 1 and 2 in this process (under
-    ``project.runs``), and ``agent`` on seed 1 once more through the command line in a child process (under
-    ``cli_runs``)."""
+    """Runs made once for the module on the crash task, and only read: ``adamw`` and then ``agent`` on seeds 1 and
+    2 in this process (under ``project.runs``: the agent arm finds its anchor evaluated by the plain arm), and
+    ``agent`` on seed 1 once more through the command line in a child process, alone in its runs folder
+    (``cli_runs``): the uninterrupted run, ``reference``, that the crash tests end like."""
     project = made_project("agent-arm")
-    freeze_agent_protocol(project)
+    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
     for arm in ("adamw", "agent"):
         for seed in (1, 2):
             project.run(arm, seed)
     project.cli_runs = tmp_path_factory.mktemp("agent-arm-cli")
     project.cli_result = project.process(project.run_args("agent", 1, runs=project.cli_runs))
-    return project
-
-
-@pytest.fixture(scope="module")
-def crash_made(made_project, tmp_path_factory):
-    """The protocol on the crash task, with the uninterrupted reference run of the agent arm: made once for the
-    module (the reference is only read)."""
-    project = made_project("agent-arm-crash")
-    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
-    reference = tmp_path_factory.mktemp("agent-arm-reference")
-    project.run("agent", 1, runs_dir=reference)
-    project.reference = project.run_dir("agent", 1, runs=reference)
-    assert first_applied(project.reference) is not None, "the reference run must change the program at least once"
+    project.reference = project.run_dir("agent", 1, runs=project.cli_runs)
     return project
 
 
 @pytest.fixture
-def crash(crash_made, tmp_path, monkeypatch):
-    """The test's own copy of the crash project (no runs yet), with the module's reference run."""
-    project = crash_made.copy(tmp_path, monkeypatch)
-    project.reference = crash_made.reference
+def crash(agent_runs, tmp_path, monkeypatch):
+    """The test's own copy of the project on the crash task, without runs, and the module's reference run."""
+    assert agent_runs.cli_result.returncode == 0, agent_runs.cli_result.stderr[-3000:]
+    assert first_applied(agent_runs.reference) is not None, "the reference run must change the program at least once"
+    project = agent_runs.copy(tmp_path, monkeypatch)
+    shutil.rmtree(project.runs)
+    project.reference = agent_runs.reference
     return project
 
 
@@ -383,10 +379,12 @@ def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash):
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change, after_trial]
 
 
-def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(crash):
-    crash.run("adamw", 1)  # evaluates the anchor of seed 1 in these runs
-    crash.run("agent", 1)  # finds it and only checks it
-    assert_same_agent_run(crash.run_dir("agent", 1), crash.reference, resumes=0)
+def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(agent_runs):
+    # in the module's runs, adamw ran first on seed 1 and evaluated the anchor; the agent arm found it and only
+    # checked it; the reference run, alone in its folder, evaluated its own
+    assert (agent_runs.run_dir("adamw", 1) / "report.json").exists()
+    assert not agent_runs.run_dir("adamw", 1, runs=agent_runs.cli_runs).exists()
+    assert_same_agent_run(agent_runs.run_dir("agent", 1), agent_runs.reference, resumes=0)
 
 
 def test_an_agent_arm_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash):
