@@ -1,17 +1,21 @@
-"""The nanoGPT-like case of issue 26, as a test: a char-level GPT (tests/tasks/char_gpt_task.py), AdamW against the
-heuristic agent on three seeds, and no anneal-end arm. The agent's only act on every seed is ``ANNEAL_START None ->
-0.8`` past half the budget, which is the fixed ``anneal-end`` schedule: compare must say so and name the missing
-control arm; ``opalctl control`` writes the post-hoc control lock (the seed-1 decisions replayed on seeds 2 and 3,
-and the fixed anneal-end arm), its runs go through ``grid``, and ``compare`` of the parent shows them marked
-post-hoc. The fixed arm, the replay and the agent arm end with the same weights on the same seed. A control lock
-whose parent is not the lock it names, or whose budget is not the parent's, is refused."""
+"""The nanoGPT-like case of issue 26, as a test: a char-level GPT (tests/tasks/char_gpt_task.py), AdamW against
+the heuristic agent on two seeds, and no anneal-end arm. The agent's only act on every seed is ``ANNEAL_START None
+-> 0.8`` past half the budget, which is the fixed ``anneal-end`` schedule: compare must say so and name the missing
+control arm; ``opalctl control`` writes the post-hoc control lock (the seed-1 decisions replayed on seed 2, and the
+fixed anneal-end arm), its runs go through ``grid``, and ``compare`` of the parent shows them marked post-hoc. The
+fixed arm, the replay and the agent arm end with the same weights on the same seed. A control lock whose parent is
+not the lock it names, or whose budget is not the parent's, is refused.
+
+Two seeds carry every property (the replay on another seed than its source's, a paired comparison); the parent's
+runs are made in this process and the CLI commands but ``grid`` are called in it (``call_cli``): the control's grid
+is the one run of ``opalctl`` as a user types it that the case is about."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +23,7 @@ import pytest
 import yaml
 
 from opalctl.compare.controls import run_equivalence
-from tests.support.cli import run_cli
+from tests.support.cli import call_cli, run_cli
 
 TASK_FILE = Path(__file__).resolve().parents[1] / "tasks" / "char_gpt_task.py"
 OPTIMIZER = "{name: AdamW, lr: 0.003, betas: [0.9, 0.99], weight_decay: 0.1}"
@@ -28,7 +32,7 @@ name: baby
 task: {{entry: char_gpt_task:CharGPT}}
 data: {{train: data/train.npz, val: data/val.npz}}
 parents: parents/seed-{{seed}}.pt
-seeds: [1, 2, 3]
+seeds: [1, 2]
 budget: {{clock: updates, amount: 150}}
 training: {{batch_size: 16}}
 arms:
@@ -46,7 +50,15 @@ class Project:
         self.env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
 
     def cli(self, *args, folder: Path | None = None):
-        return run_cli(*args, cwd=folder or self.folder, env=self.env, timeout=600)
+        """``opalctl ARGS`` in this process (``call_cli``), in ``folder`` (the project's by default)."""
+        with contextlib.chdir(folder or self.folder):
+            return call_cli(*args)
+
+    def grid(self, lock: str):
+        """``opalctl grid LOCK`` in a child process, as a user types it (its runs are children either way)."""
+        done = run_cli("grid", lock, "--jobs", "2", cwd=self.folder, env=self.env, timeout=600)
+        assert done.code == 0, done.output
+        return done
 
     def ok(self, *args, folder: Path | None = None):
         done = self.cli(*args, folder=folder)
@@ -67,30 +79,41 @@ class Project:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """The project, frozen, its grid run once; then the post-hoc control made and run once."""
+    """The project, frozen, its runs made once (in this process); then the post-hoc control made and its grid run
+    once. The task module is on this process's path for the module's tests (freeze and the runs import it)."""
+    from opalctl.driver.run import run
+
     folder = tmp_path_factory.mktemp("baby-gpt")
     shutil.copy(TASK_FILE, folder / TASK_FILE.name)
     project = Project(folder)
-    subprocess.run([sys.executable, "-c", "import pathlib, char_gpt_task as t; t.write_project(pathlib.Path('.'))"],
-                   cwd=folder, env={**os.environ, **project.env}, check=True)
-    (folder / "baby.yaml").write_text(PROTOCOL)
-    project.ok("freeze", "baby.yaml")
-    project.ok("grid", "baby.lock.json", "--jobs", "2")
-    project.before = project.ok("compare", "baby.lock.json", "--json").json()
-    project.made = project.ok("control", "baby.lock.json", "--arm", "agent", "--from-seed", "1", "--json").json()
-    project.ok("grid", project.made["lock"], "--jobs", "2")
-    project.after = project.ok("compare", "baby.lock.json", "--json").json()
-    project.text = project.ok("compare", "baby.lock.json").stdout
-    return project
+    sys.path.insert(0, str(folder))
+    try:
+        import char_gpt_task
+
+        char_gpt_task.write_project(folder, seeds=(1, 2))
+        (folder / "baby.yaml").write_text(PROTOCOL)
+        project.ok("freeze", "baby.yaml")
+        for arm in ("adamw", "agent"):
+            for seed in (1, 2):
+                run(folder / "baby.lock.json", arm, seed, runs_dir=folder / "runs")
+        project.before = project.ok("compare", "baby.lock.json", "--json").json()
+        project.made = project.ok("control", "baby.lock.json", "--arm", "agent", "--from-seed", "1", "--json").json()
+        project.grid(project.made["lock"])
+        project.after = project.ok("compare", "baby.lock.json", "--json").json()
+        project.text = project.ok("compare", "baby.lock.json").stdout
+        yield project
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("char_gpt_task", None)
 
 
 def test_compare_names_the_agents_programs_as_the_anneal_end_schedule_and_the_missing_arm(project):
     (controls,) = project.before["controls"]
     assert [(s["seed"], s["schedule"], s["scale"], s["applied"]) for s in controls["seeds"]] == [
-        (1, "anneal-end", 1.0, 1), (2, "anneal-end", 1.0, 1), (3, "anneal-end", 1.0, 1)]
+        (1, "anneal-end", 1.0, 1), (2, "anneal-end", 1.0, 1)]
     assert controls["control_arm"] is None and controls["missing_arm"]["name"] == "adamw-anneal-end"
     assert controls["sentence"] == (
-        "agent's applied programs equal fixed schedule `anneal-end` on all 3 seeds; no such arm in this lock: add "
+        "agent's applied programs equal fixed schedule `anneal-end` on all 2 seeds; no such arm in this lock: add "
         "one, or run the post-hoc control (`opalctl control LOCK --arm agent`)")
     agent = next(a for a in project.before["arms"] if a["arm"] == "agent")
     assert agent["paired"]["val.loss"]["verdict"].endswith(
@@ -99,7 +122,7 @@ def test_compare_names_the_agents_programs_as_the_anneal_end_schedule_and_the_mi
 
 def test_the_control_lock_names_its_parent_and_is_marked_post_hoc(project):
     made = project.made
-    assert made["arms"] == ["agent-replay-s1", "adamw-anneal-end"] and made["seeds"] == [2, 3]
+    assert made["arms"] == ["agent-replay-s1", "adamw-anneal-end"] and made["seeds"] == [2]
     lock = json.loads(Path(project.folder / made["lock"]).read_text())
     parent_sha = project.before["lock_sha256"]
     assert lock["protocol"]["control"] == {
@@ -114,22 +137,21 @@ def test_the_control_lock_names_its_parent_and_is_marked_post_hoc(project):
 def test_compare_of_the_parent_shows_the_control_runs_marked_post_hoc(project):
     rows = {a["arm"]: a for a in project.after["arms"]}
     assert [(name, rows[name]["post_hoc"], rows[name]["seeds"]) for name in rows] == [
-        ("adamw", False, [1, 2, 3]), ("agent", False, [1, 2, 3]), ("adamw-anneal-end", True, [2, 3]),
-        ("agent-replay-s1", True, [2, 3])]  # a lock's arms are in its canonical (sorted) order
+        ("adamw", False, [1, 2]), ("agent", False, [1, 2]), ("adamw-anneal-end", True, [2]),
+        ("agent-replay-s1", True, [2])]  # a lock's arms are in its canonical (sorted) order
     assert "[post-hoc control, added after the fact, not pre-registered]" in \
         rows["agent-replay-s1"]["paired"]["val.loss"]["verdict"]
     (controls,) = project.after["controls"]
     assert controls["control_arm"] == "adamw-anneal-end" and controls["control_in"] == "post-hoc"
     assert "agent-replay-s1 (post-hoc)" in project.text and "adamw-anneal-end (post-hoc)" in project.text
-    assert ("controls: agent's applied programs equal fixed schedule `anneal-end` on all 3 seeds; control arm "
+    assert ("controls: agent's applied programs equal fixed schedule `anneal-end` on all 2 seeds; control arm "
             "`adamw-anneal-end` added after the fact") in project.text
 
 
 def test_the_fixed_arm_the_replay_and_the_agent_end_with_the_same_weights(project):
-    for seed in (2, 3):
-        agent = project.report("baby", "agent", seed)["final_model_sha256"]
-        assert project.report("baby-control-agent-s1", "adamw-anneal-end", seed)["final_model_sha256"] == agent
-        assert project.report("baby-control-agent-s1", "agent-replay-s1", seed)["final_model_sha256"] == agent
+    agent = project.report("baby", "agent", 2)["final_model_sha256"]
+    assert project.report("baby-control-agent-s1", "adamw-anneal-end", 2)["final_model_sha256"] == agent
+    assert project.report("baby-control-agent-s1", "agent-replay-s1", 2)["final_model_sha256"] == agent
     assert project.report("baby", "adamw", 2)["final_model_sha256"] != project.report("baby", "agent", 2)[
         "final_model_sha256"]
 

@@ -16,12 +16,16 @@ What is shown here:
 - the agent's waiting is never charged to the budget clock;
 - ``compare`` and ``show`` report the agent's figures and decisions;
 - LLM backends are refused by ``run`` until they land.
+
+The runs every test reads are made once for the module (``agent_runs``, on the crash task; the fake clock's pair,
+``fake_clock``); each crash test kills and resumes runs in its own copy of the project.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import time
 
@@ -96,19 +100,31 @@ def freeze_agent_protocol(project, *, entry=None, budget=None, arms=None):
                           training={"checkpoint_every": 0.05}, arms=arms or ARMS, selection=SELECTION)
 
 
-@pytest.fixture
-def agent_project(project):
-    freeze_agent_protocol(project)
+@pytest.fixture(scope="module")
+def agent_runs(made_project, tmp_path_factory):
+    """Runs made once for the module on the crash task, and only read: ``adamw`` and then ``agent`` on seeds 1 and
+    2 in this process (under ``project.runs``: the agent arm finds its anchor evaluated by the plain arm), and
+    ``agent`` on seed 1 once more through the command line in a child process, alone in its runs folder
+    (``cli_runs``): the uninterrupted run, ``reference``, that the crash tests end like."""
+    project = made_project("agent-arm")
+    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
+    for arm in ("adamw", "agent"):
+        for seed in (1, 2):
+            project.run(arm, seed)
+    project.cli_runs = tmp_path_factory.mktemp("agent-arm-cli")
+    project.cli_result = project.process(project.run_args("agent", 1, runs=project.cli_runs))
+    project.reference = project.run_dir("agent", 1, runs=project.cli_runs)
     return project
 
 
 @pytest.fixture
-def crash(project, tmp_path):
-    """The protocol on the crash task, with the uninterrupted reference run of the agent arm."""
-    freeze_agent_protocol(project, entry=project.task_module(CRASH_TASK, "CrashDigits"))
-    project.run("agent", 1, runs_dir=tmp_path / "reference")
-    project.reference = project.run_dir("agent", 1, runs=tmp_path / "reference")
-    assert first_applied(project.reference) is not None, "the reference run must change the program at least once"
+def crash(agent_runs, tmp_path, monkeypatch):
+    """The test's own copy of the project on the crash task, without runs, and the module's reference run."""
+    assert agent_runs.cli_result.returncode == 0, agent_runs.cli_result.stderr[-3000:]
+    assert first_applied(agent_runs.reference) is not None, "the reference run must change the program at least once"
+    project = agent_runs.copy(tmp_path, monkeypatch)
+    shutil.rmtree(project.runs)
+    project.reference = agent_runs.reference
     return project
 
 
@@ -188,12 +204,12 @@ def assert_same_agent_run(got_dir, want_dir, resumes):
 
 # -- 1. through the command line --------------------------------------------------------------------------------
 
-def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project):
+def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_runs):
     from opalctl.opal.optimizer import default_sources
 
-    result = agent_project.process(agent_project.run_args("agent", 1))
+    result = agent_runs.cli_result
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = agent_project.run_dir("agent", 1)
+    run_dir = agent_runs.run_dir("agent", 1, runs=agent_runs.cli_runs)
     report = support.read(run_dir / "report.json")
     figures = report["agent"]
     assert figures is not None
@@ -239,20 +255,17 @@ def test_an_agent_arm_runs_through_the_cli_and_keeps_its_records(agent_project):
 
 # -- 2. determinism, and bit for bit the plain arm until the agent changes something -----------------------------
 
-def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_project, tmp_path):
+def test_two_agent_runs_end_identically_and_match_the_plain_arm_until_the_first_change(agent_runs):
     # one run in this process, one through the command line in a fresh process
-    agent_project.run("agent", 1, runs_dir=tmp_path / "first")
-    result = agent_project.process(agent_project.run_args("agent", 1, runs=tmp_path / "second"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    first = agent_project.run_dir("agent", 1, runs=tmp_path / "first")
-    second = agent_project.run_dir("agent", 1, runs=tmp_path / "second")
+    assert agent_runs.cli_result.returncode == 0, agent_runs.cli_result.stderr[-3000:]
+    first = agent_runs.run_dir("agent", 1)
+    second = agent_runs.run_dir("agent", 1, runs=agent_runs.cli_runs)
     applied = first_applied(first)
     assert applied is not None, "the heuristic agent must change the program at least once in this protocol"
     assert_same_agent_run(second, first, resumes=0)
 
     # until the new program changes the arithmetic, the agent arm is the plain arm, bit for bit
-    agent_project.run("adamw", 1, runs_dir=tmp_path / "first")
-    plain = agent_project.run_dir("adamw", 1, runs=tmp_path / "first")
+    plain = agent_runs.run_dir("adamw", 1)
     agent_steps = list(read_steps(first / "training" / "steps.jsonl.gz"))
     plain_steps = list(read_steps(plain / "training" / "steps.jsonl.gz"))
     assert [(s["loss"], s["seen"]) for s in agent_steps[:applied["update"]]] == \
@@ -366,10 +379,12 @@ def test_agent_arm_killed_after_a_new_program_was_applied_then_resumed(crash):
     assert [e["update"] for e in events(run_dir) if e["kind"] == "resumed"] == [after_change, after_trial]
 
 
-def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(crash):
-    crash.run("adamw", 1)  # evaluates the anchor of seed 1 in these runs
-    crash.run("agent", 1)  # finds it and only checks it
-    assert_same_agent_run(crash.run_dir("agent", 1), crash.reference, resumes=0)
+def test_an_agent_arm_ends_the_same_whether_or_not_another_arm_evaluated_the_anchor_first(agent_runs):
+    # in the module's runs, adamw ran first on seed 1 and evaluated the anchor; the agent arm found it and only
+    # checked it; the reference run, alone in its folder, evaluated its own
+    assert (agent_runs.run_dir("adamw", 1) / "report.json").exists()
+    assert not agent_runs.run_dir("adamw", 1, runs=agent_runs.cli_runs).exists()
+    assert_same_agent_run(agent_runs.run_dir("agent", 1), agent_runs.reference, resumes=0)
 
 
 def test_an_agent_arm_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_again(crash):
@@ -485,8 +500,17 @@ def fake_clock_runs(project, monkeypatch, watch=None):
     return reports, clocks, decided
 
 
-def test_the_agents_waiting_is_not_charged_to_the_budget(project, monkeypatch):
-    reports, clocks, decided = fake_clock_runs(project, monkeypatch)
+@pytest.fixture(scope="module")
+def fake_clock(made_project):
+    """``fake_clock_runs`` once for the module, watching the agent's records folder (the watch only reads)."""
+    project = made_project("agent-arm-clock")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        reports, clocks, decided = fake_clock_runs(project, monkeypatch, watch="opal")
+    return project, reports, clocks, decided
+
+
+def test_the_agents_waiting_is_not_charged_to_the_budget(fake_clock):
+    project, reports, clocks, decided = fake_clock
     plain, agent = reports["adamw"], reports["agent"]
     run_dir = project.run_dir("agent", 1)
 
@@ -522,18 +546,16 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(project, monkeypatch):
     assert [e["update"] for e in log if e["kind"] == "requested"] == due
 
 
-def test_no_agent_record_is_written_inside_a_timed_update(project, monkeypatch):
-    _, clocks, _ = fake_clock_runs(project, monkeypatch, watch="opal")
+def test_no_agent_record_is_written_inside_a_timed_update(fake_clock):
+    _, _, clocks, _ = fake_clock
     assert clocks["agent"].given == CHARGES
     assert clocks["agent"].changed == []
 
 
 # -- 5. compare and show -----------------------------------------------------------------------------------------
 
-def test_compare_and_show_report_the_agents_figures_and_decisions(agent_project):
-    for arm in ("adamw", "agent"):
-        for seed in (1, 2):
-            agent_project.run(arm, seed)
+def test_compare_and_show_report_the_agents_figures_and_decisions(agent_runs):
+    agent_project = agent_runs
     reports = {seed: support.read(agent_project.run_dir("agent", seed) / "report.json")["agent"] for seed in (1, 2)}
 
     code, out, err = call_cli("compare", agent_project.lock, "--runs-dir", agent_project.runs, "--json")

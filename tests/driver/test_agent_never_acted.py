@@ -5,10 +5,12 @@ One digits lock, ``updates`` clock, tiny budget, two seeds, four arms: ``adamw``
 request ``401 authentication_error``: a bad key), ``cli`` (the ``claude-code`` backend with a real ``claude``
 script on PATH that exits 1) and ``heur`` (the offline heuristic, asked once at 10 % of the budget, where no rule
 of it fires: it answers and keeps), and ``mixed`` (``claude-code`` again, whose ``claude`` acts on seed 1, halving
-the learning rate, and exits 1 on seed 2: the mixed case). The grid runs them once for the module (``opalctl grid --json`` in a child
-process); then one more ``opalctl run --json`` of ``api`` into a second runs folder, for a run's own exit and
-output. Every test reads what these made: the runs' warnings and exit codes, compare's sentence in place of a
-verdict (terminal, ``--json``, ``--csv``), the decision columns, the report page, and the grid's end.
+the learning rate, and exits 1 on seed 2: the mixed case). The grid runs them once for the module (``opalctl grid --json``, each run a
+child process of it); then one more ``opalctl run --json`` of ``api`` into a second runs folder, for a run's own
+exit and output. Every test reads what these made: the runs' warnings and exit codes, compare's sentence in place
+of a verdict (terminal, ``--json``, ``--csv``), the decision columns, the report page, and the grid's end. Every
+``opalctl`` command is called in this process (``call_cli``: the exit code is the one ``main`` exits with), with
+the module's environment.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.cli import CliResult, run_cli
+from tests.support.cli import CliResult, call_cli
 
 UPDATES = 60
 SEEDS = (1, 2)
@@ -50,7 +52,6 @@ updater.write_text(updater.read_text().replace("LR_SCALE = 1.0", "LR_SCALE = 0.5
 print(json.dumps({{"type": "result", "subtype": "success", "is_error": False, "session_id": "s", "num_turns": 1,
                   "total_cost_usd": 0.0, "result": "Observed: the loss falls.\\nChanged: LR_SCALE 1.0 -> 0.5."}}))
 """
-TIMEOUT = 600
 
 
 class Made:
@@ -63,10 +64,17 @@ class Made:
         self.lock: Path | None = None
         self.grid: CliResult | None = None
         self.single: CliResult | None = None
-        self.env: dict[str, str] = {}  # added to this process's environment less its OPALCTL_ and PYTEST_ variables
+        self.env: dict[str, str] = {}  # set in this process's environment, less its OPALCTL_ variables, for a command
 
-    def opalctl(self, *args) -> CliResult:
-        return run_cli(*args, cwd=self.root, env=self.env, clean=True, timeout=TIMEOUT)
+    def called(self, *args) -> CliResult:
+        """``opalctl ARGS`` in this process (``call_cli``), with the module's environment and no ``OPALCTL_``
+        variable (a user's shell: no test setting reaches the runs a grid starts)."""
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            for name in [name for name in os.environ if name.startswith("OPALCTL_")]:
+                monkeypatch.delenv(name)
+            for name, value in self.env.items():
+                monkeypatch.setenv(name, value)
+            return call_cli(*args)
 
     def run_dir(self, arm: str, seed: int, runs: Path | None = None) -> Path:
         return next((runs or self.runs).glob("digits-*")) / arm / f"seed-{seed}"
@@ -105,8 +113,8 @@ def made(digits_init_folder, tmp_path_factory) -> Made:
     with ms.MessagesServer([ms.error(401, "authentication_error", REFUSED)] * 40) as server:
         made.env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}",
                     "ANTHROPIC_API_KEY": "sk-ant-api03-" + "x" * 40, "ANTHROPIC_BASE_URL": server.url}
-        made.grid = made.opalctl("grid", made.lock, "--jobs", "2", "--json", "--runs-dir", made.runs)
-        made.single = made.opalctl("run", made.lock, "--arm", "api", "--seed", "1", "--json", "--runs-dir",
+        made.grid = made.called("grid", made.lock, "--jobs", "2", "--json", "--runs-dir", made.runs)
+        made.single = made.called("run", made.lock, "--arm", "api", "--seed", "1", "--json", "--runs-dir",
                                    made.root / "single")
     return made
 
@@ -127,7 +135,7 @@ def test_a_run_whose_agent_never_answered_warns_and_exits_5_with_its_folder_comp
     assert "the agent of arm api never answered on seed 1: 0 of 2 decisions applied, 2 failed" in acted["warning"]
     assert "this run is AdamW alone" in acted["warning"] and "exit 5" in acted["warning"]
     # the folder is complete: it verifies
-    verified = made.opalctl("verify", made.run_dir("api", 1, made.root / "single"))
+    verified = made.called("verify", made.run_dir("api", 1, made.root / "single"))
     assert verified.code == 0, verified.stderr
 
 
@@ -161,7 +169,7 @@ def test_the_grid_ends_saying_which_agents_never_acted_and_exits_5(made):
 # -- compare ----------------------------------------------------------------------------------------------------
 
 def test_compare_gives_no_verdict_to_an_agent_arm_that_never_acted_but_says_why(made):
-    shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--json")
+    shown = made.called("compare", made.lock, "--runs-dir", made.runs, "--json")
     assert shown.code == 0, shown.stderr
     arms = {row["arm"]: row for row in json.loads(shown.stdout)["arms"]}
     primary = json.loads(shown.stdout)["primary"]
@@ -189,7 +197,7 @@ def test_compare_gives_no_verdict_to_an_agent_arm_that_never_acted_but_says_why(
 
 
 def test_compare_prints_the_decision_columns_for_agent_arms_only_and_the_sentence(made):
-    shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs)
+    shown = made.called("compare", made.lock, "--runs-dir", made.runs)
     assert shown.code == 0, shown.stderr
     out = " ".join(shown.stdout.split())
     assert "agent decisions, summed over seeds" in out
@@ -206,7 +214,7 @@ def test_compare_prints_the_decision_columns_for_agent_arms_only_and_the_sentenc
 
 
 def test_compare_csv_has_the_decision_columns_empty_on_fixed_arms(made):
-    shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--csv")
+    shown = made.called("compare", made.lock, "--runs-dir", made.runs, "--csv")
     assert shown.code == 0, shown.stderr
     rows = list(csv.DictReader(io.StringIO(shown.stdout)))
     api = next(r for r in rows if r["arm"] == "api")
@@ -218,7 +226,7 @@ def test_compare_csv_has_the_decision_columns_empty_on_fixed_arms(made):
 
 
 def test_the_report_page_shows_the_counts_and_the_sentence(made):
-    written = made.opalctl("report", made.lock, "--runs-dir", made.runs, "--out", made.root / "page")
+    written = made.called("report", made.lock, "--runs-dir", made.runs, "--out", made.root / "page")
     assert written.code == 0, written.stderr
     page = (made.root / "page" / "report.html").read_text()
     assert "Did the agent act?" in page and "seeds acted on" in page
@@ -230,7 +238,7 @@ def test_the_report_page_shows_the_counts_and_the_sentence(made):
 
 
 def test_an_agent_arm_that_acted_on_some_seeds_is_compared_on_those_and_names_the_others(made):
-    shown = made.opalctl("compare", made.lock, "--runs-dir", made.runs, "--json")
+    shown = made.called("compare", made.lock, "--runs-dir", made.runs, "--json")
     assert shown.code == 0, shown.stderr
     result = json.loads(shown.stdout)
     mixed = next(row for row in result["arms"] if row["arm"] == "mixed")
@@ -245,11 +253,11 @@ def test_an_agent_arm_that_acted_on_some_seeds_is_compared_on_those_and_names_th
 
 
 def test_grid_status_says_what_each_runs_agent_did(made):
-    shown = made.opalctl("grid", made.lock, "--status", "--json", "--runs-dir", made.runs)
+    shown = made.called("grid", made.lock, "--status", "--json", "--runs-dir", made.runs)
     assert shown.code == 0, shown.stderr
     agents = {(run["arm"], run["seed"]): run["agent"] for run in json.loads(shown.stdout)["runs"]}
     assert agents == {**{("adamw", s): None for s in SEEDS}, **{("api", s): "never answered" for s in SEEDS},
                       **{("cli", s): "never answered" for s in SEEDS}, **{("heur", s): "only kept" for s in SEEDS},
                       ("mixed", 1): "acted", ("mixed", 2): "never answered"}
-    table = made.opalctl("grid", made.lock, "--status", "--runs-dir", made.runs)
+    table = made.called("grid", made.lock, "--status", "--runs-dir", made.runs)
     assert "finished (agent never answered)" in table.stdout and "finished (agent acted)" in table.stdout

@@ -7,7 +7,8 @@ checkpoint is written without what it made, the run finishes, and a run killed a
 from it and finishes.
 
 The programs reach the runs through the ``replay`` backend: a recorded "original" run whose decision 1 applied
-them. The task kills its own training process at a chosen loss call (``KILL_LOSS_AT``), as a SIGKILL would.
+them. The task kills its own training process at a chosen loss call (``KILL_LOSS_AT``), as a SIGKILL would. Each
+case's run is made once for the module (``finished``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from opalctl import checkpoints
 from tests import support
+from tests.support.cli import call_cli
 
 AMOUNT = 300  # updates; decision 1 at update 15, a resume checkpoint every 18 (the new version steps before one)
 CHECKPOINT_EVERY = 0.06
@@ -91,9 +93,9 @@ def events(run_dir):
     return [json.loads(line) for line in (opal_records(run_dir) / "events.jsonl").read_text().splitlines()]
 
 
-def frozen(project, tmp_path, case):
+def frozen(project, folder, case):
     updater, analysis, _ = PROGRAMS[case]
-    original = recorded_original(tmp_path / "original", updater, analysis)
+    original = recorded_original(folder / "original", updater, analysis)
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
              "agent": {"backend": f"replay:{original}", "decisions": 8}}
     project.freeze(entry=project.task_module(support.KILLABLE_TASK, "KillableDigits"),
@@ -101,6 +103,33 @@ def frozen(project, tmp_path, case):
                    arms={"agent": agent},
                    selection={"denominators": ["selection.total", "retention.total"],
                               "floors": {"retention.correct": 10}, "improve_any": ["selection.correct"]})
+
+
+# the case whose program, were the check at the checkpoint to call into it, would never return: its run is a child
+# process (a hang is then this test's failure, not the test session's); the others run in this process
+IN_A_CHILD = {"analysis_memory_with_endless_items"}
+
+
+@pytest.fixture(scope="module")
+def finished(made_project):
+    """``finished(case)``: the project frozen on ``case``'s programs and ``opalctl run`` of ``agent`` on seed 1,
+    ``(project, exit code, stderr)``, made once for the module (the killed run's test reads the meta-tensor case's
+    as its uninterrupted run); read-only."""
+    made = {}
+
+    def of(case):
+        if case not in made:
+            project = made_project(f"unsaveable-{case}")
+            frozen(project, project.folder.parent, case)
+            if case in IN_A_CHILD:
+                result = project.process(project.run_args("agent", 1))
+                made[case] = (project, result.returncode, result.stderr)
+            else:
+                code, _, stderr = call_cli(*project.run_args("agent", 1))
+                made[case] = (project, code, stderr)
+        return made[case]
+
+    return of
 
 
 def the_revert(run_dir, words) -> dict:
@@ -126,20 +155,19 @@ def assert_finished(run_dir):
 
 
 @pytest.mark.parametrize("case", sorted(PROGRAMS))
-def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(project, tmp_path, case):
-    frozen(project, tmp_path, case)
+def test_what_a_checkpoint_cannot_hold_reverts_the_program_and_the_run_finishes(finished, case):
+    project, code, stderr = finished(case)
     run_dir = project.run_dir("agent", 1)
-    finished = project.process(project.run_args("agent", 1))
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     assert_finished(run_dir)
     the_revert(run_dir, PROGRAMS[case][2])
 
 
-def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(project, tmp_path):
+def test_a_run_killed_after_the_checkpoint_that_reverted_the_program_resumes_and_finishes(finished, tmp_path):
     case = "meta_tensor_in_state_dict"
-    frozen(project, tmp_path, case)
+    project, code, stderr = finished(case)
     first = project.run_dir("agent", 1)
-    assert project.process(project.run_args("agent", 1)).returncode == 0
+    assert code == 0, stderr[-3000:]
     reverted_at = the_revert(first, PROGRAMS[case][2])["update"]
 
     # the same run again, killed two updates after the checkpoint that reverted the program
