@@ -18,6 +18,7 @@ restore the RNG state would not end with the same weights.
 
 from __future__ import annotations
 
+import copy
 import signal
 import time
 from pathlib import Path
@@ -101,19 +102,41 @@ SELECTION = {"denominators": ["selection.total", "retention.total"], "floors": {
              "improve_any": ["selection.correct"]}
 
 
-@pytest.fixture
-def crash(project, tmp_path):
-    """A frozen protocol on the crash task, and the uninterrupted reference run of each arm it asks for."""
+@pytest.fixture(scope="module")
+def crash_made(made_project, tmp_path_factory):
+    """A protocol on the crash task frozen once for the module, the uninterrupted run of each arm in a runs folder
+    of its own (read-only: the references every test compares with), and the updates adamw's run wrote a resume
+    checkpoint at."""
+    project = made_project("crash")
     entry = project.task_module(CRASH_TASK, "CrashDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": UPDATES},
                    training={"checkpoint_every": 0.05},
                    arms={"adamw": support.ADAMW, "cosine": {**support.ADAMW, "schedule": "cosine"}}, selection=SELECTION)
-    project.reference_runs = tmp_path / "reference"
+    reference_runs, written, save = tmp_path_factory.mktemp("crash-reference"), [], checkpoints.save
+
+    def spy(path, model_state, *, kind, meta=None, **kwargs):
+        if kind == "resume":
+            written.append(meta["update"])
+        return save(path, model_state, kind=kind, meta=meta, **kwargs)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(checkpoints, "save", spy)
+        project.run("adamw", 1, runs_dir=reference_runs)
+    project.run("cosine", 1, runs_dir=reference_runs)
+    return project, reference_runs, written
+
+
+@pytest.fixture
+def crash(crash_made, tmp_path):
+    """The module's frozen project with this test's own runs folder (``tmp_path / "runs"``), so that its records
+    name the same project as the references'; ``reference_runs``: the uninterrupted run of each arm."""
+    made, reference_runs, _ = crash_made
+    project = copy.copy(made)
+    project.runs, project.reference_runs = tmp_path / "runs", reference_runs
     return project
 
 
 def reference(project, arm, seed=1):
-    project.run(arm, seed, runs_dir=project.reference_runs)
     return project.run_dir(arm, seed, runs=project.reference_runs)
 
 
@@ -159,13 +182,10 @@ def resume_meta(run_dir):
     return checkpoints.load(run_dir / "training" / "resume.pt", require_finite=False)["meta"]
 
 
-def finish(project, arm, run_dir, tries=3):
-    """``--resume`` until the run finishes (it must on the first try: nothing kills it any more)."""
-    for _ in range(tries):
-        result = child(project, arm, resume=True)
-        if result.returncode == 0:
-            break
-    assert result.returncode == 0, result.stderr[-2000:]
+def finish(project, arm, run_dir):
+    """``--resume`` to the end, in this process (nothing kills it any more; the kills above were children's)."""
+    code, _, err = call_cli(*project.run_args(arm, 1, "--resume"))
+    assert code == 0, err[-2000:]
     assert (run_dir / "report.json").exists() and not (run_dir / "training" / "resume.pt").exists()
 
 
@@ -302,15 +322,6 @@ def test_a_run_whose_evaluator_dies_during_the_anchor_evaluation_can_be_started_
     assert code == 0, err
 
 
-def test_resume_checkpoints_are_written_at_every_checkpoint_every_fraction(crash, monkeypatch):
-    written = []
-    save = checkpoints.save
-
-    def spy(path, model_state, *, kind, meta=None, **kwargs):
-        if kind == "resume":
-            written.append(meta["update"])
-        return save(path, model_state, kind=kind, meta=meta, **kwargs)
-
-    monkeypatch.setattr(checkpoints, "save", spy)
-    crash.run("adamw", 1)
+def test_resume_checkpoints_are_written_at_every_checkpoint_every_fraction(crash_made):
+    _, _, written = crash_made  # by adamw's uninterrupted run
     assert written == list(range(0, UPDATES + 1, UPDATES // 20))

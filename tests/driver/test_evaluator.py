@@ -102,12 +102,23 @@ def clean_metrics(project, report, run_dir):
     return out
 
 
-def test_a_task_that_patches_torch_in_the_training_process_still_gets_the_clean_metrics_of_its_checkpoints(
-        project, tmp_path):
+@pytest.fixture(scope="module")
+def patched_and_audited(made_project, tmp_path_factory):
+    """One ``opalctl run`` child whose task patches torch in its training process, run under an audit hook that
+    records every file the process opens once the lock's check is done: (its project, the file of what it opened,
+    the patch's mark, the finished child)."""
+    project, folder = made_project("patched"), tmp_path_factory.mktemp("patched-marks")
     entry = project.task_module(PATCHING_TASK, "PatchingDigits")
     project.freeze(entry=entry, budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
-    mark = tmp_path / "patched"
-    result = project.process(project.run_args("adamw", 1), env=project.env(PATCHED_MARK=str(mark)))
+    mark, opened_file = folder / "patched", folder / "opened.json"
+    result = project.process(project.run_args("adamw", 1), env=project.env(PATCHED_MARK=str(mark)),
+                             python=["-c", AUDITED_RUN, str(opened_file)])
+    return project, opened_file, mark, result
+
+
+def test_a_task_that_patches_torch_in_the_training_process_still_gets_the_clean_metrics_of_its_checkpoints(
+        patched_and_audited):
+    project, _, mark, result = patched_and_audited
     assert result.returncode == 0, result.stderr[-2000:]
     assert mark.read_text() == "patched", "the training process was patched"
     run_dir = project.run_dir("adamw", 1)
@@ -118,14 +129,12 @@ def test_a_task_that_patches_torch_in_the_training_process_still_gets_the_clean_
     assert [support.read(path)["metrics"] for path in sorted(run_dir.glob("stage-*.json"))] == metrics
 
 
-def test_the_training_process_never_opens_the_evaluation_split_files(project, tmp_path):
+def test_the_training_process_never_opens_the_evaluation_split_files(patched_and_audited):
     """After the lock's check (which hashes every file before anything runs), the training process opens the
     train split and no other."""
     from opalctl.protocol.lock import read_lock
 
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
-    opened_file = tmp_path / "opened.json"
-    result = project.process(project.run_args("adamw", 1), python=["-c", AUDITED_RUN, str(opened_file)])
+    project, opened_file, _, result = patched_and_audited
     assert result.returncode == 0, result.stderr[-2000:]
     opened = {Path(path).resolve() for path in json.loads(opened_file.read_text())}
     lock = read_lock(project.lock)
@@ -205,8 +214,8 @@ def test_a_resume_checkpoint_that_claims_other_stages_than_the_evaluators_record
 def test_an_honest_resume_is_judged_again_and_ends_with_the_records_of_an_uninterrupted_run(killed, tmp_path,
                                                                                           monkeypatch):
     project, run_dir = killed_after_stage_one(killed, tmp_path, monkeypatch)
-    result = project.process(project.run_args("adamw", 1, "--resume"))
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, _, err = call_cli(*project.run_args("adamw", 1, "--resume"))
+    assert code == 0, err[-2000:]
     reference = project.run("adamw", 1, runs_dir=tmp_path / "reference")
     got = support.read(run_dir / "report.json")
     for key in ("final_model_sha256", "rows_digest", "selected", "promoted_stages", "anchor_metrics"):
@@ -215,9 +224,8 @@ def test_an_honest_resume_is_judged_again_and_ends_with_the_records_of_an_uninte
         [(s["metrics"], s["decision"]) for s in reference["stages"]]
 
 
-def test_the_report_and_start_record_say_which_confinement_the_training_process_had(project):
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
-    report = project.run("adamw", 1)
-    start = support.read(project.run_dir("adamw", 1) / "start.json")
+def test_the_report_and_start_record_say_which_confinement_the_training_process_had(finished_runs):
+    run_dir = finished_runs["base"] / "adamw" / "seed-1"  # the session's finished runs (read-only)
+    report, start = support.read(run_dir / "report.json"), support.read(run_dir / "start.json")
     # a plain arm runs no agent code: it is never confined
     assert report["confinement"] is None and "confinement" in start and start["confinement"] is None

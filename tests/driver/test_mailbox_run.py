@@ -22,7 +22,6 @@ import shutil
 import signal
 import string
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests import support
+from tests.support.cli import call_cli
 
 UPDATES = 200
 
@@ -70,8 +70,8 @@ class Serving:
     def __init__(self, project, mailbox: Path, key: str, url: str, *more: str, env: dict[str, str] | None = None):
         env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=url, **(env or {}))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "opalctl", "agent", "serve", str(mailbox), "--backend", "anthropic", "--json",
-             *more], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            support.opalctl_command("agent", "serve", mailbox, "--backend", "anthropic", "--json", *more),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.events: list[dict] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -215,9 +215,9 @@ def test_a_run_answered_through_the_mailbox_matches_the_same_backend_answering_l
 
     remote_dir, server, _ = _answered_through(reference, tmp_path, _plain_run(reference))
     _same_as_the_reference(reference, remote_dir)
-    show = reference.project.process(["show", str(remote_dir), "--json"])
-    assert show.returncode == 0, show.stderr
-    for decision in json.loads(show.stdout)["decisions"]:
+    show = call_cli("show", remote_dir, "--json")
+    assert show.code == 0, show.stderr
+    for decision in show.json()["decisions"]:
         assert decision["answered_by"].startswith("opalctl agent serve on ") and decision["round_trip_seconds"] > 0
     _key_nowhere(reference, remote_dir, reference.mailbox)
 
@@ -272,9 +272,7 @@ def test_a_server_killed_mid_decision_is_replaced_and_the_request_is_answered_on
     hold = threading.Event()
     with ms.MessagesServer([_answering(hold)] * 6) as api:
         first = Serving(project, mailbox, key, api.url, "--lease-seconds", "3")
-        run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
-                               cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+        run = support.spawn(project, project.run_args("remote", 1))
         try:
             taken = first.wait_for("taken")
             while not api.requests:  # the decision is in the middle: its first turn is at the API
@@ -311,9 +309,7 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
     project.freeze(budget={"clock": "updates", "amount": UPDATES}, training={"checkpoint_every": 0.05},
                    arms={"remote": agent})
     requests = mailbox / "requests"
-    run = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1)],
-                           cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = support.spawn(project, project.run_args("remote", 1), new_session=True)
     deadline = time.monotonic() + 180
     while not (requests.is_dir() and _posted(requests)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -324,9 +320,7 @@ def test_a_training_job_killed_with_a_request_pending_and_resumed_applies_the_de
     assert _posted(requests) == [old], "the killed job's request is still there"
 
     with ms.MessagesServer([_answering()] * 4) as api:
-        resumed = subprocess.Popen([sys.executable, "-m", "opalctl", *project.run_args("remote", 1, "--resume")],
-                                   cwd=project.folder.parent, env=project.env(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+        resumed = support.spawn(project, project.run_args("remote", 1, "--resume"))
         deadline = time.monotonic() + 180
         # until one request is there and it is not the old one (a listing taken while the resumed run withdraws the
         # old and posts the new may hold both for a moment; if both stayed, the unpacking below fails at the deadline)

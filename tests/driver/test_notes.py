@@ -14,10 +14,10 @@ import getpass
 import json
 import os
 import socket
-import sys
 
 from opalctl.formats import read_jsonl
 from tests import support
+from tests.support.cli import call_cli
 
 UPDATES = 300
 NOTE = "The loss plateaued near 0.3 last time with this setup; try a lower learning rate late. (said 'twice')"
@@ -35,8 +35,6 @@ def _first_message(body: dict) -> str:
 
 
 def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(project):
-    import subprocess
-
     project.freeze(budget={"clock": "updates", "amount": UPDATES},
                    arms={"adamw": support.ADAMW, "agent": _agent(notes="allowed")})
     resolved = json.loads(project.lock.read_text())["protocol"]["arms"]
@@ -46,9 +44,9 @@ def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(
     said: dict = {}
 
     def leave_note_then_answer(body):
-        # the first decision is pending (blocking: training waits for it): a person leaves a note now
-        said["say"] = subprocess.run([sys.executable, "-m", "opalctl", "say", str(run_dir), NOTE, "--json"],
-                                     env=project.env(), capture_output=True, text=True, timeout=120)
+        # the first decision is pending (blocking: training waits for it): a person leaves a note now, with the
+        # command in a process of its own
+        said["say"] = project.process(["say", str(run_dir), NOTE, "--json"], timeout=120)
         return ms.reply(ms.text("Observed: the loss falls.\nKept: the programs as they are."))
 
     ms = support.messages_server()
@@ -78,27 +76,27 @@ def test_a_note_left_mid_run_is_shown_at_the_next_decision_recorded_and_flagged(
     assert not any(NOTE in path.read_text() for path in (run_dir / "agent" / "decisions" / "001").iterdir()
                    if path.is_file())
 
-    shown = project.process(["show", str(run_dir)])
-    assert shown.returncode == 0, shown.stderr
+    shown = call_cli("show", run_dir)
+    assert shown.code == 0, shown.stderr
     assert f"decision 2 was shown note 1 from {who} ({note['at']})" in shown.stderr
     assert "decision 1 was shown" not in shown.stderr
 
     # a finished run takes no note
-    late = project.process(["say", str(run_dir), "too late"])
-    assert late.returncode == 2, late.stderr
+    late = call_cli("say", run_dir, "too late")
+    assert late.code == 2, late.stderr
     assert "is finished" in late.stderr and late.stderr.count("\n") == 1
     assert sorted(os.listdir(run_dir / "notes")) == [".lock", "001.json"]
 
     # compare and the report mark the arm that received notes
-    compared = project.process(["compare", str(project.lock), "--runs-dir", str(project.runs), "--json"])
-    assert compared.returncode == 0, compared.stderr
+    compared = call_cli("compare", project.lock, "--runs-dir", project.runs, "--json")
+    assert compared.code == 0, compared.stderr
     arms = {arm["arm"]: arm for arm in json.loads(compared.stdout)["arms"]}
     flag = "a person left 1 note(s) for the agent on seed 1 (1 shown at a decision)"
     assert any(f.startswith(flag) for f in arms["agent"]["flags"]), arms["agent"]["flags"]
     assert arms["agent"]["notes"] == {"1": {"left": 1, "shown": 1}}
     assert arms["adamw"]["notes"] == {} and not any("note" in f for f in arms["adamw"]["flags"])
-    reported = project.process(["report", str(project.lock), "--runs-dir", str(project.runs)])
-    assert reported.returncode == 0, reported.stderr
+    reported = call_cli("report", project.lock, "--runs-dir", project.runs)
+    assert reported.code == 0, reported.stderr
     assert flag in (project.base / "report.html").read_text()
 
 
@@ -107,7 +105,7 @@ def test_a_protocol_without_the_key_resolves_as_before(project):
     digest = support.sha256_of(lock)
     agent = json.loads(lock.read_text())["protocol"]["arms"]["agent"]["agent"]
     assert "notes" not in agent  # no key: the lock's bytes, and so its digest, are those of before notes
-    verified = project.process(["verify", str(lock)])
-    assert verified.returncode == 0, verified.stderr
+    verified = call_cli("verify", lock)
+    assert verified.code == 0, verified.stderr
     allowed = project.freeze(budget={"clock": "updates", "amount": UPDATES}, arms={"agent": _agent(notes="allowed")})
     assert support.sha256_of(allowed) != digest

@@ -7,6 +7,7 @@ expectations are computed here from the scripted charges and from the stage reco
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -158,20 +159,20 @@ def test_one_slow_update_that_crosses_every_fraction_records_every_stage_at_that
     assert [s["charge"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == charges
 
 
-def test_updates_clock_counts_whole_updates(project):
-    project.freeze(budget={"clock": "updates", "amount": 40}, arms={"adamw": support.ADAMW})
-    report = project.run("adamw", 2)
-    run_dir = project.run_dir("adamw", 2)
-    assert [s["update"] for s in support.stage_files(run_dir)] == [10, 20, 30, 40]
-    assert report["updates"] == 40 and report["budget"]["overshoot"] == 0.0
+def test_updates_clock_counts_whole_updates(finished_runs):
+    run_dir = finished_runs["base"] / "adamw" / "seed-2"  # the session's finished runs: 60 updates (read-only)
+    report = support.read(run_dir / "report.json")
+    assert [s["update"] for s in support.stage_files(run_dir)] == [15, 30, 45, 60]
+    assert report["updates"] == 60 and report["budget"]["overshoot"] == 0.0
     steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
-    assert [s["update"] for s in steps] == list(range(1, 41)) and {s["charge"] for s in steps} == {1.0}
+    assert [s["update"] for s in steps] == list(range(1, 61)) and {s["charge"] for s in steps} == {1.0}
     assert steps[-1]["seen"] == report["rows_digest"]
     start = support.read(run_dir / "start.json")
-    assert start["seed"] == 2 and start["arm"] == "adamw" and start["lock_sha256"] == support.sha256_of(project.lock)
+    assert start["seed"] == 2 and start["arm"] == "adamw"
+    assert start["lock_sha256"] == support.sha256_of(finished_runs["lock"])
     initial = checkpoints.load(run_dir / "initial.pt")
     assert initial["model_sha256"] == start["initial"]["model_sha256"]
-    anchor = support.read(project.base / "anchors" / "seed-2" / "anchor.json")
+    anchor = support.read(finished_runs["base"] / "anchors" / "seed-2" / "anchor.json")
     assert anchor["model_sha256"] == start["anchor"]["model_sha256"] == initial["model_sha256"]
     assert report["anchor_metrics"] == anchor["metrics"]
 
@@ -202,28 +203,35 @@ class ReusingDigits(Digits):
 
 
 @pytest.mark.parametrize("reusing", [False, True], ids=["fresh ids kept", "reused ids copied"])
-def test_each_line_digests_the_rows_its_update_trained_on(project, reusing):
+def test_each_line_digests_the_rows_its_update_trained_on(request, reusing):
     import hashlib
 
     import numpy as np
+    import yaml
 
     from opalctl.tasks.digits import Digits
 
-    entry = project.task_module(REUSING_TASK, "ReusingDigits") if reusing else None
-    project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": support.ADAMW})
-    project.run("adamw", 1)
-    steps = list(read_steps(project.run_dir("adamw", 1) / "training" / "steps.jsonl.gz"))
+    if reusing:
+        project = request.getfixturevalue("project")
+        entry = project.task_module(REUSING_TASK, "ReusingDigits")
+        project.freeze(entry=entry, budget={"clock": "updates", "amount": 30}, arms={"adamw": support.ADAMW})
+        project.run("adamw", 1)
+        run_dir, folder = project.run_dir("adamw", 1), project.folder
+    else:  # the built-in sampler: the session's finished run of adamw on seed 1 (read-only)
+        finished = request.getfixturevalue("finished_runs")
+        run_dir, folder = finished["base"] / "adamw" / "seed-1", finished["project"]
+    steps = list(read_steps(run_dir / "training" / "steps.jsonl.gz"))
     # the same batches, drawn again from a fresh built-in sampler with the run's seed and batch size
-    protocol = project.protocol()
+    protocol = yaml.safe_load((folder / "digits.yaml").read_text())
     task = Digits(protocol["task"]["config"])
-    train = task.load({"train": project.folder / protocol["data"]["train"]})["train"]
+    train = task.load({"train": folder / protocol["data"]["train"]})["train"]
     sampler = task.sampler(train, 1, protocol["training"]["batch_size"])
     seen = "0" * 32
     for line in steps:
         rows = hashlib.sha256(np.asarray(sampler.next_batch().ids, dtype=np.int64).tobytes()).hexdigest()[:16]
         seen = hashlib.sha256(f"{seen}:{rows}".encode()).hexdigest()[:32]
         assert (line["rows"], line["seen"]) == (rows, seen), f"update {line['update']}"
-    assert len(steps) == 30 and all(isinstance(line["loss"], float) for line in steps)
+    assert len(steps) == (30 if reusing else 60) and all(isinstance(line["loss"], float) for line in steps)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -301,11 +309,13 @@ MIXED = {"denominators": ["selection.total", "retention.total"], "floors": {"ret
          "improve_any": ["selection.correct"]}
 
 
-def test_a_stage_is_promoted_when_the_rules_pass_and_floors_stay_with_the_anchor(project):
-    project.freeze(budget={"clock": "updates", "amount": 60}, arms={"adamw": support.ADAMW}, selection=MIXED)
-    report = project.run("adamw", 1)
-    run_dir = project.run_dir("adamw", 1)
-    anchor = support.read(project.base / "anchors" / "seed-1" / "anchor.json")["metrics"]
+def test_a_stage_is_promoted_when_the_rules_pass_and_floors_stay_with_the_anchor(finished_runs):
+    # the session's finished runs (read-only) are adamw's 60 updates under MIXED
+    lock = support.read(finished_runs["lock"])
+    assert lock["protocol"]["selection"] == {**lock["protocol"]["selection"], **MIXED}
+    run_dir = finished_runs["base"] / "adamw" / "seed-1"
+    report = support.read(run_dir / "report.json")
+    anchor = support.read(finished_runs["base"] / "anchors" / "seed-1" / "anchor.json")["metrics"]
     stages = support.stage_files(run_dir)
     promoted, failures = walk(stages, anchor, MIXED)
     assert [s["promoted"] for s in stages] == promoted
@@ -368,9 +378,9 @@ def test_mismatched_denominators_fail_the_run_loudly(project):
 # ------------------------------------------------------------------------------------------------------------
 # 3. refusals: a run folder is never overwritten, resume needs a run to continue, frozen inputs must match
 
-def test_a_finished_run_is_never_overwritten(project):
-    project.freeze(budget={"clock": "updates", "amount": 20}, arms={"adamw": support.ADAMW})
-    project.run("adamw", 1)
+def test_a_finished_run_is_never_overwritten(pausing, pausing_made):
+    project = pausing
+    shutil.copytree(pausing_made / "reference", project.runs, symlinks=True)  # the session's finished run, copied
     before = support.snapshot(project.runs)
     run_dir = project.run_dir("adamw", 1)
 

@@ -8,10 +8,7 @@ import gzip
 import json
 import time
 
-import pytest
-
 from opalctl.driver.records import read_steps
-from opalctl.tasks.calls import TaskFailed
 from tests.support.cli import call_cli
 from tests.support.files import read, snapshot
 from tests.support.runs import CHILD_TIMEOUT, FINISHED_FILES, spawn
@@ -36,13 +33,13 @@ def paused_pid(pause, children, timeout):
 
 
 def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second_is_refused_naming_the_folder(
-        pausing, tmp_path):
+        pausing, pausing_reference, tmp_path):
     project, run_dir = pausing, pausing.run_dir("adamw", 1)
+    alone_dir, alone = pausing_reference  # the same run with no neighbour
     pause, release = tmp_path / "paused", tmp_path / "release"
     # both race for the folder; the one that trains stands still at update 12 until released
     together = [spawn(project, project.run_args("adamw", 1), PAUSE_AT="12", PAUSE_FILE=str(pause),
                       RELEASE_FILE=str(release)) for _ in range(2)]
-    alone = project.run("adamw", 1, runs_dir=tmp_path / "alone")  # the same run with no neighbour, meanwhile
     pid = paused_pid(pause, together, CHILD_TIMEOUT)
     trains = next(child for child in together if child.pid == pid)
     refused = next(child for child in together if child is not trains)
@@ -61,7 +58,7 @@ def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second
     release.touch()
     assert trains.wait(timeout=CHILD_TIMEOUT) == 0, trains.communicate()[1][-2000:]
 
-    survivor, alone_dir = read(run_dir / "report.json"), project.run_dir("adamw", 1, runs=tmp_path / "alone")
+    survivor = read(run_dir / "report.json")
     assert survivor["final_model_sha256"] == alone["final_model_sha256"] and survivor["resumes"] == 0
     assert [s["update"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == list(range(1, 21))
     # a finished folder holds its records and nothing else: no lock, no marker, no temporary file
@@ -70,12 +67,8 @@ def test_two_runs_of_one_arm_and_seed_started_together_train_once_and_the_second
 
 
 def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_aside_and_never_restarts_a_finished_run(
-        pausing, monkeypatch, tmp_path):
-    project, run_dir = pausing, pausing.run_dir("adamw", 1)
-    monkeypatch.setenv("FAIL_AT", "13")
-    with pytest.raises(TaskFailed, match="failed in loss: RuntimeError: the test stops this run here"):
-        project.run("adamw", 1)
-    monkeypatch.delenv("FAIL_AT")
+        pausing_failed, pausing_reference):
+    project, run_dir = pausing_failed, pausing_failed.run_dir("adamw", 1)  # failed by its task at update 13
     (run_dir / "training" / "resume.pt").unlink()
     abandoned = snapshot(run_dir)
     before = snapshot(project.runs)
@@ -92,7 +85,7 @@ def test_resume_without_its_checkpoint_asks_for_restart_which_keeps_the_attempt_
     assert code == 0, err
     assert snapshot(run_dir.parent / "seed-1.abandoned-1") == abandoned, "the abandoned attempt is kept whole"
     restarted = read(run_dir / "report.json")
-    uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
+    _, uninterrupted = pausing_reference
     assert restarted["final_model_sha256"] == uninterrupted["final_model_sha256"] and restarted["resumes"] == 0
     assert names(run_dir) == FINISHED_FILES
 
@@ -110,12 +103,9 @@ def rewrite_steps(path, forge):
 
 
 def test_a_resume_refuses_steps_records_rewritten_with_as_many_lines_and_a_changed_or_missing_start_record(
-        pausing, monkeypatch):
-    project, run_dir = pausing, pausing.run_dir("adamw", 1)
-    monkeypatch.setenv("FAIL_AT", "13")  # the resume checkpoint of update 10 counts 10 steps lines
-    with pytest.raises(TaskFailed):
-        project.run("adamw", 1)
-    monkeypatch.delenv("FAIL_AT")
+        pausing_failed, monkeypatch):
+    # failed by its task at update 13: the resume checkpoint of update 10 counts 10 steps lines
+    project, run_dir = pausing_failed, pausing_failed.run_dir("adamw", 1)
     steps, start = run_dir / "training" / "steps.jsonl.gz", run_dir / "start.json"
     written = {path: path.read_bytes() for path in (steps, start)}
 

@@ -48,10 +48,9 @@ def one_line(err):
 
 
 def test_a_full_disk_then_a_read_only_one_stop_the_run_in_one_sentence_and_resume_ends_with_the_same_weights(
-        pausing, disk, tmp_path):
-    project = pausing
-    uninterrupted = project.run("adamw", 1, runs_dir=tmp_path / "reference")
-    model_bytes = (project.run_dir("adamw", 1, runs=tmp_path / "reference") / "initial.pt").stat().st_size
+        pausing, pausing_reference, disk):
+    project, (reference_dir, uninterrupted) = pausing, pausing_reference
+    model_bytes = (reference_dir / "initial.pt").stat().st_size
     # room for the start (the anchor, initial.pt, start.json, the first resume checkpoint: about 4 models), not for
     # the first stage's checkpoint and the second resume checkpoint beside the first
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize

@@ -114,6 +114,16 @@ class Project:
         return ["run", str(self.lock), "--arm", arm, "--seed", str(seed), "--runs-dir", str(runs or self.runs),
                 *more]
 
+    @classmethod
+    def frozen_at(cls, folder: Path, root: Path, monkeypatch=None) -> Project:
+        """A copy at ``root / "project"`` of the project frozen at ``folder`` (made once per session, perhaps by
+        another xdist worker, so only its files are known): its one lock found again, its task folder on the path."""
+        copied = cls(folder, root / "project", monkeypatch)
+        (copied.lock,) = copied.folder.glob("digits*.lock.json")
+        if (copied.folder / "tasks").is_dir():
+            copied._on_path(str(copied.folder / "tasks"))
+        return copied
+
     def copy(self, root: Path, monkeypatch=None) -> Project:
         """This project (frozen) and its runs copied to ``root / "project"`` and ``root / "runs"``: a test's own copy
         of runs built once (the lock and its records name files relative to the lock, so the copy verifies)."""
