@@ -86,7 +86,9 @@ def test_a_sigterm_to_a_run_whose_evaluate_hangs_ends_it_and_its_evaluator_in_se
     child.send_signal(signal.SIGTERM)
     _, err = child.communicate(timeout=60)
     assert child.returncode == 128 + signal.SIGTERM, err
-    assert time.monotonic() - signalled < 5, "the run waited for its evaluator"
+    # the evaluate hangs until a file that never comes exists, so a run that waited for its evaluator would not end
+    # at all; the bound is loose because a loaded host takes seconds to start tearing down a run (5 s failed once)
+    assert time.monotonic() - signalled < 30, "the run waited for its evaluator"
     assert "--resume" in err
     assert not _alive(evaluator)
 
