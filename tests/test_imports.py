@@ -179,3 +179,13 @@ def test_importing_the_command_line_imports_no_heavy_package():
     assert sorted(imported & HEAVY) == []
     ours = sorted(name for name in result.stdout.split() if name.startswith("opalctl"))
     assert len(ours) <= 15, f"import opalctl.cli imports {len(ours)} modules of opalctl (commands import theirs): {ours}"
+
+
+def test_the_grid_and_compare_import_no_torch():
+    """A grid process (and its closing compare) and ``opalctl compare`` train nothing: importing torch would cost
+    each of them more than a CPU-second (the grid's tests start many of them). They read the protocol (pydantic)."""
+    modules = "opalctl.grid.runner, opalctl.grid.summary, opalctl.compare.aggregate"
+    result = subprocess.run([sys.executable, "-c", f"import sys, {modules}; print(' '.join(sys.modules))"],
+                            capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    assert "torch" not in {name.split(".")[0] for name in result.stdout.split()}

@@ -93,10 +93,11 @@ def test_an_export_that_fills_the_disk_keeps_the_earlier_export_and_leaves_no_pa
         finished_runs, tmpfs):
     lock, runs = finished_runs["lock"], finished_runs["runs"]
     disk = tmpfs("disk")
-    assert run_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
+    assert call_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb").code == 0
     earlier = snapshot(disk / "tb")
     fill(disk)
 
+    # a child: the exporter's writer thread must not print past the sentence as the process ends
     result = run_cli("export", lock, "--runs-dir", runs, "--tensorboard", disk / "tb")
     said = one_sentence(result, disk / "tb", "the disk is full", "free space there")
     assert "run `opalctl export` again" in said and "Exception in thread" not in result.stderr, said
@@ -124,14 +125,15 @@ def test_init_freeze_and_demo_on_a_read_only_disk_say_so_and_name_their_own_way_
 
 
 def test_a_file_where_a_folder_must_be_is_named_by_run_report_export_init_and_show_html(
-        finished_runs, tmp_path):
+        finished_runs, tmp_path, monkeypatch):
     lock, runs = finished_runs["lock"], finished_runs["runs"]
     run_dir = finished_runs["base"] / "adamw" / "seed-1"
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
     in_the_way = f"{blocker} is a file, not a folder; move it away or choose another place"
 
-    result = run_cli("run", lock, "--arm", "adamw", "--seed", "1", env={"OPALCTL_RUNS": str(blocker)})
+    monkeypatch.setenv("OPALCTL_RUNS", str(blocker))
+    result = call_cli("run", lock, "--arm", "adamw", "--seed", "1")
     said = one_sentence(result, blocker, in_the_way)
     assert said.endswith(f"then `opalctl run {lock} --arm adamw --seed 1` continues the run"), said
     one_sentence(call_cli("report", lock, "--runs-dir", runs, "--out", blocker / "pages"), blocker, in_the_way)

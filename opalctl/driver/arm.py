@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from opalctl import opal  # its names load on first use: compare and grid read Schedule without importing torch
 from opalctl.driver.budget import clock_spec
 from opalctl.driver.groups import assign, build_grouped, group_records
-from opalctl.opal import wrap
 from opalctl.opal.agents import registry
 from opalctl.opal.estimate import estimate
 from opalctl.opal.settings import AgentSettings
@@ -73,7 +73,7 @@ def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, wo
 
         return wrap_distributed(optimizer, model, settings, rank_consistent_progress=True,
                                 boundaries_between_updates=True)
-    return wrap(optimizer, model, settings, manual_boundaries=True)
+    return opal.wrap(optimizer, model, settings, manual_boundaries=True)
 
 
 def build_optimizer(arm: Arm, model, where: str = "arms") -> tuple[Any, list[dict] | None]:

@@ -8,11 +8,12 @@ evaluation is unchanged by its bytes, though NaN is not equal to itself.
 from __future__ import annotations
 
 import importlib.util
-import json
+from pathlib import Path
 
 import pytest
 
 from tests import support
+from tests.support.cli import call_cli
 
 DIVERGING = {"optimizer": {"name": "SGD", "lr": 1.0e36}}
 ADAMW = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}}
@@ -39,33 +40,34 @@ def _says_diverged(report: dict) -> None:
 
 
 def test_a_diverging_run_finishes_and_its_report_and_compare_say_so(diverging):
-    code = diverging.process(diverging.run_args("sgd", 1))
-    assert code.returncode == 0, code.stderr
+    done = call_cli(*diverging.run_args("sgd", 1))
+    assert done.code == 0, done.stderr
     run_dir = diverging.run_dir("sgd", 1)
     _says_diverged(support.read(run_dir / "report.json"))
-    assert diverging.process(["verify", str(run_dir)]).returncode == 0
-    assert diverging.process(diverging.run_args("adamw", 1)).returncode == 0
-    compared = diverging.process(["compare", str(diverging.lock), "--runs-dir", str(diverging.runs), "--stage",
-                                  "last", "--json"])
-    assert compared.returncode == 0, compared.stderr
-    sgd = next(arm for arm in json.loads(compared.stdout)["arms"] if arm["arm"] == "sgd")
+    assert call_cli("verify", run_dir).code == 0
+    assert call_cli(*diverging.run_args("adamw", 1)).code == 0
+    compared = call_cli("compare", diverging.lock, "--runs-dir", diverging.runs, "--stage", "last", "--json")
+    assert compared.code == 0, compared.stderr
+    sgd = next(arm for arm in compared.json()["arms"] if arm["arm"] == "sgd")
     assert any(flag.startswith("non-finite results (seed 1:") for flag in sgd["flags"]), sgd["flags"]
     assert "selection.loss" not in sgd["values"] or not sgd["values"]["selection.loss"]
-    page = diverging.process(["report", str(diverging.lock), "--runs-dir", str(diverging.runs)])
-    assert page.returncode == 0, page.stderr
-    assert "the run diverged" in (diverging.folder.parent / page.stdout.strip().splitlines()[-1]).read_text()
+    page = call_cli("report", diverging.lock, "--runs-dir", diverging.runs)
+    assert page.code == 0, page.stderr
+    assert "the run diverged" in Path(page.stdout.strip().splitlines()[-1]).read_text()
     if importlib.util.find_spec("tensorboard") is not None:
-        exported = diverging.process(["export", str(diverging.lock), "--runs-dir", str(diverging.runs),
-                                      "--tensorboard", str(diverging.folder / "tb")])
-        assert exported.returncode == 0, exported.stderr
+        exported = call_cli("export", diverging.lock, "--runs-dir", diverging.runs, "--tensorboard",
+                            diverging.folder / "tb")
+        assert exported.code == 0, exported.stderr
 
 
-def test_a_diverged_run_stopped_after_its_first_stage_resumes_to_the_end(diverging):
-    first = diverging.process(diverging.run_args("sgd", 1), env=diverging.env(FAIL_AT="13"))
-    assert first.returncode == 1, first.stderr
+def test_a_diverged_run_stopped_after_its_first_stage_resumes_to_the_end(diverging, monkeypatch):
+    monkeypatch.setenv("FAIL_AT", "13")
+    first = call_cli(*diverging.run_args("sgd", 1))
+    assert first.code == 1, first.stderr
     run_dir = diverging.run_dir("sgd", 1)
     assert (run_dir / "stage-01.json").is_file() and not (run_dir / "report.json").exists()
-    resumed = diverging.process(diverging.run_args("sgd", 1, "--resume"))
-    assert resumed.returncode == 0, resumed.stderr
+    monkeypatch.delenv("FAIL_AT")
+    resumed = call_cli(*diverging.run_args("sgd", 1, "--resume"))
+    assert resumed.code == 0, resumed.stderr
     _says_diverged(support.read(run_dir / "report.json"))
-    assert diverging.process(["verify", str(run_dir)]).returncode == 0
+    assert call_cli("verify", run_dir).code == 0

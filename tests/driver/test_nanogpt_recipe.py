@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,12 +20,12 @@ import pytest
 import yaml
 
 from opalctl.driver.records import read_steps
-from tests.support.cli import run_cli
+from tests.support.cli import call_cli, run_cli
 
 TESTS = Path(__file__).resolve().parents[1]
 TASK_FILE = TESTS / "tasks" / "char_gpt_task.py"
 RECIPES = TESTS.parent / "docs" / "recipes.md"
-AMOUNT = 200  # updates: the warm-up of 0.02 is the first 4
+AMOUNT = 100  # updates: the warm-up of 0.02 is the first 2 (0, then half the peak)
 
 
 def recipe_arm() -> dict:
@@ -57,18 +56,23 @@ def char_gpt():
 def runs(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("nanogpt-recipe")
     shutil.copy(TASK_FILE, folder / TASK_FILE.name)
-    env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", "import pathlib, char_gpt_task as t; t.write_project(pathlib.Path('.'), "
-                                          "seeds=(1,))"], cwd=folder, env={**os.environ, **env}, check=True)
+    char_gpt().write_project(folder, seeds=(1,))
     protocol = {"name": "shakespeare-char", "task": {"entry": "char_gpt_task:CharGPT"},
                 "data": {"train": "data/train.npz", "val": "data/val.npz"}, "parents": "parents/seed-{seed}.pt",
                 "seeds": [1], "budget": {"clock": "updates", "amount": AMOUNT}, "training": {"batch_size": 16},
                 "arms": arms(),
                 "selection": {"denominators": ["val.total"], "nonincreasing": ["val.loss"]}}
     (folder / "recipe.yaml").write_text(yaml.safe_dump(protocol, sort_keys=False))
-    for args in (["freeze", "recipe.yaml"], ["grid", "shakespeare-char.lock.json", "--jobs", "2"]):
-        done = run_cli(*args, cwd=folder, env=env, timeout=600)
-        assert done.code == 0, done.output
+    with pytest.MonkeyPatch.context() as monkeypatch:  # freeze imports the task: from the folder, then forgotten
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.setitem(sys.modules, "char_gpt_task", None)
+        del sys.modules["char_gpt_task"]
+        frozen = call_cli("freeze", folder / "recipe.yaml")
+    assert frozen.code == 0, frozen.output
+    # the grid and its runs are children, as a user starts them
+    env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+    done = run_cli("grid", "shakespeare-char.lock.json", "--jobs", "2", cwd=folder, env=env, timeout=600)
+    assert done.code == 0, done.output
     (runs,) = (folder / "runs").iterdir()
     return runs
 
@@ -95,7 +99,8 @@ def test_each_groups_learning_rate_at_each_update_is_nanogpts_formula(run_dir):
         expected = 1.0e-3 * nanogpt_factor(line["update"] - 1)
         assert line["lrs"] == [pytest.approx(expected, rel=1e-12, abs=1e-18)] * 2, line
     assert lines[0]["lrs"] == [0.0, 0.0]
-    assert lines[4]["lrs"] == [1.0e-3, 1.0e-3]  # the peak, once the warm-up is over
+    assert lines[1]["lrs"] == [5.0e-4, 5.0e-4]
+    assert lines[2]["lrs"] == [1.0e-3, 1.0e-3]  # the peak, once the warm-up is over
     assert lines[-1]["lrs"][0] == pytest.approx(1.0e-3 * nanogpt_factor(AMOUNT - 1), rel=1e-12)
 
 

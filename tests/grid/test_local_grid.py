@@ -30,6 +30,7 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     (broken / "training").mkdir(parents=True)
     (broken / "training" / "resume.pt").write_bytes(b"not a checkpoint")  # this run cannot resume: it fails
     grid = grid_project.grid(*ARMS, runs=runs, gate=gate)
+    references = {arm: grid_project.reference(arm, 2) for arm in ("adamw", "cosine")}  # while the runs start
     grids.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
                         "both runs to be held in the middle of their budget")
     grids.stop(grid)
@@ -57,7 +58,7 @@ def test_ctrl_c_stops_every_run_resumably_and_the_same_command_finishes_each_onc
     for arm in ("adamw", "cosine"):
         folder = run_folder(grid_project, runs, arm, 2)
         report = json.loads((folder / "report.json").read_text())
-        assert grids.same_run(report, grid_project.reference(arm, 2)) == {}
+        assert grids.same_run(report, references[arm]) == {}
         assert report["resumes"] == 1
         log = (folder / "grid.log").read_text()
         starts = [line for line in log.splitlines() if line.startswith("--- opalctl grid")]

@@ -32,6 +32,7 @@ def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_dig
     grid = grid_project.grid("--arm", "adamw", "--arm", "cosine", "--seed", "1", "--jobs", "2",
                              "--executor", "slurm", runs=runs, gate=gate)
     try:
+        reference = grid_project.reference("adamw", 1)  # in this process while the array starts
         grids.wait_for(lambda: len(list(gate.glob("waiting-*"))) == 2 or grid.poll() is not None, 180,
                             "both tasks to be held in the middle of their budget")
         assert grid.poll() is None, grid.communicate()[1]
@@ -54,7 +55,7 @@ def test_a_preempted_slurm_task_is_requeued_and_resumes_to_the_uninterrupted_dig
     # Slurm may deliver the signal to the restarted task once more; each start then stops and resumes cleanly
     assert states["adamw"]["slurm"]["job_id"] == preempted["job_id"] and states["adamw"]["slurm"]["restarts"] >= 1
     report = json.loads((folder / "report.json").read_text())
-    assert grids.same_run(report, grid_project.reference("adamw", 1)) == {}
+    assert grids.same_run(report, reference) == {}
     assert report["resumes"] >= 1
     log = (folder / "grid.log").read_text()
     starts = [line for line in log.splitlines() if line.startswith("--- opalctl grid")]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.support.cli import child_env, opalctl_command
+from tests.support.cli import call_cli, child_env, opalctl_command
 
 UPDATES = 200  # checkpoint_every 0.05: a resume checkpoint every 10 updates
 GATE_AT = 120
@@ -97,12 +97,11 @@ class GridProject:
         return self.references[arm, seed]
 
     def status(self, *args: str, runs: Path) -> dict:
-        """``opalctl grid LOCK --status --json`` (a child process): where every run stands."""
-        command = opalctl_command("grid", self.lock, "--status", *args, "--runs-dir", runs, "--json")
-        done = subprocess.run(command, cwd=self.folder.parent, env=self.env(), capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        """``opalctl grid LOCK --status --json`` (in this process: it only reads the runs' folders): where every run
+        stands."""
+        done = call_cli("grid", self.lock, "--status", *args, "--runs-dir", runs, "--json")
+        assert done.code == 0, done.stderr
+        return done.json()
 
     def run(self, arm: str, seed: int, *, runs: Path, gate: Path | None = None) -> subprocess.Popen:
         """A plain ``python -m opalctl run`` of ``arm`` on ``seed`` as a child process (output to a pipe)."""

@@ -3,7 +3,7 @@ by the environment variable ``TASK_FAIL`` (unset: it behaves), so one lock serve
 has passed resumes. ``TASK_FAIL_AT=N`` delays a ``loss``, ``next_batch`` or ``hang_evaluate`` failure to the N-th call of the process
 (the evaluator's first three calls of ``evaluate`` are the anchor's splits).
 
-The ways (``TASK_FAIL``): ``load``, ``build``, ``sampler``, ``next_batch``, ``state_dict``, ``load_state_dict`` and
+The ways (``TASK_FAIL``, several separated by commas): ``load``, ``build``, ``sampler``, ``next_batch``, ``state_dict``, ``load_state_dict`` and
 ``evaluate`` raise in that method; ``loss`` raises in it; ``loss_vector`` returns one loss per row; ``loss_no_grad``
 a loss without a gradient; ``state_numpy`` a numpy integer in the sampler's state; ``metric_nan_count``,
 ``metric_huge``, ``metric_string`` and ``metric_bool`` such a metric; ``metric_numpy`` numpy numbers (converted,
@@ -25,7 +25,7 @@ CALLS = {"loss": 0, "next_batch": 0, "evaluate": 0}
 
 
 def failing(way: str) -> bool:
-    return os.environ.get("TASK_FAIL") == way
+    return way in os.environ.get("TASK_FAIL", "").split(",")
 
 
 def due(method: str) -> bool:
