@@ -53,6 +53,17 @@ SLOW_MODULES = (
 )
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m "not slow"`` (``make test-fast``) a slow module is not even imported: collecting it would only
+    import what it needs (mlflow, wandb, ...) in every worker for tests that are then deselected."""
+    if config.getoption("markexpr", "").strip() == "not slow":
+        tests = Path(__file__).resolve().parent
+        path = Path(collection_path).resolve()
+        if path.is_relative_to(tests) and path.relative_to(tests).as_posix() in SLOW_MODULES:
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     tests = Path(__file__).resolve().parent
     rank = {module: place for place, module in enumerate(SLOW_MODULES)}
@@ -75,13 +86,13 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
-def digits_init_folder(tmp_path_factory) -> Path:
-    """``init("digits", folder, seeds=[1, 2])`` once per session; read-only for tests (copy it to change it)."""
+def digits_init_folder(made_once) -> Path:
+    """``init("digits", folder, seeds=[1, 2])`` once per session, shared by the xdist workers (``made_once``);
+    read-only for tests (copy it to change it)."""
     from opalctl.tasks.builtin import init
 
-    folder = tmp_path_factory.mktemp("digits-init") / "project"
-    init("digits", folder, seeds=list(SEEDS))
-    return folder
+    return made_once("opalctl-digits-init", lambda folder: init("digits", folder / "project", seeds=list(SEEDS))) \
+        / "project"
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from opalctl.driver.forecast import PARTS, RunForecast, grid_forecast, grid_wall, run_lines, slowdown
-from tests.support.cli import call_cli, run_cli
+from tests.support.cli import call_cli
 
 
 def a_run(**parts) -> RunForecast:
@@ -97,7 +97,7 @@ def frozen(digits_project, monkeypatch):
 
 
 def test_a_pilot_on_the_updates_clock_forecasts_the_runs_wall_time_and_says_what_it_assumed(frozen):
-    result = run_cli("pilot", frozen, "--arm", "adamw-long", "--steps", "4", "--seconds", "0")
+    result = call_cli("pilot", frozen, "--arm", "adamw-long", "--steps", "4", "--seconds", "0")
     assert result.code == 0, result.output
     out = result.stdout
     assert "projected updates (1800 updates)" in out  # the multiplier of adamw-long

@@ -204,9 +204,12 @@ def test_the_judge_evaluates_a_stage_checkpoint_to_the_metrics_of_the_model_that
                                   model_sha256=saved.model_sha256, bytes=initial.bytes))
 
 
-def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(project, monkeypatch):
-    from opalctl.driver.judge import Judge, SavedStage
-
+@pytest.fixture(scope="module")
+def eight_updates(made_project):
+    """One formal run of adamw on seed 1 (8 updates) for this module's tests that read it, and the names of the
+    checkpoints this process loaded while it ran: ``(project, report, loaded)``; read-only."""
+    project = made_project("eight-updates")
+    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
     loaded = []
     load = checkpoints.load
 
@@ -214,9 +217,16 @@ def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_proce
         loaded.append(Path(path).name)
         return load(path, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "load", spy)
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
-    report = project.run("adamw", 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoints, "load", spy)
+        report = project.run("adamw", 1)
+    return project, report, loaded
+
+
+def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_process(eight_updates):
+    from opalctl.driver.judge import Judge, SavedStage
+
+    project, report, loaded = eight_updates
     assert not [name for name in loaded if name.startswith("stage-")], "the training process loads no stage"
     lock, protocol, parts = built_parts(project)
     judge = Judge.build(parts.task, parts.splits, lock.parent_path(1), protocol.arms["adamw"], 1, "cpu", protocol)
@@ -228,9 +238,8 @@ def test_a_run_judges_each_stage_from_its_checkpoint_file_in_the_evaluator_proce
         assert judge.evaluate(saved) == stage["metrics"]
 
 
-def test_the_reports_stages_are_the_stage_records_themselves(project):
-    project.freeze(budget={"clock": "updates", "amount": 8}, arms={"adamw": support.ADAMW})
-    report = project.run("adamw", 1)
+def test_the_reports_stages_are_the_stage_records_themselves(eight_updates):
+    project, report, _ = eight_updates
     files = support.stage_files(project.run_dir("adamw", 1))
     assert report["stages"] == files
     assert [StageRecord.from_json(stage).stage for stage in report["stages"]] == [1, 2, 3, 4]

@@ -153,7 +153,7 @@ def test_the_sweep_removes_links_and_special_files_and_what_is_past_the_limits(t
 
 def test_one_response_of_300_writes_is_cut_at_the_limit(opal, run_dir, monkeypatch):
     monkeypatch.setenv("ANTHROPIC_API_KEY", uuid.uuid4().hex)
-    content = "# a note\n" + "x" * 50_000 + "\n"
+    content = "# a note\n" + "x" * 10_000 + "\n"  # 300 of them: three times what a transcript may hold
     writes = [ms.tool_use("write_file", {"path": f"notes/n{index:03d}.md", "content": content})
               for index in range(300)]
     script = [ms.reply(*writes), ms.reply(ms.text(KEPT))]

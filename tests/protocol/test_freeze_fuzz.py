@@ -249,15 +249,19 @@ def test_the_fuzz_reaches_both_outcomes_and_every_kind_of_case(fuzz_project):
     everything = [content for batch in range(BATCHES) for _, content in cases(batch)]
     assert len(everything) >= 500 and len({str(c) for c in everything}) >= 450
     outcomes = set()
-    for content in everything[:120]:
+    for content in everything[:120]:  # both outcomes among the first 120 (the batches check every case's outcome)
         outcomes.add(call_cli("freeze", write_case(fuzz_project, content)).code)
+        if outcomes == {0, 2}:
+            break
     assert outcomes == {0, 2}
     texts = [c for c in everything if isinstance(c, str)]
     assert any("&b0" in c for c in texts) and any("*opt" in c for c in texts)
     assert any(isinstance(c, bytes) for c in everything)
 
 
-SUBPROCESS_CASES = [0, 7, 13, 21, 34, 49]
+# one case of each way out: refused by the schema (0, 34), as YAML (7), by torch's optimizer (13, after torch is
+# imported), and frozen (21)
+SUBPROCESS_CASES = [0, 7, 13, 21, 34]
 
 
 @pytest.mark.parametrize("number", SUBPROCESS_CASES)
