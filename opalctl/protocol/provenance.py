@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,30 @@ PACKAGE_ROLE = "source.task-package/"
 
 def distributions() -> dict[str, str]:
     """Every installed distribution's normalised name and version; where one is installed twice, the first on
-    ``sys.path`` wins, as it does for import."""
+    ``sys.path`` wins, as it does for import. Reading every distribution's metadata is most of a freeze's CPU time, so
+    the answer is kept and read again only when a folder on ``sys.path`` has changed since (an install or an
+    uninstall adds or removes its ``.dist-info`` folder there, which changes the folder's modification time)."""
+    state = _path_state()
+    if _read.get("state") != state:
+        _read["state"], _read["found"] = state, _read_distributions()
+    return dict(_read["found"])
+
+
+_read: dict[str, object] = {}  # the last answer of distributions() and the state of sys.path it was read at
+
+
+def _path_state() -> tuple[tuple[str, int | None], ...]:
+    """Each ``sys.path`` entry with its modification time (None where it is missing or not a folder one can stat)."""
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
+
+
+def _read_distributions() -> dict[str, str]:
     found: dict[str, str] = {}
     for distribution in importlib.metadata.distributions():
         name = distribution.metadata["Name"] if distribution.metadata else None

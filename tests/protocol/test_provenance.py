@@ -74,6 +74,26 @@ def test_the_lock_lists_the_version_of_every_installed_distribution(digits_proje
     assert list(listed) == sorted(listed) and len(listed) >= 20
 
 
+def test_the_distributions_are_read_once_until_an_install_changes_a_folder_on_the_path(tmp_path, monkeypatch):
+    """A freeze reads every distribution's metadata once per process and again after an install: a package
+    installed between two freezes of one process (a notebook) is listed by the second."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    reads = []
+    real = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda *a, **k: reads.append(1) or real(*a, **k))
+    first = provenance.distributions()
+    assert provenance.distributions() == first and len(reads) == 1  # nothing changed: not read again
+    info = folder / "opalctl_probe_pkg-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opalctl_probe_pkg\nVersion: 1.2.3\n")
+    second = provenance.distributions()
+    assert len(reads) == 2 and second["opalctl-probe-pkg"] == "1.2.3"
+    second["torch"] = "edited by a caller"
+    assert provenance.distributions()["torch"] == first["torch"]  # each caller gets its own copy
+
+
 def test_every_module_of_a_task_package_outside_the_project_is_recorded_by_module_name(
         digits_project, tmp_path, task_package):
     modules = tmp_path / "modules"
