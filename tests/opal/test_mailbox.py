@@ -272,3 +272,27 @@ def test_a_server_leaves_a_request_for_another_model_to_another_server_and_takes
     (left,) = [event for event in events if event["event"] == "left"]
     assert left["request"] == asked.request.request and "model 'claude-haiku-4-5'" in left["why"]
     assert box.folder.names("leases") == [] and box.requests() == [asked.request.request]
+
+
+@pytest.mark.parametrize("random_part", ["0320972d8e58", "d65c2f836ff5"])
+def test_a_resumed_run_withdraws_the_request_its_killed_process_left_whatever_its_new_ids_random_part(
+        tmp_path, monkeypatch, random_part):
+    """The stale request of an earlier process of the run is found by the run's label: a new id whose random part
+    starts with a ``d`` (1 resume in 16; seen in tests/driver/test_mailbox_run.py) once hid it, and both stayed."""
+    import secrets
+
+    mailbox, workspace = tmp_path / "mailbox", tmp_path / "runs" / "lock" / "arm" / "seed-1" / "agent" / "workspace"
+    workspace.mkdir(parents=True)
+    for name, text in PROGRAMS.items():
+        (workspace / name).write_text(text)
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    killed = Asking(box, MailboxBackend(mailbox=str(mailbox), model="claude-haiku-4-5"), workspace, "Decide.",
+                    {"decision": 1})
+    box.post(killed.request)  # the killed process's request, left behind
+    monkeypatch.setattr(secrets, "token_hex", lambda n=None: random_part)
+    resumed = Asking(box, MailboxBackend(mailbox=str(mailbox), model="claude-haiku-4-5"), workspace, "Decide.",
+                     {"decision": 1})
+    assert resumed.request.request.endswith("-d001-" + random_part)
+    resumed.withdraw_stale()
+    assert resumed.withdrew == [killed.request.request] and box.requests() == []

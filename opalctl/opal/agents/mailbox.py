@@ -38,7 +38,7 @@ from opalctl.opal.agents.anthropic import lock_defaults as answering_lock_defaul
 from opalctl.opal.agents.anthropic import problems as answering_problems
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, read_program, write_file_here
-from opalctl.opal.mailbox.box import Mailbox, decoded, new_request_id
+from opalctl.opal.mailbox.box import Mailbox, decoded, new_request_id, request_prefix
 from opalctl.opal.mailbox.folder import LocalMailboxFolder, MailboxRefusal
 from opalctl.opal.programs import PROGRAM_FILES
 
@@ -140,7 +140,8 @@ class Asking:
         """Withdraw the requests an earlier process of this run left (a training job killed while it waited, then
         resumed): its decision is asked again now, and no server should spend a decision on the old request."""
 
-        prefix = self.request.request.rsplit("-d", 1)[0] + "-d"
+        # from the label, not by cutting this request's id at its last "-d": its random part may start with a d
+        prefix = request_prefix(self.request.label)
         for request_id in self.box.requests():
             if not request_id.startswith(prefix):
                 continue

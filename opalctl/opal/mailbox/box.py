@@ -41,9 +41,14 @@ REQUEST_MAX_BYTES = MailboxRequest.MAX_BYTES
 ANSWER_MAX_BYTES = MailboxAnswer.MAX_BYTES
 
 
-def new_request_id(label: str, decision: int) -> str:
+def request_prefix(label: str) -> str:
+    """How every request id of the run labelled ``label`` starts, whatever its decision (``new_request_id``)."""
     safe = "".join(c if c.isalnum() or c in "_-" else "-" for c in label)[-60:] or "run"
-    return f"{safe}-d{decision:03d}-{secrets.token_hex(6)}"
+    return f"{safe}-d"
+
+
+def new_request_id(label: str, decision: int) -> str:
+    return f"{request_prefix(label)}{decision:03d}-{secrets.token_hex(6)}"
 
 
 def server_identity() -> tuple[str, str]:
