@@ -115,6 +115,13 @@ WRITE = ("read_file", "read_dir", "write_file", "truncate", "make_reg", "make_di
 LIST = ("read_dir",)
 ALWAYS_WRITABLE = ("/dev/null",)  # subprocess.DEVNULL opens it for writing
 
+# The NVIDIA driver's device nodes, which a CUDA process opens again after start-up (a new channel, the memory
+# manager), and what it reads about them; granted (read, write, ioctl) only to a run whose training.device is cuda
+CUDA_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+                     "/dev/nvidia-caps", "/dev/nvidia[0-9]*")
+CUDA_READABLE = ("/proc/driver/nvidia", "/sys/bus/pci/devices", "/sys/devices/pci*", "/sys/module/nvidia")
+DEVICE = ("read_file", "read_dir", "write_file", "ioctl_dev")
+
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/sys/devices/system/cpu", "/sys/fs/cgroup")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf",
                 "/etc/passwd", "/etc/group", "/etc/os-release", "/proc/cpuinfo", "/dev/zero", "/dev/urandom", "/dev/random")
@@ -132,9 +139,12 @@ class Confinement:
     reason: str | None  # why nothing, or less than asked, was applied
     listable: tuple[str, ...] = ()  # folders whose names (not files) may be read
     bounds: dict | None = None  # what _apply_bounds set (the module docstring); None where none was asked
+    devices: tuple[str, ...] = ()  # device nodes that may be opened, written and sent ioctls (a GPU's)
 
     def to_json(self) -> dict:
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        """The record; ``devices`` only where some were granted (a CPU run's record is as it always was)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()
+                if key != "devices" or value}
 
 
 def training_paths() -> list[Path]:
@@ -144,11 +154,24 @@ def training_paths() -> list[Path]:
     return _existing(candidates)
 
 
+def device_paths(device: str, root: Path = Path("/")) -> tuple[list[Path], list[Path]]:
+    """The device nodes a training process on ``device`` opens after confinement, and what it reads about them
+    (``CUDA_DEVICE_NODES``, ``CUDA_READABLE``), those that exist beneath ``root``; none for the CPU."""
+    if device != "cuda":
+        return [], []
+
+    def found(patterns) -> list[Path]:
+        return _existing(sorted(path for pattern in patterns for path in root.glob(pattern.lstrip("/"))))
+
+    return found(CUDA_DEVICE_NODES), found(CUDA_READABLE)
+
+
 def confine_process(*, writable: list[Path], readable: list[Path], deny_network: bool = True,
-                    bounds: Bounds | None = None) -> Confinement:
+                    bounds: Bounds | None = None, devices: list[Path] = ()) -> Confinement:
     """Confine this process and its future children (see the module docstring), and set ``bounds`` where given;
-    never raises for a missing Landlock or a bound the system cannot set (the record says why). Call from the main
-    thread, before any thread that runs agent code starts."""
+    ``devices`` (``device_paths``) may be opened for reading and writing and sent ioctls. Never raises for a
+    missing Landlock or a bound the system cannot set (the record says why). Call from the main thread, before any
+    thread that runs agent code starts."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("confine_process must run on the main thread: Landlock confines only the calling thread")
     writable_paths = _existing(writable)
@@ -156,14 +179,14 @@ def confine_process(*, writable: list[Path], readable: list[Path], deny_network:
     listable = [path for path in _import_roots() if not _beneath_any(path, writable_paths + readable_paths)]
     notes = _notes(writable, writable_paths)
     data_bytes = _data_bytes() if bounds is not None else None  # /proc is unreadable once Landlock applies
-    confinement = _landlock(writable_paths, readable_paths, listable, deny_network, notes)
+    confinement = _landlock(writable_paths, readable_paths, listable, deny_network, notes, _existing(devices))
     if bounds is not None:
         confinement = replace(confinement, bounds=_apply_bounds(bounds, data_bytes))
     return confinement
 
 
 def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: list[Path], deny_network: bool,
-              notes: list[str]) -> Confinement:
+              notes: list[str], devices: list[Path]) -> Confinement:
     abi, missing = _landlock_abi()
     if abi is None:
         return Confinement("none", None, False, (), (), missing)
@@ -176,6 +199,8 @@ def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: 
                 ruleset.allow(path, READ)
             for path in listable:
                 ruleset.allow(path, LIST)
+            for path in devices:
+                ruleset.allow(path, DEVICE)
             network_denied, network_note = _leave_network(abi) if deny_network else (False, None)
             ruleset.restrict()
         finally:
@@ -184,7 +209,7 @@ def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: 
         return Confinement("none", abi, False, (), (), f"Landlock refused the ruleset ({error}); nothing applied")
     notes += [network_note] if network_note else []
     return Confinement("landlock", abi, network_denied, _shown(writable_paths), _shown(readable_paths),
-                       "; ".join(notes) or None, _shown(listable))
+                       "; ".join(notes) or None, _shown(listable), devices=_shown(devices))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import opalctl
-from opalctl.sandbox import confine_process, training_paths
+from opalctl.sandbox import confine_process, device_paths, training_paths
 
 SCENARIO = r'''
 import errno, json, os, socket, subprocess, sys
@@ -108,6 +108,7 @@ def probes(when):
     probe(f"{when}.signal_elder", lambda: os.kill(given["elder"], 0))
     probe(f"{when}.elder_environ", lambda: Path(f"/proc/{given['elder']}/environ").read_bytes())
     probe(f"{when}.own_environ", lambda: Path("/proc/self/environ").read_bytes())
+    probe(f"{when}.device_written", lambda: os.close(os.open(given["device"], os.O_WRONLY)))
 
 
 if given.get("role") == "grandchild":  # confined from its first instruction: torch is imported under Landlock
@@ -119,7 +120,8 @@ else:
     results["minidom_loaded_before"] = "xml.dom.minidom" in sys.modules
     from opalctl.sandbox import confine_process, training_paths
 
-    results["confinement"] = confine_process(writable=[run], readable=training_paths()).to_json()
+    results["confinement"] = confine_process(writable=[run], readable=training_paths(),
+                                             devices=[Path(given["device"])]).to_json()
     probes("after")
     probe("import_minidom", lambda: __import__("xml.dom.minidom").dom.minidom.parseString("<a/>"))
     probe("train_torch", train_torch)
@@ -140,6 +142,8 @@ def probed(tmp_path_factory):
         folder.mkdir(parents=True)
     data = project / "data" / "selection.npz"
     data.write_bytes(b"the evaluation split the training process must not read")
+    device = outside / "device"  # granted as a device node is (a GPU's, on CUDA): opened for writing after too
+    device.write_bytes(b"")
     import_root = Path(opalctl.__file__).resolve().parent.parent
     beside = next((p for p in sorted(import_root.iterdir()) if p.is_file()), data)
     abstract = f"\0opalctl-sandbox-test-{os.getpid()}"
@@ -154,7 +158,7 @@ def probed(tmp_path_factory):
         try:
             given = {"run": str(run), "outside": str(outside), "data": str(data), "beside_package": str(beside),
                      "abstract": abstract, "tcp_port": tcp.getsockname()[1], "udp_port": udp.getsockname()[1], "elder": elder.pid,
-                     "source": SCENARIO}
+                     "device": str(device), "source": SCENARIO}
             child = subprocess.run([sys.executable, "-c", SCENARIO, json.dumps(given)], cwd=project,
                                    capture_output=True, text=True, timeout=180,
                                    env={**os.environ, "OPALCTL_TEST_SECRET": "sk-child-secret"})
@@ -204,6 +208,25 @@ def test_an_abstract_unix_socket_of_another_process_is_refused(probed):
     if probed["confinement"]["abi"] < 6 and probed["confinement"]["reason"]:
         pytest.skip("abstract unix sockets are scoped from Landlock ABI 6 (or left with the network namespace)")
     assert_refused_only_after(probed, "abstract_unix", ("EPERM", "ECONNREFUSED"))
+
+
+def test_a_granted_device_may_be_opened_for_writing_beside_a_folder_that_may_not(probed):
+    assert probed["after.device_written"] == "ok" and probed["confinement"]["devices"] == [probed["given"]["device"]]
+    assert_refused_only_after(probed, "write_outside")  # the device's folder is not granted with it
+
+
+def test_a_cuda_runs_device_paths_are_the_nvidia_nodes_and_what_the_driver_reads_and_a_cpu_run_has_none(tmp_path):
+    for node in ("dev/nvidiactl", "dev/nvidia0", "dev/nvidia12", "dev/nvidia-uvm", "dev/nvidia-caps/nvidia-cap1",
+                 "dev/null", "dev/sda", "proc/driver/nvidia/params", "proc/self/environ",
+                 "sys/bus/pci/devices/0000:00:01.0/numa_node", "sys/devices/pci0000:00/x", "sys/devices/virtual/x"):
+        (tmp_path / node).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / node).write_text("")
+    devices, readable = device_paths("cuda", tmp_path)
+    assert [path.relative_to(tmp_path).as_posix() for path in devices] == [
+        "dev/nvidia-caps", "dev/nvidia-uvm", "dev/nvidia0", "dev/nvidia12", "dev/nvidiactl"]
+    assert [path.relative_to(tmp_path).as_posix() for path in readable] == [
+        "proc/driver/nvidia", "sys/bus/pci/devices", "sys/devices/pci0000:00"]
+    assert device_paths("cpu", tmp_path) == ([], [])
 
 
 def test_a_program_written_into_the_run_folder_cannot_be_executed(probed):

@@ -118,8 +118,9 @@ class Judge:
         return evaluate_all(self.task, self.model, self.splits)
 
     def weights_of(self, saved: SavedStage) -> dict[str, Any]:
-        """The weights of the stage ``saved`` (a copy): from the judge's own model when it judged that stage last,
-        else read from its file as ``evaluate`` reads it."""
+        """The weights of the stage ``saved`` (a copy, on the CPU as its file holds them, whatever the device the
+        judge evaluates on: ``initial.pt``'s are compared with them): from the judge's own model when it judged
+        that stage last, else read from its file as ``evaluate`` reads it."""
         if self.holds != saved.index:
             data = checkpoints.read_beneath(saved.root, saved.name, limit_bytes=self.limit_bytes)
             if sha256_bytes(data) != saved.sha256:
@@ -127,7 +128,7 @@ class Judge:
                                     f"(its sha256 differs from the stage record); move the run folder {saved.root} "
                                     f"aside and start the run again")
             return checkpoints.load_bytes(data, saved.path, expected_shapes=self.shapes, require_finite=False)["model"]
-        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
 
     def judge(self, saved: list[SavedStage], facts: StageFacts, incumbent: Incumbent, anchor_metrics: dict[str, Any],
               anchor_sha256: str | None = None) -> tuple[list[StageRecord], Incumbent]:

@@ -43,7 +43,9 @@ from tests.support.cli import call_cli
 
 UPDATES = 300
 ATTACK_AT = 150  # the loss call the attacks start at: after the one decision (at 20 % of the budget)
-EXTRA_UPDATES = 2000  # about 2.5 CPU-s: well past the flag's slack (OUTSIDE_SLACK_SECONDS) and the run's training CPU
+# CPU seconds the attack trains for (as many updates as fit; a count of updates would fall under the flag's slack
+# on a fast host): well past the slack (OUTSIDE_SLACK_SECONDS) and the run's training CPU
+EXTRA_CPU_SECONDS = 2.5
 SEALED = "final-test-stand-in.txt"  # a file of the protocol's folder that training may never read
 
 HOSTILE_TASK = '''
@@ -52,6 +54,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from opalctl.tasks.digits import Digits
@@ -149,7 +152,7 @@ def deputy():
 
 def train_off_the_budget():
     """At the next resume checkpoint, inside the work the run does not charge (outside every timed update, where a
-    program's build() runs at a decision), EXTRA more updates of the model on the train split."""
+    program's build() runs at a decision), EXTRA_CPU_SECONDS of more updates of the model on the train split."""
     import torch
 
     (loop,) = objects("BudgetLoop")
@@ -160,7 +163,9 @@ def train_off_the_budget():
     def begin_sync():
         if not done:
             done.append(True)
-            for _ in range(int(os.environ["EXTRA_UPDATES"])):
+            started, updates = time.process_time(), 0
+            while time.process_time() - started < float(os.environ["EXTRA_CPU_SECONDS"]):
+                updates += 1
                 loss, _ = parts.task.loss(parts.model, parts.sampler.next_batch())
                 parts.model.zero_grad()
                 loss.backward()
@@ -168,7 +173,7 @@ def train_off_the_budget():
                     for p in parts.model.parameters():
                         if p.grad is not None:
                             p.sub_(p.grad * 1e-3)
-            say("train_off_the_budget", updates=int(os.environ["EXTRA_UPDATES"]))
+            say("train_off_the_budget", updates=updates, cpu_seconds=time.process_time() - started)
         syncing()
 
     steps.begin_sync = begin_sync
@@ -258,7 +263,7 @@ def hostile_runs(project):
         ms = support.messages_server()
         with ms.MessagesServer(the_agent(ms, canonical_json(forged), support.HALVED, support.RATIONALE)) as server:
             env = project.env(ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=server.url, ATTACK_AT=str(ATTACK_AT),
-                              ATTACKS=chosen, EXTRA_UPDATES=str(EXTRA_UPDATES), PROTOCOL_FOLDER=str(project.folder),
+                              ATTACKS=chosen, EXTRA_CPU_SECONDS=str(EXTRA_CPU_SECONDS), PROTOCOL_FOLDER=str(project.folder),
                               UNRELATED_FOLDER=str(unrelated), ATTACK_KEY=key)
             results[arm] = project.process(project.run_args(arm, 1, runs=runs[arm]), env=env)
         bodies += server.bodies
@@ -317,7 +322,8 @@ def test_the_host_refuses_to_be_a_deputy_and_nothing_of_the_others_is_touched(ho
 
 def test_training_off_the_budget_is_flagged_by_compare_in_every_verdict_of_the_arm(hostile):
     project = hostile["project"]
-    assert hostile["attacks"]["train_off_the_budget"]["updates"] == EXTRA_UPDATES
+    assert hostile["attacks"]["train_off_the_budget"]["cpu_seconds"] >= EXTRA_CPU_SECONDS
+    assert hostile["attacks"]["train_off_the_budget"]["updates"] > 100
     result = call_cli("compare", project.lock, "--runs-dir", hostile["runs"]["deputy"], "--json")
     assert result.code == 0, result.output
     rows = {row["arm"]: row for row in json.loads(result.stdout)["arms"]}
