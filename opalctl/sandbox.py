@@ -17,6 +17,9 @@ to this:
   the environment the process started with (API keys included) however ``os.environ`` is cleaned afterwards.
   The folder the opalctl package is imported from may be listed (its names, not its files), so that a child
   Python can import opalctl from it.
+- **A GPU** (``devices``, ``device_paths``; a run on ``training.device: cuda`` only): the NVIDIA driver's device
+  nodes may be opened, written and sent ioctls, and what the driver reads about them (``/proc/driver/nvidia``, the
+  PCI devices in ``/sys``) read: the driver opens them again after start-up. Not yet seen working on a GPU.
 - **Other processes** (ABI 6 and later): no signal reaches a process outside the confinement, and no abstract
   unix socket of one can be connected to; Landlock also refuses ``ptrace`` and ``/proc/PID/mem``-like access to
   them. Note what this means for the caller: the training process can no longer signal the children it started
