@@ -17,9 +17,11 @@ to this:
   the environment the process started with (API keys included) however ``os.environ`` is cleaned afterwards.
   The folder the opalctl package is imported from may be listed (its names, not its files), so that a child
   Python can import opalctl from it.
-- **A GPU** (``devices``, ``device_paths``; a run on ``training.device: cuda`` only): the NVIDIA driver's device
-  nodes may be opened, written and sent ioctls, and what the driver reads about them (``/proc/driver/nvidia``, the
-  PCI devices in ``/sys``) read: the driver opens them again after start-up. Not yet seen working on a GPU.
+- **A GPU** (``DeviceAccess``, ``device_access``; a run on ``training.device: cuda`` only): the NVIDIA driver's
+  device nodes may be opened, written and sent ioctls; what the driver reads about them (``/proc/driver/nvidia``,
+  ``/proc/driver/nvidia-uvm``, the PCI devices in ``/sys``) read; and the process's own ``/proc/PID/task`` written,
+  not read (the driver names each thread it starts by writing its ``comm``; reading would show the environment):
+  the driver does all this again after start-up. Not yet seen working on a GPU.
 - **Other processes** (ABI 6 and later): no signal reaches a process outside the confinement, and no abstract
   unix socket of one can be connected to; Landlock also refuses ``ptrace`` and ``/proc/PID/mem``-like access to
   them. Note what this means for the caller: the training process can no longer signal the children it started
@@ -122,8 +124,10 @@ ALWAYS_WRITABLE = ("/dev/null",)  # subprocess.DEVNULL opens it for writing
 # manager), and what it reads about them; granted (read, write, ioctl) only to a run whose training.device is cuda
 CUDA_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
                      "/dev/nvidia-caps", "/dev/nvidia[0-9]*")
-CUDA_READABLE = ("/proc/driver/nvidia", "/sys/bus/pci/devices", "/sys/devices/pci*", "/sys/module/nvidia")
+CUDA_READABLE = ("/proc/driver/nvidia", "/proc/driver/nvidia-uvm", "/sys/bus/pci/devices", "/sys/devices/pci*",
+                 "/sys/module/nvidia")
 DEVICE = ("read_file", "read_dir", "write_file", "ioctl_dev")
+THREAD_NAMES = ("write_file", "truncate")  # fopen(comm, "w") opens with O_TRUNC
 
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/sys/devices/system/cpu", "/sys/fs/cgroup")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf",
@@ -143,11 +147,22 @@ class Confinement:
     listable: tuple[str, ...] = ()  # folders whose names (not files) may be read
     bounds: dict | None = None  # what _apply_bounds set (the module docstring); None where none was asked
     devices: tuple[str, ...] = ()  # device nodes that may be opened, written and sent ioctls (a GPU's)
+    thread_names: tuple[str, ...] = ()  # the process's /proc/PID/task, written and never read (a GPU's driver)
 
     def to_json(self) -> dict:
-        """The record; ``devices`` only where some were granted (a CPU run's record is as it always was)."""
+        """The record; ``devices`` and ``thread_names`` only where granted (a CPU run's record is as it was)."""
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()
-                if key != "devices" or value}
+                if key not in ("devices", "thread_names") or value}
+
+
+@dataclass(frozen=True)
+class DeviceAccess:
+    """What a training process on a GPU still opens after confinement, beyond what every training process does
+    (the module docstring's "A GPU"); none on the CPU."""
+
+    nodes: tuple[Path, ...] = ()  # opened for reading and writing, sent ioctls
+    readable: tuple[Path, ...] = ()  # what the driver reads about them
+    thread_names: tuple[Path, ...] = ()  # the process's own /proc/PID/task: written, never read
 
 
 def training_paths() -> list[Path]:
@@ -157,39 +172,40 @@ def training_paths() -> list[Path]:
     return _existing(candidates)
 
 
-def device_paths(device: str, root: Path = Path("/")) -> tuple[list[Path], list[Path]]:
-    """The device nodes a training process on ``device`` opens after confinement, and what it reads about them
-    (``CUDA_DEVICE_NODES``, ``CUDA_READABLE``), those that exist beneath ``root``; none for the CPU."""
+def device_access(device: str, root: Path = Path("/")) -> DeviceAccess:
+    """What a training process on ``device`` opens after confinement (``DeviceAccess``), of what exists beneath
+    ``root``: ``CUDA_DEVICE_NODES``, ``CUDA_READABLE`` and this process's ``/proc/PID/task``; nothing on the CPU."""
     if device != "cuda":
-        return [], []
+        return DeviceAccess()
 
-    def found(patterns) -> list[Path]:
-        return _existing(sorted(path for pattern in patterns for path in root.glob(pattern.lstrip("/"))))
+    def found(patterns) -> tuple[Path, ...]:
+        return tuple(_existing(sorted(path for pattern in patterns for path in root.glob(pattern.lstrip("/")))))
 
-    return found(CUDA_DEVICE_NODES), found(CUDA_READABLE)
+    # by number, not /proc/self: Landlock holds the inode, and this process's is the one to name
+    return DeviceAccess(found(CUDA_DEVICE_NODES), found(CUDA_READABLE), found([f"/proc/{os.getpid()}/task"]))
 
 
 def confine_process(*, writable: list[Path], readable: list[Path], deny_network: bool = True,
-                    bounds: Bounds | None = None, devices: list[Path] = ()) -> Confinement:
+                    bounds: Bounds | None = None, devices: DeviceAccess = DeviceAccess()) -> Confinement:
     """Confine this process and its future children (see the module docstring), and set ``bounds`` where given;
-    ``devices`` (``device_paths``) may be opened for reading and writing and sent ioctls. Never raises for a
+    ``devices`` (``device_access``) as the module docstring's "A GPU" says. Never raises for a
     missing Landlock or a bound the system cannot set (the record says why). Call from the main thread, before any
     thread that runs agent code starts."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("confine_process must run on the main thread: Landlock confines only the calling thread")
     writable_paths = _existing(writable)
-    readable_paths = [path for path in _existing(readable) if path not in writable_paths]
+    readable_paths = [path for path in _existing([*readable, *devices.readable]) if path not in writable_paths]
     listable = [path for path in _import_roots() if not _beneath_any(path, writable_paths + readable_paths)]
     notes = _notes(writable, writable_paths)
     data_bytes = _data_bytes() if bounds is not None else None  # /proc is unreadable once Landlock applies
-    confinement = _landlock(writable_paths, readable_paths, listable, deny_network, notes, _existing(devices))
+    confinement = _landlock(writable_paths, readable_paths, listable, deny_network, notes, devices)
     if bounds is not None:
         confinement = replace(confinement, bounds=_apply_bounds(bounds, data_bytes))
     return confinement
 
 
 def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: list[Path], deny_network: bool,
-              notes: list[str], devices: list[Path]) -> Confinement:
+              notes: list[str], devices: DeviceAccess) -> Confinement:
     abi, missing = _landlock_abi()
     if abi is None:
         return Confinement("none", None, False, (), (), missing)
@@ -202,8 +218,10 @@ def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: 
                 ruleset.allow(path, READ)
             for path in listable:
                 ruleset.allow(path, LIST)
-            for path in devices:
+            for path in devices.nodes:
                 ruleset.allow(path, DEVICE)
+            for path in devices.thread_names:
+                ruleset.allow(path, THREAD_NAMES)
             network_denied, network_note = _leave_network(abi) if deny_network else (False, None)
             ruleset.restrict()
         finally:
@@ -212,7 +230,8 @@ def _landlock(writable_paths: list[Path], readable_paths: list[Path], listable: 
         return Confinement("none", abi, False, (), (), f"Landlock refused the ruleset ({error}); nothing applied")
     notes += [network_note] if network_note else []
     return Confinement("landlock", abi, network_denied, _shown(writable_paths), _shown(readable_paths),
-                       "; ".join(notes) or None, _shown(listable), devices=_shown(devices))
+                       "; ".join(notes) or None, _shown(listable), devices=_shown(devices.nodes),
+                       thread_names=_shown(devices.thread_names))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 import opalctl
-from opalctl.sandbox import confine_process, device_paths, training_paths
+from opalctl.sandbox import DeviceAccess, confine_process, device_access, training_paths
 
 SCENARIO = r'''
-import errno, json, os, socket, subprocess, sys
+import errno, json, os, socket, subprocess, sys, threading
 from pathlib import Path
 
 given = json.loads(sys.argv[1])
@@ -94,6 +94,35 @@ def train_torch():
     torch.nn.Linear(3, 1)(torch.ones(2, 3)).sum().backward()
 
 
+def in_a_new_thread(action):
+    """``action`` in a thread started now (as the CUDA driver starts them after confinement), its error raised."""
+    import threading
+
+    failed = []
+    thread = threading.Thread(target=lambda: _catching(action, failed))
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
+def _catching(action, failed):
+    try:
+        action()
+    except OSError as error:
+        failed.append(error)
+
+
+def name_this_thread():  # as the driver does: fopen(".../comm", "w"), which truncates
+    handle = os.open(f"/proc/self/task/{threading.get_native_id()}/comm", os.O_WRONLY | os.O_TRUNC)
+    os.write(handle, b"opal-probe")
+    os.close(handle)
+
+
+def read_this_threads_environ():
+    Path(f"/proc/self/task/{threading.get_native_id()}/environ").read_bytes()
+
+
 def probes(when):
     probe(f"{when}.connect", connect)
     probe(f"{when}.bind", bind)
@@ -109,6 +138,8 @@ def probes(when):
     probe(f"{when}.elder_environ", lambda: Path(f"/proc/{given['elder']}/environ").read_bytes())
     probe(f"{when}.own_environ", lambda: Path("/proc/self/environ").read_bytes())
     probe(f"{when}.device_written", lambda: os.close(os.open(given["device"], os.O_WRONLY)))
+    probe(f"{when}.thread_named", lambda: in_a_new_thread(name_this_thread))
+    probe(f"{when}.thread_environ", lambda: in_a_new_thread(read_this_threads_environ))
 
 
 if given.get("role") == "grandchild":  # confined from its first instruction: torch is imported under Landlock
@@ -120,8 +151,13 @@ else:
     results["minidom_loaded_before"] = "xml.dom.minidom" in sys.modules
     from opalctl.sandbox import confine_process, training_paths
 
-    results["confinement"] = confine_process(writable=[run], readable=training_paths(),
-                                             devices=[Path(given["device"])]).to_json()
+    from opalctl.sandbox import DeviceAccess
+
+    own_tasks = Path(f"/proc/{os.getpid()}/task")  # as device_access names them on CUDA
+    results["confinement"] = confine_process(
+        writable=[run], readable=training_paths(),
+        devices=DeviceAccess(nodes=(Path(given["device"]),), thread_names=(own_tasks,))).to_json()
+    results["confined_pid"] = os.getpid()
     probes("after")
     probe("import_minidom", lambda: __import__("xml.dom.minidom").dom.minidom.parseString("<a/>"))
     probe("train_torch", train_torch)
@@ -215,18 +251,28 @@ def test_a_granted_device_may_be_opened_for_writing_beside_a_folder_that_may_not
     assert_refused_only_after(probed, "write_outside")  # the device's folder is not granted with it
 
 
+def test_a_thread_started_after_confinement_names_itself_and_cannot_read_its_environment(probed):
+    """What the CUDA driver does with each thread it starts (writes its ``comm``) works once the process's own
+    ``/proc/PID/task`` is granted for writing; reading beneath it (``environ``: the keys) is still refused."""
+    assert probed["before.thread_named"] == probed["after.thread_named"] == "ok"
+    assert probed["confinement"]["thread_names"] == [f"/proc/{probed['confined_pid']}/task"]
+    assert_refused_only_after(probed, "thread_environ")
+
+
 def test_a_cuda_runs_device_paths_are_the_nvidia_nodes_and_what_the_driver_reads_and_a_cpu_run_has_none(tmp_path):
     for node in ("dev/nvidiactl", "dev/nvidia0", "dev/nvidia12", "dev/nvidia-uvm", "dev/nvidia-caps/nvidia-cap1",
                  "dev/null", "dev/sda", "proc/driver/nvidia/params", "proc/self/environ",
                  "sys/bus/pci/devices/0000:00:01.0/numa_node", "sys/devices/pci0000:00/x", "sys/devices/virtual/x"):
         (tmp_path / node).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / node).write_text("")
-    devices, readable = device_paths("cuda", tmp_path)
-    assert [path.relative_to(tmp_path).as_posix() for path in devices] == [
+    access = device_access("cuda", tmp_path)
+    assert [path.relative_to(tmp_path).as_posix() for path in access.nodes] == [
         "dev/nvidia-caps", "dev/nvidia-uvm", "dev/nvidia0", "dev/nvidia12", "dev/nvidiactl"]
-    assert [path.relative_to(tmp_path).as_posix() for path in readable] == [
+    assert [path.relative_to(tmp_path).as_posix() for path in access.readable] == [
         "proc/driver/nvidia", "sys/bus/pci/devices", "sys/devices/pci0000:00"]
-    assert device_paths("cpu", tmp_path) == ([], [])
+    assert access.thread_names == ()  # this process's /proc/PID/task is not beneath tmp_path
+    assert device_access("cuda").thread_names == (Path(f"/proc/{os.getpid()}/task").resolve(),)
+    assert device_access("cpu", tmp_path) == DeviceAccess()
 
 
 def test_a_program_written_into_the_run_folder_cannot_be_executed(probed):

@@ -104,7 +104,7 @@ from opalctl.layout import (
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.host import release_secrets
 from opalctl.protocol.lock import read_lock
-from opalctl.sandbox import bound_refusal, confine_process, device_paths, training_bounds, training_paths
+from opalctl.sandbox import bound_refusal, confine_process, device_access, training_bounds, training_paths
 from opalctl.tasks.calls import TaskFailed
 from opalctl.training_folder import clear_strays
 
@@ -762,9 +762,8 @@ def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
     bounds = training_bounds(protocol.limits, stages=len(protocol.budget.fractions), ranks=protocol.training.ranks)
     # the notes a person leaves for the agent (opal/notes.py), where its arm made their folder: read, never written
     notes = [layout.notes] if layout.notes.is_dir() and not layout.notes.is_symlink() else []
-    devices, about_devices = device_paths(protocol.training.device)  # a GPU's nodes, on CUDA
-    confinement = confine_process(writable=[layout.training], readable=[*training_paths(), *notes, *about_devices],
-                                  deny_network=True, bounds=bounds, devices=devices)
+    confinement = confine_process(writable=[layout.training], readable=[*training_paths(), *notes],
+                                  deny_network=True, bounds=bounds, devices=device_access(protocol.training.device))
     return confinement.to_json()
 
 
