@@ -39,7 +39,7 @@ import torch
 
 from opalctl.opal import wrap
 from opalctl.opal.agents.anthropic import AnthropicBackend
-from opalctl.opal.agents.host import AgentHost
+from opalctl.opal.agents.host import AgentHost, Workers
 from opalctl.sandbox import _landlock_abi
 
 _spec = importlib.util.spec_from_file_location("messages_server", Path(__file__).with_name("messages_server.py"))
@@ -414,3 +414,21 @@ def test_a_non_blocking_hosted_decision_abandoned_at_close_kills_its_worker(opal
     optimizer.close(wait=False)
     assert opal.of_kind(run_dir, "abandoned")
     assert optimizer.decisions.agent.host.process.poll() is not None, "closing ends the host"
+
+
+@pytest.mark.parametrize("remaining", [1, 0])
+def test_a_worker_is_started_ahead_only_while_a_scheduled_decision_remains(tmp_path, remaining):
+    workers = Workers("heuristic")
+    try:
+        first = workers.spare
+        assert first is not None  # ahead of the first decision
+        question = {"recipe": {"backend": "heuristic", "options": {}}, "workspace": str(tmp_path), "message": "m",
+                    "facts": {**FACTS, "remaining": remaining}}
+        workers.run(1, question, 60.0)
+        assert first.poll() is not None  # it worked decision 1
+        assert (workers.spare is not None) == (remaining > 0)
+        if remaining == 0:  # a wake-up after the last one still gets a worker, started when it comes
+            workers.run(2, {**question, "facts": {**FACTS, "decision": 2, "remaining": 0}}, 60.0)
+            assert workers.spare is None and not workers.running
+    finally:
+        workers.stop()

@@ -14,7 +14,7 @@ No request returns a key, and nothing puts one back into the training process.
 Each decision runs in a worker process of the host (``python -m opalctl.opal.agents.worker``, its own process
 group) with the time limit; past it the worker's group is killed and the decision fails, and training goes on. A
 worker is started ahead of its decision, so that its imports are done when the question comes (one spare, started
-after each decision). One decision is worked at a time.
+after each decision but the last scheduled one). One decision is worked at a time.
 
 Training process and host talk over the host's standard input and output, one JSON object per line:
 
@@ -261,7 +261,7 @@ class Workers:
             self.running.pop(number, None)
             cancelled = number in self.cancelled
             self.cancelled.discard(number)
-            if self.spare is None:
+            if self.spare is None and _more_expected(question["facts"]):
                 self.spare = self._spawn()
         if cancelled:
             answer = Answer(rationale="", failed="cancelled: the training process stopped waiting for this decision "
@@ -295,6 +295,14 @@ class Workers:
         for worker in workers:
             if worker.poll() is None:
                 _kill_group(worker)
+
+
+def _more_expected(facts: Any) -> bool:
+    """Whether a scheduled decision follows this one (the facts' ``remaining``): only then is a worker started
+    ahead for it, whose imports (the Messages API's SDK: 2 CPU-s) would otherwise be thrown away at the run's end; a
+    wake-up or a non-finite loss after the last one starts its worker when it comes."""
+    remaining = facts.get("remaining") if isinstance(facts, dict) else None
+    return not isinstance(remaining, int) or remaining > 0
 
 
 def _is_text_map(value: Any, names: tuple[str, ...], limit: int) -> bool:
