@@ -18,6 +18,7 @@ import click
 from opalctl import __version__
 from opalctl.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_SIGNALLED, BadInput, Interrupted, OpalctlError
 from opalctl.opal.agents.default_model import DEFAULT_EFFORT, DEFAULT_MODEL
+from opalctl.quick_exit import end_without_teardown
 
 json_option = click.option("--json", "json_mode", is_flag=True, help="Print one JSON document on stdout.")
 
@@ -679,7 +680,17 @@ def agent_serve(mailbox: str, backend: str, model: str | None, max_concurrent: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the click group and turn anticipated errors into a sentence and an exit code."""
+    """Entry point: run the click group and turn anticipated errors into a sentence and an exit code; a process of
+    opalctl's own (``argv`` None) ends without the interpreter's teardown of torch (``opalctl.quick_exit``)."""
+    try:
+        _command(argv)
+    except SystemExit as done:
+        if argv is None:
+            end_without_teardown(done.code)
+        raise
+
+
+def _command(argv: list[str] | None) -> None:
     try:
         if argv is None:
             # a process opalctl owns: `opalctl run` starts again at once without the secret-looking variables,

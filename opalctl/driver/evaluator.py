@@ -79,6 +79,7 @@ from opalctl.formats import (
 )
 from opalctl.layout import AnchorFolder, RunLayout
 from opalctl.protocol.lock import read_lock
+from opalctl.quick_exit import end_without_teardown
 from opalctl.tasks import make_task
 from opalctl.training_folder import training_folder_bytes, training_folder_excess
 
@@ -566,9 +567,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     status = main()
-    # Every answer is written and flushed, every record on disk: the interpreter's own teardown of torch's modules
-    # would take most of a second (0.7 s here), during which the training process waits for this one to end (its
-    # close, and every run a grid or a test starts). A task's atexit handlers do not run in this process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    end_without_teardown(status)  # every answer written: the training process waits for this process's end
+    sys.exit(status)
