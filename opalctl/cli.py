@@ -605,7 +605,7 @@ def watch(target: str, interval: float, once: bool, runs_dir: str | None, json_m
 # the minutes are demo.MINUTES, written out so that --help does not import the demo's grid (tests/test_demo.py)
 @cli.command(help="One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
                   "its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
-                  "verdict and the report page (about 3 minutes on 2 cores).")
+                  "verdict and the report page (about a minute on 2 cores).")
 @click.option("--dir", "folder", default=os.path.join("runs", "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Folder for the demo's protocol, data and lock.")
 @runs_dir_option
