@@ -121,3 +121,53 @@ def test_nccl_ddp_with_two_ranks_keeps_bit_for_bit_and_relays_programs(tmp_path)
         assert rank["heuristic"]["same_on_every_rank"] and rank["heuristic"]["installed"]
         assert rank["failure"]["version"] == 0 and rank["failure"]["same_on_every_rank"]
         assert rank["divergence"]["stopped"] is not None
+
+
+CONFINED_CUDA = r'''
+import json, sys, threading
+from pathlib import Path
+
+import torch
+
+from opalctl.opal.audit import count_step
+from opalctl.sandbox import confine_process, device_access, training_paths
+
+steps = {}
+x = torch.randn(256, 256, device="cuda")
+torch.cuda.synchronize()  # the context made before confinement, as a run makes it when it builds the model
+confinement = confine_process(writable=[Path(sys.argv[1])], readable=training_paths(), devices=device_access("cuda"))
+steps["confined"] = confinement.mechanism
+print(json.dumps(steps), flush=True)
+y = x @ x  # cuBLAS's first use, after confinement
+torch.cuda.synchronize()
+steps["matmul"] = "ok"
+print(json.dumps(steps), flush=True)
+z = torch.empty(64 << 20, device="cuda")  # a new allocation from the driver
+steps["allocation"] = "ok"
+print(json.dumps(steps), flush=True)
+thread = threading.Thread(target=lambda: torch.cuda.synchronize(), daemon=True)
+thread.start()
+thread.join(30)
+steps["thread"] = "ok" if not thread.is_alive() else "hung"
+print(json.dumps(steps), flush=True)
+steps["audit"] = count_step(lambda: x.mul_(1.0001))  # the profiler on CUDA (CUPTI), as the agent's audit runs it
+print(json.dumps({**steps, "done": True}, default=str), flush=True)
+'''
+
+
+def test_a_confined_process_goes_on_with_cuda_work_after_confinement(tmp_path):
+    """What an agent arm's training process does on CUDA once confined (sandbox.device_access), step by step in a
+    child, so that a step the confinement stops is named (on an H200, before device_access, a confined keep arm
+    made no update at all)."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        child = subprocess.run([sys.executable, "-c", CONFINED_CUDA, str(tmp_path)], capture_output=True, text=True,
+                               timeout=120)
+    except subprocess.TimeoutExpired as stopped:
+        pytest.fail(f"the confined CUDA child hung; it got as far as: {stopped.stdout!r} {stopped.stderr[-1500:]!r}")
+    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    assert child.returncode == 0 and lines and lines[-1].get("done"), (lines, child.stderr[-2000:])
+    assert lines[-1]["confined"] == "landlock" and lines[-1]["thread"] == "ok"
