@@ -602,7 +602,7 @@ def watch(target: str, interval: float, once: bool, runs_dir: str | None, json_m
         console.print_json(result)
 
 
-# the minutes are demo.MINUTES, written out so that --help does not import the demo's grid (tests/test_demo.py)
+# the time is demo.DURATION, written out so that --help does not import the demo's grid (tests/test_demo.py)
 @cli.command(help="One real comparison on the built-in digits task, end to end: a mis-tuned learning rate, "
                   "its anneal-end control, the offline heuristic agent and a tuned one, 3 seeds each, then the "
                   "verdict and the report page (about a minute on 2 cores).")
