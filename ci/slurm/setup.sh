@@ -50,6 +50,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# a requeued job becomes eligible cred_expire + 1 s after its requeue and then waits for a pass of a scheduling loop
+# (the main one every 60 s, backfill every 30 s by default): on one node, a pass every second costs nothing
+SchedulerParameters=sched_interval=1,bf_interval=1
 ReturnToService=2
 JobRequeue=1
 KillWait=10
