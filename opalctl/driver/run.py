@@ -104,6 +104,7 @@ from opalctl.layout import (
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.host import release_secrets
 from opalctl.protocol.lock import read_lock
+from opalctl.protocol.recheck import require_unchanged
 from opalctl.sandbox import bound_refusal, confine_process, device_access, training_bounds, training_paths
 from opalctl.tasks.calls import TaskFailed
 from opalctl.training_folder import clear_strays
@@ -618,8 +619,6 @@ class FormalRun:
             return self._execute_run(resume, restart)
 
     def _execute_run(self, resume: bool, restart: bool) -> dict[str, Any]:
-        from opalctl.protocol.recheck import require_unchanged
-
         if resume and restart:
             raise BadInput("--resume and --restart exclude each other; choose one")
         require_unchanged(self.lock)

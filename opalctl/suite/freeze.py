@@ -18,6 +18,8 @@ import yaml
 
 from opalctl.errors import BadInput
 from opalctl.files import atomic_write_text, canonical_json, file_record, read_plain, sha256_bytes, storage
+from opalctl.protocol.freeze import freeze, write_lock
+from opalctl.protocol.schema import parse, validate
 from opalctl.suite.lock import FORMAT, suite_lock_path
 from opalctl.suite.protocols import base_protocol, protocol_path, protocol_text, task_protocol
 from opalctl.suite.spec import load_suite
@@ -30,8 +32,6 @@ def suite_folder(suite_path: Path, name: str, folder: str | Path | None) -> Path
 
 def freeze_suite(suite_path: str | Path, *, folder: str | Path | None = None, force: bool = False,
                  say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    from opalctl.protocol.freeze import freeze, write_lock
-
     suite_path = Path(suite_path)
     suite, document = load_suite(suite_path)
     folder = suite_folder(suite_path, suite.name, folder)
@@ -75,8 +75,6 @@ def freeze_suite(suite_path: str | Path, *, folder: str | Path | None = None, fo
 
 def _check(text: str, where: str, folder: Path) -> None:
     """A task's protocol checked whole, as ``freeze`` will check its file, before any protocol is written."""
-    from opalctl.protocol.schema import parse, validate
-
     data = yaml.safe_load(text)
     validate(parse(data, {}, where), {}, where, folder)
 

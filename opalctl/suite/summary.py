@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from opalctl.compare.aggregate import compare
 from opalctl.compare.profiles import TAU_MAX, profiles
 from opalctl.compare.significance import ALPHA, TEST_MIN_SEEDS
 from opalctl.errors import BadInput
@@ -27,8 +28,6 @@ def _time(value: float | None) -> float:
 
 
 def summarise(lock: SuiteLock, *, runs_dir=None, resamples: int = 10_000) -> dict[str, Any]:
-    from opalctl.compare.aggregate import compare
-
     arms = list(lock.data["arms"])
     tasks: dict[str, Any] = {}
     medians: dict[str, dict[str, float]] = {}
