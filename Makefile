@@ -24,7 +24,8 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) tests
 
-# the quick lane while working: every test but those that start real runs, grids and browsers (tests/conftest.py)
+# the quick lane while working: every test but those that start real runs, grids and browsers or train through
+# Hugging Face's Trainer or Lightning (tests/conftest.py)
 test-fast: install
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) -m "not slow" tests
 

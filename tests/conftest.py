@@ -30,8 +30,10 @@ import yaml
 
 from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 
-# The modules whose tests start real runs, grids or browsers and take most of the suite's time: marked ``slow``, so
-# that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs everything.
+# The modules whose tests start real runs, grids or browsers, or train through Hugging Face's Trainer or Lightning
+# (whose imports alone take seconds in every worker that collects them), and take most of the suite's time: marked
+# ``slow``, so that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs
+# everything.
 # Listed heaviest first (CPU seconds, or wall for those that mostly wait, as measured by a whole run): the tests are
 # handed to the xdist workers module by module in this order, then the fast modules, so that the last modules to
 # start are small ones and both workers finish together (the Makefile passes --no-loadscope-reorder, which would
@@ -44,12 +46,13 @@ SLOW_MODULES = (
     "driver/test_torchrun_run.py", "driver/test_task_failures.py", "driver/test_agent_unsaveable.py",
     "report/test_page.py", "grid/test_local_grid.py", "driver/test_diverging_run.py", "driver/test_evaluator.py",
     "driver/test_run.py", "driver/test_nanogpt_recipe.py", "report/test_pictures.py", "driver/test_learning_rates.py",
-    "driver/test_run_folder.py", "driver/test_notes.py", "report/test_export_trackers.py", "test_write_faults.py",
+    "driver/test_run_folder.py", "integrations/test_hf.py", "driver/test_notes.py", "report/test_export_trackers.py", "test_write_faults.py",
     "test_watch.py", "driver/test_evaluator_dies_with_its_run.py", "grid/test_grid_ranks.py",
     "opal/test_prompt_edit.py", "grid/test_concurrent_grids.py", "driver/test_agent_keys.py",
     "driver/test_confined_run.py", "driver/test_agent_code_charge.py", "opal/test_replay.py",
     "distributed/test_ddp.py", "driver/test_storage_faults.py", "driver/test_compare_flags.py",
-    "grid/test_readers_race.py", "driver/test_record_shapes.py", "opal/test_claude_code.py",
+    "grid/test_readers_race.py", "driver/test_record_shapes.py", "integrations/test_lightning.py",
+    "opal/test_claude_code.py",
 )
 
 

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, stats
 
 from opalctl.compare import significance
 from opalctl.compare.significance import (
@@ -96,6 +95,8 @@ def _ttest_cases():
 
 
 def test_the_t_test_p_and_interval_equal_scipys_ttest_rel():
+    from scipy import stats  # here: the one reference of two tests, a second of import for every worker otherwise
+
     checked = 0
     for baseline, arm, confidence in _ttest_cases():
         seeds = range(len(arm))
@@ -119,6 +120,8 @@ def test_the_t_test_p_and_interval_equal_scipys_ttest_rel():
 def _power(n, d_z):
     """The paired t-test's power at ALPHA by scipy's noncentral t; where scipy gives nan (deep in a tail), the
     same chance integrated over the chi-square of the spread: P(|Z + nc| > c * sqrt(V / df))."""
+    from scipy import integrate, stats
+
     df, noncentrality = n - 1, abs(d_z) * math.sqrt(n)
     critical = stats.t.ppf(1 - ALPHA / 2, df)
     power = stats.nct.sf(critical, df, noncentrality) + stats.nct.cdf(-critical, df, noncentrality)
