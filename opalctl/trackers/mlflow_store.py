@@ -33,6 +33,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from opalctl.errors import BadInput, OpalctlError
 from opalctl.files import storage
@@ -183,9 +185,6 @@ def _log(client, run_id: str, run: TrackedRun, started: int) -> None:
 def _delete(client, run_id: str) -> None:
     """A run deleted for good, its artifacts too, as ``mlflow gc`` deletes one (MLflow's delete_run only marks
     it deleted, and a second export must not leave the first one's runs in the store)."""
-    from urllib.parse import urlparse
-    from urllib.request import url2pathname
-
     artifact_uri = client.get_run(run_id).info.artifact_uri
     client.delete_run(run_id)
     store = client._tracking_client.store

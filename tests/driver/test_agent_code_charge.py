@@ -4,7 +4,7 @@ on the clocks that charge time, and on the ``updates`` clock, which charges no t
 agent figures for compare to show beside the updates.
 
 Before, ``build()`` ran under ``Ledger.outside``: a program could train the model there for as long as it liked and
-the report said it spent nothing. The program here burns about half a CPU second in ``build()``; it reaches
+the report said it spent nothing. The program here burns a third of a CPU second or more in ``build()``; it reaches
 the run through the ``replay`` backend (a recorded "original" whose decision 1 applied it).
 """
 
@@ -20,7 +20,7 @@ import math
 
 def build(params, previous, spec):
     total = 0.0
-    for i in range(1, 6_000_000):  # 0.4 to 0.8 CPU-s on the hosts the suite has run on: past 0.2 on a fast one
+    for i in range(1, 10_000_000):  # 0.3 to 1.3 CPU-s on the hosts the suite has run on: 3x the 0.1 asked below
         total += math.sqrt(i)
     return Updater(params, total)
 
@@ -72,7 +72,7 @@ def test_a_programs_build_is_charged_with_the_next_update_on_the_cpu_clock(proje
     report = project.run("agent", 1)
     run_dir = project.run_dir("agent", 1)
     outside = report["agent"]["agent_code_seconds"]["outside_updates"]
-    assert outside["cpu"] > 0.2, outside
+    assert outside["cpu"] > 0.1, outside
     at = applied_at(run_dir)
     charges = {line["update"]: line["charge"] for line in read_steps(run_dir / "training" / "steps.jsonl.gz")}
     # the update after the decision carries the build's CPU seconds beside its own; no other comes near
@@ -87,4 +87,4 @@ def test_on_the_updates_clock_it_is_recorded_and_every_update_still_costs_one(pr
     run_dir = project.run_dir("agent", 1)
     assert {line["charge"] for line in read_steps(run_dir / "training" / "steps.jsonl.gz")} == {1.0}
     assert report["updates"] == 100
-    assert report["agent"]["agent_code_seconds"]["outside_updates"]["cpu"] > 0.2
+    assert report["agent"]["agent_code_seconds"]["outside_updates"]["cpu"] > 0.1
