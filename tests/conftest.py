@@ -248,6 +248,10 @@ def _start_sshd(sshd: str, folder: Path, port: int) -> LoopbackSshd | None:
         "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
         "PermitRootLogin prohibit-password\n"
         "StrictModes no\n"  # the temporary folders are not the home's; CI runs as root
+        # bash, the login shell that runs each session's command, reads ~/.bashrc when sshd starts it unless it is a
+        # nested shell: a machine's own .bashrc (pyenv's init on the CI image: a hundred processes, 0.1 s) would
+        # otherwise be the most of every mailbox operation the tests time; what they check is opalctl's commands
+        "SetEnv SHLVL=1\n"
         "PidFile none\nLogLevel VERBOSE\n")
     (folder / "known_hosts").write_text(f"[127.0.0.1]:{port} {(folder / 'host_key.pub').read_text()}")
     (folder / "ssh_config").write_text(
