@@ -15,11 +15,19 @@ import time
 import pytest
 
 from opalctl.formats import MailboxAnswer
+from opalctl.opal.agents import mailbox as mailbox_backend
 from opalctl.opal.agents.mailbox import Asking, MailboxBackend
 from opalctl.opal.mailbox.box import ANSWER_MAX_BYTES, Mailbox, encoded
 from opalctl.opal.mailbox.folder import LocalMailboxFolder, MailboxRefusal
 
 PROGRAMS = {"updater.py": "# updater\n", "analysis.py": "# analysis\n"}
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    """The training side looks for its answer every 0.02 s here, not every 0.25 s: each test waits for an answer or
+    two, and what it checks is which answer is taken, not how often the folder is read."""
+    monkeypatch.setattr(mailbox_backend, "POLL_SECONDS", 0.02)
 
 
 def test_create_makes_a_file_only_once_and_names_lists_no_temporary_file(tmp_path):
@@ -121,6 +129,14 @@ def _answer(asked, sha, **changes) -> MailboxAnswer:
     return MailboxAnswer(**{**fields, **changes})
 
 
+def _plant(path, data: bytes) -> None:
+    """A file put in the answers folder whole (written aside, then renamed), as a remote side's would land: the
+    training side reads it at once, never half written."""
+    aside = path.with_name(f".{path.name}.planting")
+    aside.write_bytes(data)
+    os.replace(aside, path)
+
+
 def _refused(path) -> None:
     """Wait until the training side has removed a hostile answer (it refused it)."""
     deadline = time.monotonic() + 10
@@ -144,7 +160,7 @@ def test_a_hostile_answer_is_refused_recorded_and_removed_and_the_real_one_is_ta
     box, request, sha, workspace, result, thread, mailbox = asking
     path = mailbox / "answers" / f"{request.request}.json"
     if hostile == "another request":
-        path.write_bytes(encoded(_answer(request, sha, request="lock-arm-seed-1-d002-000000000000")))
+        _plant(path, encoded(_answer(request, sha, request="lock-arm-seed-1-d002-000000000000")))
     elif hostile == "another run":
         box.answer(_answer(request, sha, run="0123456789abcdef"))
     elif hostile == "stale":
@@ -154,9 +170,9 @@ def test_a_hostile_answer_is_refused_recorded_and_removed_and_the_real_one_is_ta
         elsewhere.write_bytes(encoded(_answer(request, sha)))
         os.symlink(elsewhere, path)
     elif hostile == "oversized":
-        path.write_bytes(b" " * (ANSWER_MAX_BYTES + 1))
+        _plant(path, b" " * (ANSWER_MAX_BYTES + 1))
     elif hostile == "malformed":
-        path.write_bytes(b'{"request": "not an answer"}')
+        _plant(path, b'{"request": "not an answer"}')
     elif hostile == "no programs":
         box.answer(_answer(request, sha, answer={"rationale": "nothing"}))
     else:
