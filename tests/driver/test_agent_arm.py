@@ -527,14 +527,6 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(fake_clock):
     assert [s["update"] for s in agent["stages"]] == [s["update"] for s in plain["stages"]] == [64, 128, 192, 256]
     assert [s["budget_used"] for s in agent["stages"]] == [s["budget_used"] for s in plain["stages"]]
     assert [s["charge"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")] == CHARGES
-    # the training seconds leave the waiting out: they are the timed updates' seconds and nothing else, and no
-    # timed update held one of the 8 waits of SLEEP (a digits update takes about a millisecond); compared with
-    # the rows, not with the plain arm's seconds, so a loaded machine cannot fail it
-    assert agent["seconds"]["train_cpu"] == plain["seconds"]["train_cpu"] == 1.0
-    walls = [s["wall"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")]
-    assert agent["seconds"]["train_wall"] == pytest.approx(sum(walls), rel=1e-6)
-    assert max(walls) < SLEEP, sorted(((w, i + 1) for i, w in enumerate(walls)), reverse=True)[:4]
-
     # decisions fall due by the fraction of the budget charged so far: the first update that reaches each one
     log = events(run_dir)
     fractions = log[0]["schedule"]
@@ -544,6 +536,17 @@ def test_the_agents_waiting_is_not_charged_to_the_budget(fake_clock):
         if update not in due:
             due.append(update)
     assert [e["update"] for e in log if e["kind"] == "requested"] == due
+
+    # the training seconds leave the waiting out: they are the timed updates' seconds and nothing else, and neither
+    # timed update beside a decision (the one it fell due at, the one after its wait) held its wait of SLEEP (a
+    # digits update takes about a millisecond); compared with the rows, not with the plain arm's seconds, and only
+    # beside the decisions, where a wait would land, so that a loaded machine's stall elsewhere cannot fail it
+    # (once, an update far from any decision took 0.107 s in CI)
+    assert agent["seconds"]["train_cpu"] == plain["seconds"]["train_cpu"] == 1.0
+    walls = [s["wall"] for s in read_steps(run_dir / "training" / "steps.jsonl.gz")]
+    assert agent["seconds"]["train_wall"] == pytest.approx(sum(walls), rel=1e-6)
+    beside = {update: walls[update - 1] for at in due for update in (at, at + 1) if update <= len(walls)}
+    assert max(beside.values()) < SLEEP, sorted(((w, u) for u, w in beside.items()), reverse=True)[:4]
 
 
 def test_no_agent_record_is_written_inside_a_timed_update(fake_clock):
