@@ -36,7 +36,7 @@ from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 # everything.
 # Listed heaviest first (CPU seconds, or wall for those that mostly wait, as measured by a whole run): the tests are
 # handed to the xdist workers module by module in this order, then the fast modules, so that the last modules to
-# start are small ones and both workers finish together (the Makefile passes --no-loadscope-reorder, which would
+# start are small ones and the workers finish together (the Makefile passes --no-loadscope-reorder, which would
 # otherwise order modules by their number of tests and leave a long two-test module such as Slurm's to the end).
 SLOW_MODULES = (
     "compare/test_controls_nanogpt.py", "driver/test_agent_never_acted.py", "driver/test_agent_arm.py",
