@@ -27,12 +27,18 @@ BURN_ITERATIONS = 3_000_000  # about 0.3 s of one core here (the test measures i
 
 
 def burn_cpu_seconds() -> float:
-    """The CPU seconds the programs' ``burn()`` takes when this test runs it itself."""
+    """The CPU seconds the programs' ``burn()`` takes when this test runs it itself: the least of three, since on a
+    loaded machine the same loop's CPU seconds vary by a third from one run to the next (0.085 counted against a
+    single 0.123 here once). The tests ask for half of it where it is counted, and keep 0.7 of it as the line under
+    which what holds no burn stays."""
     namespace: dict = {}
     exec(compile(f"BURN_ITERATIONS = {BURN_ITERATIONS}\n" + BURN, "burn", "exec"), namespace)
-    started = time.process_time()
-    namespace["burn"]()
-    return time.process_time() - started
+    seconds = []
+    for _ in range(3):
+        started = time.process_time()
+        namespace["burn"]()
+        seconds.append(time.process_time() - started)
+    return min(seconds)
 
 
 def burning_updater(opal, where: str) -> str:
@@ -51,7 +57,7 @@ def test_cpu_burnt_in_build_at_a_decision_is_charged_outside_the_updates(opal, r
     assert optimizer.current.number == 1
     cpu, wall = optimizer.take_outside_charge()
     burnt = burn_cpu_seconds()
-    assert cpu >= 0.7 * burnt and wall >= 0.7 * burnt, (cpu, wall, burnt)
+    assert cpu >= 0.5 * burnt and wall >= 0.5 * burnt, (cpu, wall, burnt)
     assert optimizer.take_outside_charge() == (0.0, 0.0)  # taken once
     figures = optimizer.figures()["agent_code_seconds"]
     assert figures["outside_updates"] == {"cpu": cpu, "wall": wall}
@@ -67,7 +73,8 @@ def test_cpu_burnt_in_the_analysis_is_counted_inside_the_updates(opal, run_dir):
     opal.train(model, optimizer, 10, between=True)  # v001 from update 5; its analysis after update 9
     burnt = burn_cpu_seconds()
     figures = optimizer.figures()["agent_code_seconds"]
-    assert figures["inside_updates"]["cpu"] >= 0.7 * burnt and figures["inside_updates"]["wall"] >= 0.7 * burnt
+    assert figures["inside_updates"]["cpu"] >= 0.5 * burnt and figures["inside_updates"]["wall"] >= 0.5 * burnt, \
+        (figures, burnt)
     cpu, wall = optimizer.take_outside_charge()
     assert cpu < 0.7 * burnt and cpu == figures["outside_updates"]["cpu"]  # its top levels and build() only
     optimizer.close()
