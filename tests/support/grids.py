@@ -34,17 +34,20 @@ ARMS = {"adamw": {"optimizer": {"name": "AdamW", "lr": 1.0e-3}},
 
 GATED_TASK = '''
 import os
+import sys
 import time
 from pathlib import Path
 
-from opalctl.driver.run import StopSignals
 from opalctl.tasks.digits import Digits
 
 CALLS = [0]
 
 
 def stop_asked():
-    return StopSignals.active is not None and bool(StopSignals.active.asked)
+    # read from the training process's own run module: the evaluator, which imports this task too, never loads it
+    run = sys.modules.get("opalctl.driver.run")
+    active = run.StopSignals.active if run is not None else None
+    return active is not None and bool(active.asked)
 
 
 class GatedDigits(Digits):
