@@ -168,7 +168,9 @@ def test_an_answer_that_did_not_load_counts_in_the_expected_lag(opal, run_dir):
     broken = "def build(params, previous, spec):\n    return None\n"  # no step(): load_failed
     optimizer = wrap(opal.adamw(model), model, backend=opal.Writer(updater=broken, always=True), decisions=2,
                      schedule=[0.2, 0.6], blocking="auto", max_lag=1000, total_steps=100, run_dir=run_dir)
-    opal.train(model, optimizer, 100)
+    # each update sleeps a little, so that the answer, read in a thread, comes during the 40 updates left after
+    # the second request even on a loaded machine (else it arrives after the last update: late, never loaded)
+    opal.train(model, optimizer, 100, sleep=0.01)
     optimizer.close()
     requested = opal.of_kind(run_dir, "requested")
     answered = opal.of_kind(run_dir, "load_failed")
