@@ -10,6 +10,9 @@ every arm and added up the same way on every run, resumed or not. Two pieces do 
   reached, and says when the budget is spent. An update is never cut short: the run stops after the first update
   whose charge reaches 100 %, and the excess is kept as ``overshoot``.
 
+A run's loop holds the two together as its ``TrainingBudget``, with the charge of agent code that ran outside the
+timed updates (``PendingCharge``), which the next update carries.
+
 Floating point. A boundary is reached when ``used / total >= fraction``: the running sum of the charges, in the
 order they were made, divided by the total, compared with the fraction exactly as the protocol wrote it. Both
 sides are computed the same way every time (the sum is restored bit for bit on resume, and ``fraction_used`` is
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from opalctl.errors import BadInput, OpalctlError
@@ -263,6 +268,22 @@ class ChargingClock:
         if self.pending.amount:
             charge, self.pending.amount = charge + self.pending.amount, 0.0
         return charge
+
+
+@dataclass
+class TrainingBudget:
+    """One run's budget as its loop charges it: the ``meter`` the updates fill, the ``clock`` that times each one (an
+    agent arm's a ``ChargingClock`` over ``pending``, under torchrun the ranks' combined charge), and ``pending``,
+    the agent code's charge the next update carries, priced by the protocol's clock (``Clock.agent_code_charge``)."""
+
+    meter: BudgetMeter
+    clock: Any  # a Clock, or a clock that wraps one (ChargingClock, driver/ranks.py's combined clock)
+    pending: PendingCharge
+    price_agent_code: Callable[[float, float], float]
+
+    def charge_agent_code(self, cpu_seconds: float, wall_seconds: float) -> None:
+        """Agent code ran outside the timed updates for these seconds: the next update carries its charge."""
+        self.pending.amount += self.price_agent_code(cpu_seconds, wall_seconds)
 
 
 def make_clock(name: str, device: Any = None) -> Clock:

@@ -71,8 +71,8 @@ from typing import Any
 from opalctl import checkpoints
 from opalctl.compare.aggregate import read_report
 from opalctl.compare.decisions import RunEnding
-from opalctl.driver.arm import Schedule, make_update, wrap_agent
-from opalctl.driver.budget import BudgetMeter, ChargingClock, PendingCharge, clock_spec, make_clock
+from opalctl.driver.arm import make_update, wrap_agent
+from opalctl.driver.budget import BudgetMeter, ChargingClock, PendingCharge, TrainingBudget, clock_spec, make_clock
 from opalctl.driver.build import build_arm, check_device, choose_arm, peak_memory_bytes
 from opalctl.driver.evaluation import rng_state, set_rng_state
 from opalctl.driver.evaluator import EvaluatorProcess
@@ -359,18 +359,16 @@ def check_steps(path: Path, found, carried: Carried, resume: Path) -> None:
 class BudgetLoop:
     """Steps 4 and 5 of the module docstring: the budget loop over the parts, its stages and its checkpoints."""
 
-    def __init__(self, protocol, arm, parts, agent, meter, clock, ledger: Ledger, evaluator: EvaluatorProcess,
+    def __init__(self, protocol, parts, agent, budget: TrainingBudget, ledger: Ledger, evaluator: EvaluatorProcess,
                  steps: StepsWriter, carried: Carried, layout: RunLayout, progress: Callable[..., None],
-                 say: Callable[[str], None], ranks: Ranks | None = None, pending: PendingCharge | None = None):
-        self.protocol, self.arm, self.parts, self.agent = protocol, arm, parts, agent
-        self.meter, self.clock, self.ledger, self.evaluator, self.steps = meter, clock, ledger, evaluator, steps
+                 say: Callable[[str], None], ranks: Ranks | None = None):
+        self.protocol, self.parts, self.agent, self.budget = protocol, parts, agent, budget
+        self.ledger, self.evaluator, self.steps = ledger, evaluator, steps
         self.carried, self.layout = carried, layout
         self.progress, self.say = progress, say
         # under torchrun rank 0 alone acts on stages and writes; the others wait for it (driver/ranks.py)
         self.ranks = ranks or Ranks()
-        self.agent_code_charge = clock_spec(protocol.budget.clock).agent_code_charge
-        self.pending = pending or PendingCharge()  # what the agent arm's ChargingClock adds to the next update
-        self.saved_at = meter.updates  # the update of the last resume checkpoint (a resume starts at its own)
+        self.saved_at = budget.meter.updates  # the update of the last resume checkpoint (a resume starts at its own)
         self.stop_asked: list[int] = []  # StopSignals.asked while the loop runs
 
     def run(self, first_checkpoint: bool, session: tuple[float, float]) -> TrainingFacts:
@@ -395,9 +393,9 @@ class BudgetLoop:
             if self.stop_asked:  # it came after the last update's look: the checkpoint at that update is there
                 raise KeyboardInterrupt
         except KeyboardInterrupt:
-            if stops is not None and self.saved_at != self.meter.updates:
+            if stops is not None and self.saved_at != self.budget.meter.updates:
                 # what the resume trains again, and why no checkpoint was written at the stop, for the sentence
-                stops.lost = (self.saved_at, self.meter.updates,
+                stops.lost = (self.saved_at, self.budget.meter.updates,
                               stops.at_once_span or f"before the update in progress ended (it waited "
                                                     f"{STOP_WAIT_SECONDS:g} s)")
             raise
@@ -407,7 +405,7 @@ class BudgetLoop:
         self.ledger.take(self.steps.take_sums())
         figures = self.agent.close() if self.agent is not None else None
         self.ledger.loop_ends()
-        meter = self.meter
+        meter = self.budget.meter
         return TrainingFacts(
             updates=meter.updates, budget_total=meter.total, budget_used=meter.used, overshoot=meter.overshoot,
             ledger=self.ledger.figures(), rows_digest=self.steps.seen, agent=figures,
@@ -422,14 +420,14 @@ class BudgetLoop:
 
         from opalctl.opal.observer import StepLearningRates  # imports torch
 
-        parts, meter, agent = self.parts, self.meter, self.agent
+        parts, meter, agent = self.parts, self.budget.meter, self.agent
         # The loop body runs once per update, and everything it does between two updates costs several times what
         # it would in a tight loop (the caches hold the model's work; see records.py): what does not change is
         # looked up once here, and a call is avoided wherever an inline operation does the same.
         update = make_update(parts.task, self.ranks.for_update(parts.model), parts.optimizer, parts.clip,
                              pass_loss=agent is not None)
         next_batch = parts.sampler.next_batch
-        clock_start, clock_stop = self.clock.start, self.clock.stop
+        clock_start, clock_stop = self.budget.clock.start, self.budget.clock.stop
         charge_meter = meter.charge
         # a formats.StepRow per update, appended as a plain tuple rather than through StepsWriter.add: the loss
         # as a number on the CPU, where reading it costs no synchronisation, and detached elsewhere; the batch's
@@ -444,7 +442,7 @@ class BudgetLoop:
         needs_boundary = agent.needs_boundary if agent is not None else None
         if agent is not None:
             self._take_agent_code()  # what a resume's load_state_dict ran
-        apply_schedule = None if Schedule.of(self.arm.schedule).constant else parts.schedule.apply  # constant: set once
+        apply_schedule = None if parts.schedule.schedule.constant else parts.schedule.apply  # constant: set once
         perf_counter, progress = time.perf_counter, self.progress
         asked = self.stop_asked  # a stop signal's, read after each update (StopSignals)
         last_progress = 0.0
@@ -482,7 +480,7 @@ class BudgetLoop:
     def _stop_here(self) -> None:
         """A stop signal arrived during the update that just ended: the resume checkpoint at it (unless this
         update wrote one), the very one a periodic checkpoint here would be, then the stop."""
-        if self.saved_at != self.meter.updates:
+        if self.saved_at != self.budget.meter.updates:
             self._boundary([])
         raise KeyboardInterrupt
 
@@ -496,8 +494,7 @@ class BudgetLoop:
         """The agent code that ran outside the timed updates since the last look (a program built at a decision,
         its state taken at a checkpoint, loaded at a resume), charged with the next update on the clocks that
         charge time: agent code never runs off the budget (docs/architecture.md)."""
-        cpu, wall = self.agent.take_outside_charge()
-        self.pending.amount += self.agent_code_charge(cpu, wall)
+        self.budget.charge_agent_code(*self.agent.take_outside_charge())
 
     def _boundary(self, reached: list[int]) -> float:
         """The stages this update reached, then a resume checkpoint; returns where the next checkpoint is due."""
@@ -505,7 +502,7 @@ class BudgetLoop:
             self.ranks.lead_alone(lambda: self.stage(reached))
         every = self.protocol.training.checkpoint_every
         carried = self.carried
-        while carried.next_checkpoint * every - 1e-9 <= self.meter.fraction_used:
+        while carried.next_checkpoint * every - 1e-9 <= self.budget.meter.fraction_used:
             carried.next_checkpoint += 1
         self.write_resume()
         return carried.next_checkpoint * every - 1e-9
@@ -514,7 +511,7 @@ class BudgetLoop:
         """Save the stages' checkpoint and have the evaluator judge it. What it answers is the stages it recorded;
         the results themselves reach this process only for an arm without an agent (an agent arm's training
         process runs agent code, which must not learn them: they are in the evaluator's stage records)."""
-        ledger, meter, carried = self.ledger, self.meter, self.carried
+        ledger, meter, carried = self.ledger, self.budget.meter, self.carried
         with ledger.outside():
             ledger.take(self.steps.take_sums())
             with ledger.outside("checkpoint_wall"):
@@ -558,8 +555,8 @@ class BudgetLoop:
             if states is not None:
                 extra["ranks"] = states
             checkpoints.save(self.layout.resume, self.parts.model.state_dict(), kind="resume",
-                             extra=extra, meta={"update": self.meter.updates})
-        self.saved_at = self.meter.updates
+                             extra=extra, meta={"update": self.budget.meter.updates})
+        self.saved_at = self.budget.meter.updates
 
     def _loop_state(self) -> dict[str, Any]:
         """The state a resume continues from; call it after ``steps.finish_sync`` (every line on the disk)."""
@@ -570,10 +567,10 @@ class BudgetLoop:
             self._take_agent_code()  # the programs' state_dict(), charged with the update after this checkpoint
         return {
             "optimizer": optimizer,
-            "agent_charge": self.pending.amount,
+            "agent_charge": self.budget.pending.amount,
             "sampler": parts.sampler.state_dict(),
             "schedule": parts.schedule.state_dict(),
-            "meter": self.meter.state_dict(),
+            "meter": self.budget.meter.state_dict(),
             "rng": rng_state(),
             "totals": self.ledger.state_dict(),
             "stages": carried.stages,
@@ -609,7 +606,6 @@ class FormalRun:
         self.command = replace(command or RunCommand(str(lock.path), arm_name, seed, str(runs_dir)),
                                ranks=self.protocol.training.ranks)
         self.ranks: Ranks = Ranks()
-        self.pending = PendingCharge()  # agent code's charge from outside the updates (driver/budget.py)
 
     def execute(self, resume: bool = False, restart: bool = False) -> dict[str, Any]:
         """The run; ``resume`` continues it from its resume checkpoint, ``restart`` starts a started one again
@@ -656,7 +652,8 @@ class FormalRun:
 
     def _train(self, evaluator: EvaluatorProcess | None, resume: bool, lock_handle, session) -> dict[str, Any]:
         protocol, layout, ranks = self.protocol, self.layout, self.ranks
-        parts, agent, meter, clock = self._build()
+        parts, agent, budget = self._build()
+        meter = budget.meter
         # the secrets `opalctl run` started again without (opal/handover.py): the agent host has read them, if the
         # arm has one; this process never does, and closes its end before anything it runs could
         release_secrets()
@@ -670,9 +667,9 @@ class FormalRun:
             carried = restore(layout, parts, meter, ledger, protocol.limits.checkpoint_bytes, ranks) \
                 if resuming else Carried()
             steps = FollowerSteps()
-        self.pending.amount = carried.agent_charge
-        loop = BudgetLoop(protocol, self.arm, parts, agent, meter, clock, ledger, evaluator, steps, carried,
-                          layout, self.progress, self.say, ranks, self.pending)
+        budget.pending.amount = carried.agent_charge
+        loop = BudgetLoop(protocol, parts, agent, budget, ledger, evaluator, steps, carried, layout, self.progress,
+                          self.say, ranks)
         if evaluator is not None:
             evaluator.advice = "resume the run with --resume"  # from its first resume checkpoint on
         try:
@@ -731,16 +728,18 @@ class FormalRun:
         return carried, steps
 
     def _build(self):
-        """Step 3: the arm's parts from the train split (this rank's sampler), its budget meter and clock (its
-        charges combined over the ranks), and the agent optimizer for an agent arm."""
+        """Step 3: the arm's parts from the train split (this rank's sampler), its budget (the meter, and the clock
+        whose charges are combined over the ranks), and the agent optimizer for an agent arm."""
         protocol, device = self.protocol, self.protocol.training.device
         parts = build_arm(protocol, self.arm, self.seed, self.lock.parent_path(self.seed),
                           {"train": self.lock.data_path("train")}, rank=self.ranks.rank)
         meter = BudgetMeter(protocol.budget.amount * self.arm.budget_multiplier, list(protocol.budget.fractions))
         clock = (self.clock_factory or (lambda name: make_clock(name, device)))(protocol.budget.clock)
+        pending = PendingCharge()  # agent code's charge from outside the updates (driver/budget.py)
         if self.arm.agent is not None:
-            clock = ChargingClock(clock, self.pending)
-        clock = self.ranks.reduced(clock, clock_spec(protocol.budget.clock).combine)
+            clock = ChargingClock(clock, pending)
+        spec = clock_spec(protocol.budget.clock)
+        budget = TrainingBudget(meter, self.ranks.reduced(clock, spec.combine), pending, spec.agent_code_charge)
         agent = None
         if self.arm.agent is not None:
             # the agent optimizer wraps the arm's own optimizer: clipping is handed over to its starting program
@@ -749,7 +748,7 @@ class FormalRun:
                                layout=self.layout, clip=parts.clip, budget=protocol.budget,
                                world=self.ranks.world)
             parts = replace(parts, optimizer=agent, clip=None)
-        return parts, agent, meter, clock
+        return parts, agent, budget
 
 
 def confine_training(layout: RunLayout, protocol) -> dict[str, Any] | None:
