@@ -74,7 +74,6 @@ def run_grid(lock_path: str | os.PathLike, *, arms: list[str] | None = None, see
 def _execute(executor: str, plan: GridPlan, jobs: int, pending: list[GridRun], resume: set[GridRun], notify,
              stop: StopRequest, settings) -> dict[GridRun, RunOutcome]:
     if executor == "local":
-
         return LocalPool(plan, jobs, notify, stop).run(pending, resume)
 
     return SlurmArray(plan, jobs, notify, stop, settings or SlurmSettings()).run(pending, resume)

@@ -189,7 +189,6 @@ class LocalLine(AgentLine):
 
     def close(self) -> None:
         if self.scratch:
-
             shutil.rmtree(self.workspace, ignore_errors=True)
 
 
@@ -201,7 +200,6 @@ class HostedLine(AgentLine):
 
     def __init__(self, backend, prompt_text: str, redaction: Callable[[str], str], agent_dir: Path, scratch: bool,
                  secrets: list[str] | None = None):
-
         super().__init__(backend, prompt_text, redaction)
         self.agent_dir, self.scratch = Path(agent_dir), scratch
         self.host = AgentHost(backend.recipe(), workspace=self.agent_dir / WORKSPACE, records=self.agent_dir,
@@ -227,7 +225,6 @@ class HostedLine(AgentLine):
     def close(self) -> None:
         self.host.stop()
         if self.scratch:
-
             shutil.rmtree(self.agent_dir, ignore_errors=True)
 
 
@@ -445,7 +442,6 @@ class Decisions:
         facts = self._facts(reason, number, t)
         notes_before, noted = self.state.notes_read, {}
         if self.notes is not None:
-
             taken = read_new(self.notes, notes_before)
             self.state.notes_read = taken.last
             if taken.notes:
@@ -613,8 +609,8 @@ class Decisions:
             queued = state.inflight.reason if queued is None else f"{state.inflight.reason}; {queued}"
         return {"schedule": self.schedule.state_dict(), "counts": counts, "wake_reason": state.wake_reason,
                 "queued_reason": queued, "last_decision_update": state.last_decision_update,
-                "unobserved_at_last_decision": state.unobserved_at_last_decision, "last_change": state.last_change, "answer_seconds": list(state.answer_seconds),
-                "notes_read": notes_read}
+                "unobserved_at_last_decision": state.unobserved_at_last_decision, "last_change": state.last_change,
+                "answer_seconds": list(state.answer_seconds), "notes_read": notes_read}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.schedule.load_state_dict(saved["schedule"])

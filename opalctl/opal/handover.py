@@ -97,7 +97,6 @@ def reexec_without_secrets(arguments: list[str]) -> None:
 def _fill(fd: int, payload: bytes) -> None:
     """Write ``payload`` whole into the pipe ``fd`` without blocking (nobody reads it before the host starts)."""
     if len(payload) > 65536:
-
         try:
             fcntl.fcntl(fd, F_SETPIPE_SZ, len(payload))
         except OSError:

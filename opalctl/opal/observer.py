@@ -307,7 +307,6 @@ class IntegrityWatch:
     each update; an evaluation opens a check of the window around it) and its findings."""
 
     def __init__(self, named: dict[str, torch.Tensor], records, enabled: bool):
-
         self.recorder = IntegrityRecorder(named, seed=0) if enabled else None
         self.findings: list[dict[str, Any]] = []
         self.records = records

@@ -103,7 +103,6 @@ def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | 
     version = slots.start(sources or default_sources(), released=not changed)
     records.save_program(0, version.files)
     if changed:
-
         sys.stderr.write("opal: warning: the agent's defaults differ from the released ones ("
                          + ", ".join(f"{k} {v}" for k, v in changed.items()) + "); this run records it\n")
     records.event(Event.START, update=0, **settings, every=version.every, defaults_sha256=current(),

@@ -342,7 +342,6 @@ class HostRecords:
 
 
 def program_sha256(text: str) -> str:
-
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -367,7 +366,6 @@ class DecisionRecord:
         return (self.folder / ANSWER).is_file()
 
     def text(self, name: str) -> str | None:
-
         try:  # never a FIFO waited on, nor a device read without end (files.read_plain)
             return read_plain(self.folder / name, PROGRAM_MAX_BYTES).decode("utf-8")
         except (OSError, UnicodeDecodeError):
@@ -401,7 +399,6 @@ class DecisionRecord:
 
     @staticmethod
     def _checked(path: Path, sha256: str | None) -> str:
-
         try:
             text = read_bounded(path, PROGRAM_MAX_BYTES, "the agent host's record is damaged").decode("utf-8")
         except UnicodeDecodeError as error:

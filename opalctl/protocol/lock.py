@@ -95,7 +95,6 @@ class Lock:
         """Where a record's file is now: relative to the lock, to the installed opalctl, or to a module's folder."""
         base = record.get("base")
         if base == "opalctl":
-
             return Path(opalctl.__file__).resolve().parent / record["path"]
         if base == "module":
             try:

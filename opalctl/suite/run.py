@@ -27,7 +27,6 @@ def open_suite(target: str | Path, folder: str | Path | None = None) -> SuiteLoc
     target = Path(target)
     if target.name.endswith(SUFFIX):
         if folder is not None:
-
             raise BadInput(f"--dir names where a suite file's tasks go; {target} is a suite lock already, so leave "
                            f"--dir out")
         return read_suite_lock(target)

@@ -201,7 +201,6 @@ class AnthropicBackend(Backend):
 
     # -- one decision ------------------------------------------------------------------------------------------
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-
         deadline = time.monotonic() + self.seconds_per_decision
         space = Workspace(workspace, redaction=SecretRedaction(self.secrets(), environ=os.environ))
         running = {name: read_program(Path(workspace), name)[0] for name in PROGRAM_FILES}

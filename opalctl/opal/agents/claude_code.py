@@ -171,7 +171,6 @@ class ClaudeCodeBackend(Backend):
     def _without_prompt(self, message: str) -> str:
         prompts = [self.prompt_text] if self.prompt_text else []
         if not prompts:
-
             prompts = [prompt_text("neutral"), prompt_text("aggressive")]
         for prompt in prompts:
             if message.startswith(prompt):

@@ -111,7 +111,6 @@ def dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | No
 
 
 def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | None) -> str | None:
-
     sources = {}
     for name in PROGRAM_FILES:
         if not os.path.lexists(Path(workspace) / name):

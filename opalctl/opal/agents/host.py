@@ -316,7 +316,6 @@ class Host:
     redaction), its workers, and the decisions asked so far; ``receive`` takes one line of its input."""
 
     def __init__(self, start: dict[str, Any], reply):
-
         recipe, limit, secrets = start.get("recipe"), start.get("limit"), start.get("secrets", [])
         if not (isinstance(recipe, dict) and isinstance(recipe.get("backend"), str)):
             raise StartRefused("the start names no backend recipe")
@@ -428,7 +427,6 @@ class Host:
             self.reply({"id": number, "answer": answer.to_json()})
 
     def _work(self, number: int, request: dict[str, Any]) -> tuple[Answer, bool]:
-
         started = time.monotonic()
         redaction = self.redaction
         message = redaction(request["message"])
@@ -480,7 +478,6 @@ def serve(requests, replies, handover_fd: int | None = None) -> int:
     """The host's loop: the handed-over keys taken, the start read, then ``requests`` lines in and ``replies``
     lines out, until the input ends."""
     if handover_fd is not None:
-
         take(handover_fd)
     lock = threading.Lock()
 

@@ -66,7 +66,6 @@ class MailboxBackend(Backend):
 
     def __init__(self, mailbox: str | None = None, answered_by: str | None = None, queue_seconds: float = 600.0,
                  prompt_text: str | None = None, session: str | None = None, **answering: Any):
-
         if not mailbox:
             raise BadInput("agent backend 'mailbox' needs arms.NAME.agent.mailbox, the mailbox folder that "
                            "`opalctl agent serve` answers")
@@ -98,7 +97,6 @@ class MailboxBackend(Backend):
         return {"backend": self.name, "mailbox": self.mailbox, "answered_by": answering}
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
-
         box = Mailbox(LocalMailboxFolder(self.mailbox))
         box.prepare()
         return Asking(box, self, Path(workspace), message, facts).wait()
@@ -108,7 +106,6 @@ class Asking:
     """One decision asked in the mailbox: the request posted, answers checked as they come, the request withdrawn."""
 
     def __init__(self, box, backend: MailboxBackend, workspace: Path, message: str, facts: dict[str, Any]):
-
         self.box, self.backend, self.workspace = box, backend, workspace
         self.started = time.time()
         label = run_label(workspace)

@@ -73,7 +73,6 @@ def from_protocol(agent) -> Backend:
     """The backend of a protocol's agent section (``opalctl.protocol.schema.AgentSpec``), with the keys it reads."""
     found = find(agent.backend)
     if found is None:  # the schema refuses such a protocol; a lock written by another opalctl may still hold one
-
         raise BadInput(f"agent backend {agent.backend!r} is not available in this version of opalctl; use "
                        f"{spellings()}")
     kind, argument = found
@@ -81,7 +80,6 @@ def from_protocol(agent) -> Backend:
     if kind.options is not None:
         options = {key: getattr(agent, key) for key in kind.options.model_fields}
     if kind.prompted:
-
         options["prompt_text"] = prompt_text(agent.prompt)
     return kind.factory(argument, **options) if kind.argument else kind.factory(**options)
 

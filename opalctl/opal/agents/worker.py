@@ -62,7 +62,6 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # whatever the backend prints goes to standard error, not into the answer
     if argv and argv[0]:
-
         registry.find(argv[0])  # import the backend's module while the decision is not yet asked
     question = json.loads(sys.stdin.read())
     out.write(json.dumps(answer(question), default=str))

@@ -60,7 +60,6 @@ class Server:
     def __init__(self, folder: MailboxFolder, backend: str, *, model: str | None = None, max_concurrent: int = 4,
                  lease_seconds: float = LEASE_SECONDS, poll_seconds: float = POLL_SECONDS,
                  show: Callable[[dict[str, Any]], None] = lambda event: None):
-
         found = registry.find(backend)
         if found is None or not found[0].waits or backend == "mailbox":
             raise BadInput(f"--backend {backend!r} is no backend a mailbox can be answered by; use anthropic")
