@@ -11,9 +11,12 @@ from opalctl.driver.budget import (
     BudgetMeter,
     BudgetMismatch,
     BudgetSpent,
+    ChargingClock,
     Clock,
     CpuClock,
     GpuClock,
+    PendingCharge,
+    TrainingBudget,
     UnknownClock,
     UpdatesClock,
     WallClock,
@@ -90,6 +93,19 @@ def test_whole_updates_land_where_the_fraction_says():
     # 0.28 * 25 is 7.000000000000001 in floating point; the boundary must still be update 7
     meter = BudgetMeter(25, [0.28, 0.56, 1.0])
     assert run(meter, UpdatesClock()) == {7: [0], 14: [1], 25: [2]}
+
+
+@pytest.mark.parametrize(("clock", "charged"), [(UpdatesClock, 0.0), (CpuClock, 0.25), (WallClock, 2.0)])
+def test_agent_code_outside_the_updates_is_charged_once_with_the_next_update_at_its_clocks_price(clock, charged):
+    """0.25 CPU seconds over 2 wall seconds of a program's build(): the next update carries what the clock prices
+    them at (CPU seconds, wall seconds, or nothing on the updates clock), and the one after it nothing more."""
+    pending = PendingCharge()
+    budget = TrainingBudget(BudgetMeter(100.0, [1.0]), ChargingClock(UpdatesClock(), pending), pending,
+                            clock.agent_code_charge)
+    budget.charge_agent_code(0.25, 2.0)
+    assert pending.amount == charged
+    assert [budget.clock.stop(budget.clock.start()) for _ in range(2)] == [1.0 + charged, 1.0]
+    assert pending.amount == 0.0
 
 
 def test_zero_charges_are_allowed_but_never_reach_a_boundary():
