@@ -121,7 +121,6 @@ class AgentOptimizer(torch.optim.Optimizer):
         self.settings = settings
         backend = make_backend(settings.backend)
         cap = CostCap.of(settings.max_cost_usd, backend.describe())  # refused before anything is started
-        self.model = model
         self.named = OrderedDict((name, p) for name, p in model.named_parameters() if p.requires_grad)
         optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [name for name, p in self.named.items() if id(p) not in optimized]
@@ -330,8 +329,8 @@ class AgentOptimizer(torch.optim.Optimizer):
     def _audited_step(self, version: Version, ctx: StepContext) -> None:
         """The second update of each version runs under the profiler once: outermost operator calls and, on CUDA,
         host synchronisations, shown to the agent beside the starting program's counts."""
-
-        counts = {"version": version.number, "update": self.t, **count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))}
+        counts = count_step(lambda: self.slots.run_step(version, self._grads, self.t, ctx))
+        counts = {"version": version.number, "update": self.t, **counts}
         self.slots.audited(counts)
         self.records.event(Event.AUDIT, **counts)
 
