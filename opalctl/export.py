@@ -148,7 +148,7 @@ def _add_events(writer, run_dir: Path, report: dict[str, Any], curve) -> None:
         if "budget_used" in stage:
             writer.add_scalar("budget/used", stage["budget_used"], stage["update"], walltime=seconds)
     layout = RunLayout.of(run_dir)
-    for decision in agent_decisions(layout.opal / "events.jsonl", layout.decisions) or []:
+    for decision in agent_decisions(layout.events, layout.decisions) or []:
         if decision.get("answered_at") is None:
             continue
         writer.add_text("agent/decisions", decision_text(decision), decision["answered_at"],

@@ -67,6 +67,10 @@ GRID_LOG = "grid.log"
 TRAINING, AGENT = "training", "agent"
 RESUME, STEPS, OPAL = "resume.pt", "steps.jsonl.gz", "opal"
 WORKSPACE, DECISIONS = "workspace", "decisions"
+# the agent optimizer's line-by-line records in opal/ (opal/records.py, opal/hangs.py write them), by stream
+OPAL_STREAM_FILES = {"events": "events.jsonl", "losses": "losses.jsonl", "reports": "reports.jsonl"}
+HUNG = "hung.jsonl"
+PROGRAMS = "programs"  # opal/programs/vNNN/: each version's programs as loaded (version_name)
 NOTES = "notes"
 ANCHOR, ANCHORS = "anchor.json", "anchors"
 REPORT_PAGE = "report.html"
@@ -83,6 +87,12 @@ def runs_dir_default(value: str | os.PathLike | None) -> Path:
 def stage_name(stage: int) -> str:
     """``stage-NN`` of stage number ``stage`` (1 for the first fraction)."""
     return f"stage-{stage:02d}"
+
+
+def version_name(number: int) -> str:
+    """``vNNN`` of the agent's program version ``number`` (0 the starting program): its folder beneath
+    ``opal/programs`` and its name in records and messages."""
+    return f"v{int(number):03d}"
 
 
 def name_problem(value: object) -> str | None:
@@ -288,6 +298,20 @@ class RunLayout:
     def opal(self) -> Path:
         """The agent optimizer's own records (events, losses, reports, programs as loaded, hung versions)."""
         return self.training / OPAL
+
+    @property
+    def events(self) -> Path:
+        """The agent optimizer's events, ``opal/events.jsonl``."""
+        return self.opal / OPAL_STREAM_FILES["events"]
+
+    def program_version(self, number: int) -> Path:
+        """The programs of version ``number`` as the training process loaded them, ``opal/programs/vNNN``."""
+        return self.opal / PROGRAMS / version_name(number)
+
+    @property
+    def hung(self) -> Path:
+        """The versions whose calls hung, ``opal/hung.jsonl`` (opal/hangs.py)."""
+        return self.opal / HUNG
 
     def name_of(self, path: Path) -> str:
         """``path`` as a record names it: relative to the run folder (``training/stage-01.pt``)."""

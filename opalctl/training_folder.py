@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from opalctl.files import size_text
-from opalctl.layout import OPAL, RESUME, STEPS, RunLayout
+from opalctl.layout import DECISIONS, HUNG, OPAL, OPAL_STREAM_FILES, PROGRAMS, RESUME, STEPS, WORKSPACE, RunLayout
 from opalctl.opal.programs import PROGRAM_FILES
 
 AUTO = "auto"
@@ -36,13 +36,13 @@ RECORDS_BYTES = 1 << 30  # auto: room for the steps file and the agent optimizer
 
 FILE, WHOLE = "file", "whole"  # a regular file of the run; a folder kept with everything in it
 STAGE_CHECKPOINT = re.compile(r"^stage-\d{2,}\.pt$")  # layout.stage_name: two digits or more
-RECORD_STREAMS = ("events.jsonl", "losses.jsonl", "reports.jsonl", "hung.jsonl")  # opal/records.py, opal/hangs.py
+RECORD_STREAMS = (*OPAL_STREAM_FILES.values(), HUNG)  # opal/records.py, opal/hangs.py
 DECISION_FILES = ("message.md", "response.md", "meta.json", "transcript.json")  # opal/decisions.py's apply
 OWN = {  # the run's own tree beneath training/: a name (or a pattern) to FILE, WHOLE or the tree beneath it
     STAGE_CHECKPOINT: FILE, RESUME: FILE, STEPS: FILE,
-    OPAL: {**dict.fromkeys(RECORD_STREAMS, FILE), "workspace": WHOLE,
-           "programs": {re.compile(r"^v\d{3,}$"): dict.fromkeys(PROGRAM_FILES, FILE)},
-           "decisions": {re.compile(r"^\d{3,}$"): dict.fromkeys(DECISION_FILES, FILE)}},
+    OPAL: {**dict.fromkeys(RECORD_STREAMS, FILE), WORKSPACE: WHOLE,
+           PROGRAMS: {re.compile(r"^v\d{3,}$"): dict.fromkeys(PROGRAM_FILES, FILE)},  # layout.version_name
+           DECISIONS: {re.compile(r"^\d{3,}$"): dict.fromkeys(DECISION_FILES, FILE)}},
 }
 
 

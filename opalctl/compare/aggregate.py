@@ -35,7 +35,6 @@ from opalctl.errors import BadInput
 from opalctl.files import read_plain
 from opalctl.formats import EVENTS_MAX_BYTES, REPORT_MAX_BYTES, RecordDamaged, read_record
 from opalctl.layout import LockRuns, RunLayout, runs_dir_default
-from opalctl.opal.hangs import HUNG_FILE
 from opalctl.opal.notes import notes_flag
 from opalctl.protocol.control import control_locks
 from opalctl.protocol.lock import read_lock
@@ -297,7 +296,7 @@ def _hung(base: Path, arm: str, reports: dict[int, dict]) -> dict[int, int]:
     """seed -> the program versions that hung in that run (its ``hung.jsonl``, the agent optimizer's record)."""
     counted = {}
     for seed in reports:
-        path = RunLayout(base / arm / f"seed-{seed}").opal / HUNG_FILE
+        path = RunLayout(base / arm / f"seed-{seed}").hung
         try:
             counted[seed] = sum(1 for line in read_plain(path, EVENTS_MAX_BYTES).splitlines() if line.strip())
         except OSError:  # none hung (or the record is not a file that reads: a FIFO, a device)

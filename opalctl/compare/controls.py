@@ -192,7 +192,7 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any]
     layout = RunLayout(run_dir)
     found = RunEquivalence(seed=seed)
     try:
-        events = list(read_jsonl(layout.opal / "events.jsonl"))
+        events = list(read_jsonl(layout.events))
     except (OSError, OpalctlError) as error:
         found.reason = f"its events cannot be read ({error})"
         return found
@@ -204,7 +204,7 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any]
     found.applied = len(versions) - 1
     switches = []
     for update, version in versions:
-        folder = layout.opal / "programs" / f"v{version:03d}"
+        folder = layout.program_version(version)
         try:
             updater = (folder / "updater.py").read_text(encoding="utf-8")
             analysis = (folder / "analysis.py").read_text(encoding="utf-8")

@@ -97,7 +97,7 @@ class DecisionTally:
     def read(cls, run_dir: str | Path) -> DecisionTally | None:
         """The counts of the run in ``run_dir``; None for a run with no agent (a fixed arm's)."""
         layout = RunLayout.of(Path(run_dir))
-        entries = agent_decisions(layout.opal / "events.jsonl", layout.decisions)
+        entries = agent_decisions(layout.events, layout.decisions)
         return None if entries is None else cls.of_entries(entries)
 
     @classmethod

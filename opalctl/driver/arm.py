@@ -23,7 +23,7 @@ DEFAULT_GOAL = ("Reach the best held-out result the promotion policy allows with
                 "data without losing what the parent knew.")
 
 
-def agent_decisions(arm: Arm, budget) -> tuple[int, str]:
+def decisions_to_ask(arm: Arm, budget) -> tuple[int, str]:
     """How many decisions an agent arm schedules, and why (docs/architecture.md, the agent's waiting and cost,
     when the protocol leaves it open)."""
     agent = arm.agent
@@ -46,7 +46,7 @@ def agent_settings(arm: Arm, *, progress, layout, clip, budget) -> AgentSettings
     """The agent optimizer's settings (``opalctl.opal.settings.AgentSettings``) for an agent arm: its protocol's
     ``agent:`` block, the budget meter's ``progress``, the run folder's places and the arm's clipping."""
     agent = arm.agent
-    decisions, _ = agent_decisions(arm, budget)
+    decisions, _ = decisions_to_ask(arm, budget)
     # the agent host's workspace and records (layout.agent) lie outside training/, which alone the confined training
     # process may write; the key stays with the host, whose redaction catches it (opalctl.opal.records)
     # the notes a person leaves (opalctl say), where the protocol allows them: the folder is made now, before the

@@ -45,7 +45,7 @@ def show(run_dir: str | Path) -> dict[str, Any]:
         "stages": [stage_row(stage) for stage in stages],
         "selected": read.selected.value,
         "report": read.report.value,
-        "decisions": agent_decisions(RunLayout.of(folder).opal / "events.jsonl", RunLayout.of(folder).decisions),
+        "decisions": agent_decisions(layout.events, layout.decisions),
     }
 
 

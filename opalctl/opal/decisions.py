@@ -29,7 +29,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event
-from opalctl.layout import WORKSPACE
+from opalctl.layout import WORKSPACE, version_name
 from opalctl.opal.agents import Answer
 from opalctl.opal.agents.host import AgentHost, limit_of, scrub_environment
 from opalctl.opal.agents.workspace import META_FOLDER, programs_in, real_folder, write_file_here
@@ -430,7 +430,7 @@ class Decisions:
                 "loss_start": observer.loss_bins[0]["mean"] if observer.loss_bins else None,  # the first interval's
                 "report": observer.latest_report, "errors": observer.errors_shown(),
                 "last_change": self.state.last_change, "timing": timing,
-                "audit": {f"v{n:03d}": {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
+                "audit": {version_name(n): {k: v for k, v in counts.items() if k in ("ops", "syncs", "top")}
                           for n, counts in sorted(slots.audits.items())},
                 "shapes": run["shapes"]}
 

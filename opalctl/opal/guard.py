@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from opalctl.errors import EXIT_PROGRAM_HUNG
+from opalctl.layout import version_name
 from opalctl.opal.plain import plain_problem, type_name
 
 HANG_GRACE = 1.0  # seconds past the alarm (at least; the limit itself when longer) before a call counts as hung
@@ -413,7 +414,7 @@ class StepGuard:
         except BaseException as error:  # noqa: B036 - the process ends whatever the records did
             sentence = f"(its records could not be written: {failure_text(error)})"
         number = getattr(version, "number", None)
-        label = f"v{number:03d}" if isinstance(number, int) else "the starting program"
+        label = version_name(number) if isinstance(number, int) else "the starting program"
         sys.stderr.write(f"opal: the agent's program {label} hung in {call}: it ran past its time limit of "
                          f"{self.limit:g} s and did not stop when interrupted; {sentence or 'resume the run'} "
                          f"(exit code {EXIT_PROGRAM_HUNG})\n")

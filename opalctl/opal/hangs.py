@@ -19,15 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.formats import Event
-
-HUNG_FILE = "hung.jsonl"
+from opalctl.layout import HUNG
 
 
 class Hangs:
     """The hangs recorded in one records folder (none without a folder: nothing survives the process then)."""
 
     def __init__(self, folder: Path | None):
-        self.path = Path(folder) / HUNG_FILE if folder is not None else None
+        self.path = Path(folder) / HUNG if folder is not None else None
         self.entries: list[dict[str, Any]] = self._read()
 
     def _read(self) -> list[dict[str, Any]]:

@@ -171,7 +171,7 @@ def notes_flag(run_dirs: dict[int, Path]) -> tuple[str | None, dict[str, dict[st
             continue
         shown = 0
         try:
-            for event in read_jsonl(layout.opal / "events.jsonl"):
+            for event in read_jsonl(layout.events):
                 if event.get("kind") == Event.REQUESTED and isinstance(event.get("notes"), list):
                     shown += len(event["notes"])
         except (OSError, OpalctlError):

@@ -65,6 +65,7 @@ from opalctl.formats import (
     read_bounded,
     read_record,
 )
+from opalctl.layout import DECISIONS, OPAL_STREAM_FILES, PROGRAMS, version_name
 from opalctl.opal.handover import SECRET_NAME, secret_names
 from opalctl.opal.programs import PROGRAM_FILES
 
@@ -185,7 +186,7 @@ class _Hold:
 class OpalRecords:
     """The training process's own records (module docstring), in ``folder`` (None: none are kept)."""
 
-    STREAMS = ("events", "losses", "reports")
+    STREAMS = tuple(OPAL_STREAM_FILES)
 
     def __init__(self, folder: Path | None, redaction: Redaction | None = None):
         self.folder = Path(folder) if folder is not None else None
@@ -194,7 +195,7 @@ class OpalRecords:
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             for stream in self.STREAMS:
-                self.handles[stream] = open(self.folder / f"{stream}.jsonl", "ab")
+                self.handles[stream] = open(self.folder / OPAL_STREAM_FILES[stream], "ab")
         self.hold = _Hold()  # inside it lines wait in ``_pending``; ``flush`` writes them
         self._pending: list[tuple[str, str, bool]] = []  # (stream, line, whether it is redacted when written)
 
@@ -267,14 +268,14 @@ class OpalRecords:
         if not self.enabled:
             return
         for name, source in files.items():
-            atomic_write_text(self.folder / "programs" / f"v{version:03d}" / name, self.redaction(source),
+            atomic_write_text(self.folder / PROGRAMS / version_name(version) / name, self.redaction(source),
                               durable=False)
 
     def save_decision(self, number: int, files: dict[str, str], meta: dict[str, Any]) -> None:
         """``decisions/NNN/``: ``meta.json`` and the texts in ``files`` (none for a decision the agent host records)."""
         if not self.enabled:
             return
-        folder = self.folder / "decisions" / f"{number:03d}"
+        folder = self.folder / DECISIONS / f"{number:03d}"
         for name, text in files.items():
             atomic_write_text(folder / name, self.redaction(text), durable=False)
         atomic_write_json(folder / "meta.json", redact_json(json.loads(json.dumps(meta, default=_plain)),
@@ -301,7 +302,7 @@ class HostRecords:
 
     def __init__(self, folder: Path, redaction: Redaction):
         self.folder = Path(folder)
-        self.decisions = self.folder / "decisions"
+        self.decisions = self.folder / DECISIONS
         self.redaction = redaction
         self.decisions.mkdir(parents=True, exist_ok=True)
 

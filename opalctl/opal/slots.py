@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from opalctl.layout import version_name
 from opalctl.opal.guard import failure_text, method_call, trace_of
 from opalctl.opal.plain import plain_copy, plain_entries, plain_optimizer_state, plain_problem, type_name
 from opalctl.opal.programs import PROGRAM_FILES, ProgramRejected, check_program, load_program
@@ -160,7 +161,7 @@ class ProgramSlots:
     def install(self, version: Version, previous) -> None:
         """Load both programs of ``version``, build its updater and make it current; raises ProgramRejected on any
         failure (``build`` included). Both files pass the static check before either runs."""
-        label = f"v{version.number:03d}"
+        label = version_name(version.number)
         if version.number != 0 and version.digest in self.hung:  # the starting program is the last resort
             raise ProgramRejected(f"{label}: these programs hung in an earlier run of this folder (they ran past "
                                   f"their time limit and did not stop) and are never loaded again; change them")

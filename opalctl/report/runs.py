@@ -20,7 +20,7 @@ from typing import Any
 from opalctl.driver.records import read_steps
 from opalctl.files import read_plain
 from opalctl.formats import PROGRAM_MAX_BYTES, Event, RecordDamaged
-from opalctl.layout import RunLayout
+from opalctl.layout import RunLayout, version_name
 from opalctl.opal.records import PROGRAM_FILES, DecisionRecord
 
 CURVE_POINTS = 1500
@@ -112,17 +112,17 @@ def program_diff(run_dir: Path, decision: int, version: int | None, files: list[
     if not version or not files:
         return ""
 
-    programs = layout.opal / "programs"
     parts = []
     for name in files:
         if name not in PROGRAM_FILES:  # the events are the training process's account: only its program files
             continue
-        old = _program_text(programs / f"v{version - 1:03d}" / name)
-        new = _program_text(programs / f"v{version:03d}" / name)
+        old = _program_text(layout.program_version(version - 1) / name)
+        new = _program_text(layout.program_version(version) / name)
         if new is None:
             continue
         parts.extend(difflib.unified_diff((old or "").splitlines(keepends=True), new.splitlines(keepends=True),
-                                          fromfile=f"v{version - 1:03d}/{name}", tofile=f"v{version:03d}/{name}"))
+                                          fromfile=f"{version_name(version - 1)}/{name}",
+                                          tofile=f"{version_name(version)}/{name}"))
     return "".join(parts)
 
 

@@ -95,7 +95,7 @@ def _tracked(lock, run) -> TrackedRun:
             metrics["budget/used"] = stage["budget_used"]
         tracked.stages.append((stage["update"], curve.seconds_at(stage["update"]) or 0.0, metrics))
     tracked.anchor = dict(run.report["anchor_metrics"])
-    for decision in agent_decisions(layout.opal / "events.jsonl", layout.decisions) or []:
+    for decision in agent_decisions(layout.events, layout.decisions) or []:
         update = decision.get("answered_at")
         tracked.decisions.append([
             decision["decision"], decision["asked_at"] if update is None else update, decision["outcome"],

@@ -97,7 +97,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
     """An agent arm's decisions as the agent host recorded them and as the training process did (the chain's
     ``AgentRecords``); None for a folder without the host's records (no agent, a backend that answers in the
     training process, a folder made before the host kept them)."""
-    events = layout.opal / "events.jsonl"
+    events = layout.events
     if not layout.host_decisions.is_dir() or not os.path.lexists(events):  # a FIFO there is read, and refused
         return None
     records = AgentRecords(answered={}, outcomes={}, loaded={}, events=layout.name_of(events),
@@ -121,7 +121,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
                                           DAMAGED))
     for kind, version in records.outcomes.values():
         if kind == Event.APPLIED and version is not None:
-            folder = layout.opal / "programs" / f"v{version:03d}"
+            folder = layout.program_version(version)
             records.loaded[version] = {name: _text_sha256(folder / name, program_sha256) for name in PROGRAM_FILES}
     return records
 

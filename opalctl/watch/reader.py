@@ -125,7 +125,7 @@ class RunWatch:
         return changes
 
     def _new_decisions(self) -> list[dict[str, Any]]:
-        events, folder = self.layout.opal / "events.jsonl", self.layout.decisions
+        events, folder = self.layout.events, self.layout.decisions
         signature = (_stamp(events), _stamp(folder), tuple(_stamp(path) for path in sorted(folder.glob("[0-9]*"))))
         if signature == self._decisions_read:
             return []

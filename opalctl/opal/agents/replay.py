@@ -26,7 +26,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import Event, read_jsonl
-from opalctl.layout import RunLayout
+from opalctl.layout import AGENT, DECISIONS, OPAL_STREAM_FILES, PROGRAMS, RunLayout, version_name
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
 from opalctl.opal.agents.workspace import write_file_here
 from opalctl.opal.programs import PROGRAM_FILES
@@ -46,18 +46,18 @@ class ReplayBackend(Backend):
         given = str(source)
         folder = Path(given).expanduser()
         layout = RunLayout.of(folder)
-        if (layout.opal / "events.jsonl").is_file():
+        if layout.events.is_file():
             records, host = layout.opal, layout.host_decisions
         else:
-            records, host = folder, folder / "agent" / "decisions"
-        events_path = records / "events.jsonl"
+            records, host = folder, folder / AGENT / DECISIONS
+        events_path = records / OPAL_STREAM_FILES["events"]
         if not events_path.is_file():
             raise BadInput(f"replay:{given}: there is no recorded agent run there (no {events_path}); give the run "
                            f"folder of an agent arm, runs/<name>-<sha>/<arm>/seed-<S>, relative to the current folder")
         self.source = folder.resolve()
         self.records = records.resolve()
         # the host's records where the original had a host; else the training process's (a legacy folder, keep)
-        self.decisions = host.resolve() if host.is_dir() else self.records / "decisions"
+        self.decisions = host.resolve() if host.is_dir() else self.records / DECISIONS
         # a last line cut short by a crash of the original is skipped; damage elsewhere is refused
         self.plan: dict[int, dict[str, Any]] = {
             event["decision"]: event for event in read_jsonl(events_path)
@@ -72,7 +72,7 @@ class ReplayBackend(Backend):
         if record.by_host:
             return record.answered()
         version = int(event["version"])
-        folder = self.records / "programs" / f"v{version:03d}"
+        folder = self.records / PROGRAMS / version_name(version)
         missing = [name for name in PROGRAM_FILES if not (folder / name).is_file()]
         if missing:
             raise BadInput(f"replay:{given}: version {version} of decision {event['decision']} has no "
