@@ -39,6 +39,7 @@ from opalctl.driver.records import read_steps
 from opalctl.errors import OpalctlError
 from opalctl.formats import Event, read_jsonl
 from opalctl.layout import RunLayout
+from opalctl.opal.programs import ANALYSIS, UPDATER, default_sources
 
 SETTINGS = ("LR_SCALE", "CLIP", "ANNEAL_START")
 BUILT_IN_SCHEDULES = ("constant", "anneal-end", "cosine", "linear")  # the order a match is looked for in
@@ -180,15 +181,10 @@ class RunEquivalence:
                 "applied": self.applied}
 
 
-def starting_programs() -> dict[str, str]:
-    folder = Path(__file__).resolve().parents[1] / "opal" / "defaults"
-    return {name: (folder / name).read_text(encoding="utf-8") for name in ("updater.py", "analysis.py")}
-
-
 def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any], total: float,
                     starting: dict[str, str] | None = None) -> RunEquivalence:
     """Read one agent run's records (its events, program versions and steps) and decide."""
-    starting = starting or starting_programs()
+    starting = starting or default_sources()
     layout = RunLayout(run_dir)
     found = RunEquivalence(seed=seed)
     try:
@@ -206,16 +202,16 @@ def run_equivalence(run_dir: Path, seed: int, arm_schedule: str | dict[str, Any]
     for update, version in versions:
         folder = layout.program_version(version)
         try:
-            updater = (folder / "updater.py").read_text(encoding="utf-8")
-            analysis = (folder / "analysis.py").read_text(encoding="utf-8")
+            updater = (folder / UPDATER).read_text(encoding="utf-8")
+            analysis = (folder / ANALYSIS).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             found.reason = f"version {version}'s programs are not in the run's records ({folder})"
             return found
-        settings = updater_settings(updater, starting["updater.py"])
+        settings = updater_settings(updater, starting[UPDATER])
         if isinstance(settings, str):
             found.reason = f"version {version}: {settings}"
             return found
-        if analysis != starting["analysis.py"]:
+        if analysis != starting[ANALYSIS]:
             found.reason = f"version {version}: its analysis.py is not the starting analysis"
             return found
         if settings["CLIP"] is not None:
@@ -324,7 +320,7 @@ def lock_controls(lock, base: Path, finished: dict[str, dict[int, dict]],
     arms = protocol["arms"]
     total_of = {name: float(protocol["budget"]["amount"]) * float(arm.get("budget_multiplier", 1.0))
                 for name, arm in arms.items()}
-    starting = starting_programs()
+    starting = default_sources()
     out = {}
     for name, arm in arms.items():
         if not arm.get("agent") or name not in finished:

@@ -53,7 +53,6 @@ import contextvars
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
 
 import torch
@@ -74,7 +73,7 @@ from opalctl.opal.messages import prompt_text
 from opalctl.opal.observer import GOOD_EVERY, IntegrityWatch, Observer, StepLearningRates
 from opalctl.opal.plain import plain_number, string_keyed
 from opalctl.opal.program_view import GradView, Spec, StepContext
-from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.programs import PROGRAM_FILES, default_sources
 from opalctl.opal.provenance import current, differences
 from opalctl.opal.records import OpalRecords, Redaction, SecretRedaction
 from opalctl.opal.recovery import Recovery
@@ -86,13 +85,8 @@ from opalctl.opal.user_state import UserState, said
 
 FORMAT = "opal-state/2"
 
-__all__ = ["AgentOptimizer", "AgentSettings", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", "PROGRAM_FILES", "GradView", "Spec",
-           "StepContext", "StepFailure", "StepTimeout", "Version", "SchedulerShared"]
-
-
-def default_sources() -> dict[str, str]:
-    folder = resources.files("opalctl.opal").joinpath("defaults")
-    return {name: folder.joinpath(name).read_text("utf-8") for name in PROGRAM_FILES}
+__all__ = ["AgentOptimizer", "AgentSettings", "wrap", "default_sources", "FORMAT", "GOOD_EVERY", "PROGRAM_FILES",
+           "GradView", "Spec", "StepContext", "StepFailure", "StepTimeout", "Version", "SchedulerShared"]
 
 
 def _start(slots: ProgramSlots, records: OpalRecords, sources: dict[str, str] | None, **settings: Any) -> None:

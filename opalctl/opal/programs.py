@@ -16,17 +16,25 @@ import hashlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from opalctl.opal.allowlist import check_source
 
-__all__ = ["PROGRAM_FILES", "Program", "ProgramRejected", "UnreadableProgram", "check_program", "check_source",
+__all__ = ["PROGRAM_FILES", "UPDATER", "ANALYSIS", "default_sources", "Program", "ProgramRejected", "UnreadableProgram", "check_program", "check_source",
            "load_program", "read_program_file"]
 
 # the two files an agent writes and the optimizer loads, in every place that names them: the workspace, the host's
 # answer, a version's folder in the records, the training folder's shape, replay
-PROGRAM_FILES = ("updater.py", "analysis.py")
+UPDATER, ANALYSIS = "updater.py", "analysis.py"
+PROGRAM_FILES = (UPDATER, ANALYSIS)
+
+
+def default_sources() -> dict[str, str]:
+    """The released starting programs (``opal/defaults``), by file name: version 0 of every agent arm."""
+    folder = resources.files("opalctl.opal").joinpath("defaults")
+    return {name: folder.joinpath(name).read_text("utf-8") for name in PROGRAM_FILES}
 
 
 class ProgramRejected(Exception):

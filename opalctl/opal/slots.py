@@ -26,7 +26,7 @@ import torch
 from opalctl.layout import version_name
 from opalctl.opal.guard import failure_text, method_call, trace_of
 from opalctl.opal.plain import plain_copy, plain_entries, plain_optimizer_state, plain_problem, type_name
-from opalctl.opal.programs import PROGRAM_FILES, ProgramRejected, check_program, load_program
+from opalctl.opal.programs import ANALYSIS, PROGRAM_FILES, UPDATER, ProgramRejected, check_program, load_program
 
 STEP_SECONDS_KEPT = 256  # the recent step durations a version keeps (the agent is shown their mean)
 
@@ -165,15 +165,15 @@ class ProgramSlots:
         if version.number != 0 and version.digest in self.hung:  # the starting program is the last resort
             raise ProgramRejected(f"{label}: these programs hung in an earlier run of this folder (they ran past "
                                   f"their time limit and did not stop) and are never loaded again; change them")
-        check_program("updater", version.files["updater.py"], label=f"{label}/updater")
-        check_program("analysis", version.files["analysis.py"], label=f"{label}/analysis")
+        check_program("updater", version.files[UPDATER], label=f"{label}/updater")
+        check_program("analysis", version.files[ANALYSIS], label=f"{label}/analysis")
 
         def top_level(fn, *args):
             return self.guard.call(version, "the top level of a program", fn, *args)
 
-        updater_program = load_program("updater", version.files["updater.py"], label=f"{label}/updater",
+        updater_program = load_program("updater", version.files[UPDATER], label=f"{label}/updater",
                                        run=top_level)
-        analysis_program = load_program("analysis", version.files["analysis.py"], label=f"{label}/analysis",
+        analysis_program = load_program("analysis", version.files[ANALYSIS], label=f"{label}/analysis",
                                         run=top_level)
         build = updater_program.module.__dict__.get("build")
         analyze = analysis_program.module.__dict__.get("analyze")

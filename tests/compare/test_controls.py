@@ -20,14 +20,14 @@ from opalctl.compare.controls import (
     fixed_equivalent,
     run_equivalence,
     setting_factor,
-    starting_programs,
     updater_settings,
     verdict_pointer,
 )
 from opalctl.driver.arm import Schedule
 from opalctl.opal.agents.heuristic import write_settings
+from opalctl.opal.programs import default_sources
 
-STARTING = starting_programs()["updater.py"]
+STARTING = default_sources()["updater.py"]
 NONE = {"LR_SCALE": 1.0, "CLIP": None, "ANNEAL_START": None}
 ADAMW = {"optimizer": {"name": "AdamW", "lr": 0.001}, "schedule": "constant", "budget_multiplier": 1.0, "model": {},
          "agent": None}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.opal.agents.workspace import PROGRAM_FILES, read_program
-from opalctl.opal.programs import ProgramRejected, check_program, load_program
+from opalctl.opal.programs import ANALYSIS, UPDATER, ProgramRejected, check_program, load_program
 from opalctl.opal.records import secret_names
 from opalctl.opal.roles import role_of
 from opalctl.sandbox import Bounds, confine_process, training_paths
@@ -125,7 +125,7 @@ def _dry_run(workspace: Path, facts: dict[str, Any], running: dict[str, str] | N
     trial = _Trial(facts)
     stage = "building the running program"
     try:
-        previous = trial.running_updater(running, sources["updater.py"])
+        previous = trial.running_updater(running, sources[UPDATER])
         stage = "build()"
         updater = build(trial.params, previous, trial.spec)
         for method in ("step", "state_dict", "load_state_dict"):
@@ -156,8 +156,8 @@ def _loaded_programs(sources: dict[str, str]):
     try:
         for name in ("updater", "analysis"):  # both refused before either's code runs, as in training
             check_program(name, sources[f"{name}.py"], label=name)
-        updater_program = load_program("updater", sources["updater.py"], label="updater")
-        analysis_program = load_program("analysis", sources["analysis.py"], label="analysis")
+        updater_program = load_program("updater", sources[UPDATER], label="updater")
+        analysis_program = load_program("analysis", sources[ANALYSIS], label="analysis")
     except ProgramRejected as error:
         return str(error)
     build = getattr(updater_program.module, "build", None)
@@ -208,10 +208,10 @@ class _Trial:
         state, as it will be in the run; None when there is none, it is the new one, or it fails (it is not on
         trial here)."""
 
-        if not (running and running.get("updater.py") and running["updater.py"] != new_source):
+        if not (running and running.get(UPDATER) and running[UPDATER] != new_source):
             return None
         try:
-            old = load_program("updater", running["updater.py"], label="running-updater")
+            old = load_program("updater", running[UPDATER], label="running-updater")
             previous = old.module.build(self.params, None, self.spec)
             self.random_grads()
             self._step(previous)

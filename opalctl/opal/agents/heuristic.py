@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
+from opalctl.opal.programs import UPDATER
 
 SETTING = re.compile(r"^(?P<name>LR_SCALE|CLIP|ANNEAL_START)\s*=\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$",
                      re.MULTILINE)
@@ -285,7 +286,7 @@ class HeuristicBackend(Backend):
         if not facts:
             facts_path = Path(workspace) / ".opal" / "facts.json"
             facts = json.loads(facts_path.read_text()) if facts_path.exists() else {}
-        updater_path = Path(workspace) / "updater.py"
+        updater_path = Path(workspace) / UPDATER
         source = updater_path.read_text(encoding="utf-8")
         settings = read_settings(source)
         signals = Signals(facts)
