@@ -30,6 +30,7 @@ from typing import NamedTuple
 from opalctl.files import size_text
 from opalctl.layout import DECISIONS, HUNG, OPAL, OPAL_STREAM_FILES, PROGRAMS, RESUME, STEPS, WORKSPACE, RunLayout
 from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.records import MESSAGE, META, RESPONSE, TRANSCRIPT
 
 AUTO = "auto"
 RECORDS_BYTES = 1 << 30  # auto: room for the steps file and the agent optimizer's records beside the checkpoints
@@ -37,7 +38,7 @@ RECORDS_BYTES = 1 << 30  # auto: room for the steps file and the agent optimizer
 FILE, WHOLE = "file", "whole"  # a regular file of the run; a folder kept with everything in it
 STAGE_CHECKPOINT = re.compile(r"^stage-\d{2,}\.pt$")  # layout.stage_name: two digits or more
 RECORD_STREAMS = (*OPAL_STREAM_FILES.values(), HUNG)  # opal/records.py, opal/hangs.py
-DECISION_FILES = ("message.md", "response.md", "meta.json", "transcript.json")  # opal/decisions.py's apply
+DECISION_FILES = (MESSAGE, RESPONSE, META, TRANSCRIPT)  # opal/decisions.py's apply
 OWN = {  # the run's own tree beneath training/: a name (or a pattern) to FILE, WHOLE or the tree beneath it
     STAGE_CHECKPOINT: FILE, RESUME: FILE, STEPS: FILE,
     OPAL: {**dict.fromkeys(RECORD_STREAMS, FILE), WORKSPACE: WHOLE,

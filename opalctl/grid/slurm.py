@@ -58,6 +58,11 @@ def slurm_folder(plan: GridPlan) -> Path:
     return first.parent.parent / ".slurm"
 
 
+def jobs_file(plan: GridPlan) -> Path:
+    """The grid's Slurm jobs (``jobs.json`` in ``slurm_folder``): which array holds which run."""
+    return slurm_folder(plan) / "jobs.json"
+
+
 def time_limit_minutes(projected_seconds: float, margin: float) -> int:
     """The time limit of one task: the projection times the margin, plus what a run spends outside its budget."""
     return max(MIN_TIME_LIMIT_MINUTES, math.ceil((projected_seconds * margin + OUTSIDE_BUDGET_SECONDS) / 60))
@@ -95,7 +100,7 @@ def squeue(array_job_id: str) -> dict[str, tuple[str, str]] | None:
 
 def recorded_jobs(plan: GridPlan) -> dict[tuple[str, int], dict[str, Any]]:
     """(arm, seed) -> the Slurm job the grid last submitted for that run, with its state if Slurm lists it."""
-    path = slurm_folder(plan) / "jobs.json" if plan.runs else None
+    path = jobs_file(plan) if plan.runs else None
     if path is None or not path.exists():
         return {}
     try:
@@ -156,7 +161,7 @@ class SlurmArray:
             jobs = [executor.submit(SlurmRunTask(), str(self.plan.lock_path), str(self.plan.runs_dir), run.arm,
                                     run.seed, self.plan.threads, wave, self.plan.ranks) for run in pending]
         array = jobs[0].job_id.split("_")[0]
-        atomic_write_json(slurm_folder(self.plan) / "jobs.json", {
+        atomic_write_json(jobs_file(self.plan), {
             "array_job_id": array, "time_limit_minutes": minutes, "lock": str(self.plan.lock_path),
             "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "runs": [{"arm": run.arm, "seed": run.seed, "job_id": job.job_id} for run, job in zip(pending, jobs)]})

@@ -38,7 +38,7 @@ from opalctl.opal.messages import rebin, render
 from opalctl.opal.notes import read_new
 from opalctl.opal.prices import price_dict
 from opalctl.opal.programs import PROGRAM_FILES
-from opalctl.opal.records import line_changes, program_sha256, redact_json
+from opalctl.opal.records import FACTS, MESSAGE, RESPONSE, TRANSCRIPT, line_changes, program_sha256, redact_json
 from opalctl.opal.schedule import DecisionSchedule, decision_fractions
 from opalctl.opal.settings import AgentSettings
 from opalctl.opal.slots import ProgramSlots, Version
@@ -157,8 +157,8 @@ class LocalLine(AgentLine):
         for name in PROGRAM_FILES:
             write_file_here(root / name, files[name].encode("utf-8"))
         meta = real_folder(root / META_FOLDER)
-        write_file_here(meta / "facts.json", json.dumps(facts, sort_keys=True, default=float).encode("utf-8"))
-        write_file_here(meta / "message.md", message.encode("utf-8"))
+        write_file_here(meta / FACTS, json.dumps(facts, sort_keys=True, default=float).encode("utf-8"))
+        write_file_here(meta / MESSAGE, message.encode("utf-8"))
         return message, facts
 
     def call(self, number: int, message: str, facts: dict[str, Any], files: dict[str, str]) -> Answer:
@@ -496,7 +496,7 @@ class Decisions:
         self.counts.cost_usd += answer.cost_usd or 0.0
         # the texts of a decision the agent host answered are its records, not this process's
         keeps_texts = self.agent.keeps_texts
-        files = {"message.md": asked.message, "response.md": answer.rationale or ""} if keeps_texts else {}
+        files = {MESSAGE: asked.message, RESPONSE: answer.rationale or ""} if keeps_texts else {}
         meta = {"decision": number, "requested_at": asked.requested_at, "answered_at": t, "seconds": asked.seconds,
                 "waited_seconds": asked.waited, "usage": answer.usage, "cost_usd": answer.cost_usd}
         if self.closing and not answer.failed:
@@ -507,7 +507,7 @@ class Decisions:
             return Outcome(Event.LATE, number)
         meta["backend"] = self.agent.backend.describe()
         if answer.transcript and keeps_texts:
-            files["transcript.json"] = json.dumps(answer.transcript, indent=1, default=str)
+            files[TRANSCRIPT] = json.dumps(answer.transcript, indent=1, default=str)
         lines = [line.strip() for line in (answer.rationale or "").strip().splitlines() if line.strip()]
         summary = next((line for line in lines if line.lower().startswith(("changed", "kept"))), "")
         common = {"update": t, "decision": number, "seconds": asked.seconds, "cost_usd": answer.cost_usd,

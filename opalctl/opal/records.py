@@ -183,6 +183,12 @@ class _Hold:
         self.depth -= 1
 
 
+# the files of a decision's record (the training process's decisions/NNN/ and the agent host's, module docstring)
+ANSWER, RESPONSE, MESSAGE, FACTS, TRANSCRIPT, RUNNING = ("answer.json", "response.md", "message.md", "facts.json",
+                                                         "transcript.json", "running")
+META = "meta.json"
+
+
 class OpalRecords:
     """The training process's own records (module docstring), in ``folder`` (None: none are kept)."""
 
@@ -278,7 +284,7 @@ class OpalRecords:
         folder = self.folder / DECISIONS / f"{number:03d}"
         for name, text in files.items():
             atomic_write_text(folder / name, self.redaction(text), durable=False)
-        atomic_write_json(folder / "meta.json", redact_json(json.loads(json.dumps(meta, default=_plain)),
+        atomic_write_json(folder / META, redact_json(json.loads(json.dumps(meta, default=_plain)),
                                                             self.redaction), durable=False)
 
     def close(self) -> None:
@@ -291,10 +297,6 @@ class OpalRecords:
 
 # --------------------------------------------------------------------------------------------------------------
 # the agent host's records
-
-ANSWER, RESPONSE, MESSAGE, FACTS, TRANSCRIPT, RUNNING = ("answer.json", "response.md", "message.md", "facts.json",
-                                                         "transcript.json", "running")
-
 
 class HostRecords:
     """The agent host's records (module docstring) in ``folder``, written by the host process alone; every file

@@ -16,6 +16,7 @@ from opalctl.compare.decisions import COUNTS, LEGEND
 from opalctl.compare.significance import TEST_MIN_SEEDS
 from opalctl.compare.values import TRAIN_LOSS
 from opalctl.files import atomic_write_text, storage
+from opalctl.layout import REPORT_PAGE
 from opalctl.report import html
 from opalctl.report.sections import (
     RunView,
@@ -29,8 +30,6 @@ from opalctl.report.sections import (
     stage_series,
 )
 from opalctl.report.targets import target_table
-
-PAGE_NAME = "report.html"
 
 
 def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | None = None) -> Path:
@@ -47,7 +46,7 @@ def write_grid_page(lock_path: str | Path, *, runs_dir=None, out: str | Path | N
                          _decision_counts(result),
                          _figures(result, runs), decisions_section(runs),
                          limitations_section(runs, _notes(result)))
-    path = (Path(out) if out is not None else Path(result["runs"])) / PAGE_NAME
+    path = (Path(out) if out is not None else Path(result["runs"])) / REPORT_PAGE
     with storage(path, then="run `opalctl report` again (or give --out a folder that can be written)"):
         atomic_write_text(path, page)  # a page already there stays whole until the new one replaces it
     return path

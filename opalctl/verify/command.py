@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput, InputChanged, OpalctlError
-from opalctl.layout import AT_UPDATE_0, NEW, LockRuns, RunLayout, runs_dir_default
+from opalctl.layout import AT_UPDATE_0, NEW, START, LockRuns, RunLayout, runs_dir_default
 from opalctl.protocol.lock import Lock, read_lock
 from opalctl.protocol.recheck import describe, verify_lock
 from opalctl.verify.chain import Finding, RunFolder, check_run, failures
@@ -32,10 +32,10 @@ def _lock_of_run(folder: RunFolder, given: Lock | None) -> tuple[Lock | None, li
     try:
         lock = read_lock(Path(path))
     except OpalctlError:
-        return None, [Finding("start.json", f"names lock {path}, which cannot be read here: the run is checked "
+        return None, [Finding(START, f"names lock {path}, which cannot be read here: the run is checked "
                                             f"without it", "note")]
     if lock.sha256 != start.get("lock_sha256"):
-        return None, [Finding("start.json", f"names lock {path}, which is now another lock: the run is checked "
+        return None, [Finding(START, f"names lock {path}, which is now another lock: the run is checked "
                                             f"without it", "note")]
     return lock, []
 

@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.opal.agents.base import Answer, Backend, BackendKind
+from opalctl.opal.agents.workspace import META_FOLDER
 from opalctl.opal.programs import UPDATER
+from opalctl.opal.records import FACTS, TRANSCRIPT
 
 SETTING = re.compile(r"^(?P<name>LR_SCALE|CLIP|ANNEAL_START)\s*=\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$",
                      re.MULTILINE)
@@ -93,7 +95,7 @@ class Check:
 def decided_by(decision_folder: str | Path) -> Check | None:
     """The check that decided a heuristic decision, read from its ``transcript.json``; None for a decision of
     another backend (or one whose transcript is gone)."""
-    path = Path(decision_folder) / "transcript.json"
+    path = Path(decision_folder) / TRANSCRIPT
     try:
         entries = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -284,7 +286,7 @@ class HeuristicBackend(Backend):
 
     def decide(self, workspace: Path, message: str, facts: dict[str, Any]) -> Answer:
         if not facts:
-            facts_path = Path(workspace) / ".opal" / "facts.json"
+            facts_path = Path(workspace) / META_FOLDER / FACTS
             facts = json.loads(facts_path.read_text()) if facts_path.exists() else {}
         updater_path = Path(workspace) / UPDATER
         source = updater_path.read_text(encoding="utf-8")

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from opalctl.opal.programs import PROGRAM_FILES
+from opalctl.opal.records import FACTS, MESSAGE
 
 MAX_READ_CHARS = 100_000
 MAX_WRITE_CHARS = 200_000
@@ -327,8 +328,8 @@ class FixedWorkspace:
         for name in PROGRAM_FILES:
             write_file_here(root / name, programs[name].encode("utf-8"))
         meta = real_folder(root / META_FOLDER)
-        write_file_here(meta / "facts.json", facts_text.encode("utf-8"))
-        write_file_here(meta / "message.md", message.encode("utf-8"))
+        write_file_here(meta / FACTS, facts_text.encode("utf-8"))
+        write_file_here(meta / MESSAGE, message.encode("utf-8"))
         return root
 
     def programs(self) -> tuple[dict[str, str], str | None]:
