@@ -156,7 +156,7 @@ def encode_open(offset: int, seen: str) -> bytes:
     return _HEADER.pack(b"O", 0, len(body)) + body
 
 
-def format_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: list[bytes]) -> tuple[list[str], str]:
+def steps_file_lines(seen: str, cpu_charges: bool, columns: dict[str, Any], ids: list[bytes]) -> tuple[list[str], str]:
     """The lines of these updates, and the running digest after the last of them (``ids``: int64 bytes)."""
     sha256 = hashlib.sha256
     lines = []
@@ -189,7 +189,7 @@ class StepsFile:
 
     def write(self, count: int, body: bytes) -> None:
         columns, ids = decode_lines(count, body)
-        lines, self.seen = format_lines(self.seen, self.cpu_charges, columns, ids)
+        lines, self.seen = steps_file_lines(self.seen, self.cpu_charges, columns, ids)
         member = gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0)
         self.handle.write(member)
         self.handle.flush()

@@ -57,7 +57,7 @@ class Hangs:
             os.fsync(handle.fileno())
 
 
-def resume_hint(argv: list[str] | None = None) -> str:
+def how_to_continue(argv: list[str] | None = None) -> str:
     """How to continue after the process ended: the ``opalctl run`` command line with ``--resume`` when that is
     what is running, else a sentence saying so."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -105,7 +105,7 @@ class GuardFindings:
                            traceback="", restored="none (the process ended)")
         self.records.flush()
         where = f"recorded in {self.hangs.path}, it never runs again; " if self.hangs.path is not None else ""
-        return where + resume_hint()
+        return where + how_to_continue()
 
     def failed_at_resume(self, failures, t: int, slots) -> None:
         """The versions that could not run on from a resume checkpoint (they hung since, or could not be installed

@@ -176,7 +176,7 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def package_files(root: Path, package: str) -> list[str]:
+def stdlib_package_files(root: Path, package: str) -> list[str]:
     """The ``.py`` files of one stdlib package (or single module), as sorted paths relative to ``root``."""
     folder = root / package
     if folder.is_dir():
@@ -195,7 +195,7 @@ def split_key(relative: str) -> str:
 
 def read_texts(root: Path, packages: tuple[str, ...]) -> list[tuple[str, bytes]]:
     """Every file of the packages, in split-key order (a fixed shuffle that does not depend on the listing)."""
-    relatives = sorted({rel for package in packages for rel in package_files(root, package)}, key=split_key)
+    relatives = sorted({rel for package in packages for rel in stdlib_package_files(root, package)}, key=split_key)
     texts = [(rel, (root / rel).read_bytes()) for rel in relatives]
     return [(rel, text) for rel, text in texts if text]
 
