@@ -3,11 +3,14 @@ and arms that cannot be folders refused before any folder is made."""
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import opalctl
 from opalctl.errors import BadInput
 from opalctl.layout import AT_UPDATE_0, FINISHED, NEW, RESUMABLE, STARTED, LockRuns, RunLayout
 
@@ -105,3 +108,54 @@ def test_ordinary_names_stay_names(tmp_path, name):
     each run folder lies one level below its arm's."""
     assert LockRuns.of(tmp_path, FakeLock(name)).run(name, 1).root == tmp_path / f"{name}-0123456789ab" / name / \
         "seed-1"
+
+
+def test_the_agent_optimizers_records_lie_where_the_layout_says(tmp_path):
+    layout = LockRuns.of(tmp_path, FakeLock("digits")).run("agent", 1)
+    assert layout.events == layout.root / "training" / "opal" / "events.jsonl"
+    assert layout.hung == layout.root / "training" / "opal" / "hung.jsonl"
+    assert layout.program_version(3) == layout.root / "training" / "opal" / "programs" / "v003"
+
+
+# a file's name as a whole string literal, and the one module allowed to spell it (its definition); a message that
+# names a file inside a sentence is not such a literal, and the folders' names (decisions, programs, workspace) are
+# left out: they are keys of records and messages too
+NAMED_ONCE = {"start.json": "layout.py", "initial.pt": "layout.py", "last.json": "layout.py",
+              "selected.json": "layout.py", "report.json": "layout.py", "resume.pt": "layout.py",
+              "steps.jsonl.gz": "layout.py", "anchor.json": "layout.py", "report.html": "layout.py",
+              "events.jsonl": "layout.py", "losses.jsonl": "layout.py", "reports.jsonl": "layout.py",
+              "hung.jsonl": "layout.py",
+              "message.md": "opal/records.py", "response.md": "opal/records.py", "facts.json": "opal/records.py",
+              "transcript.json": "opal/records.py", "meta.json": "opal/records.py", "answer.json": "opal/records.py",
+              "updater.py": "opal/programs.py", "analysis.py": "opal/programs.py"}
+# messages.py is among the released defaults, whose digest every run records (opal/provenance.py): left as it is
+NOT_READ = {"opal/messages.py"}
+
+
+def _literals(tree: ast.AST) -> Iterator[ast.Constant]:
+    """The string constants of a module that are neither a docstring nor a part of an f-string."""
+    skip = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            skip.add(id(body[0].value))
+        if isinstance(node, ast.JoinedStr):
+            skip.update(id(part) for part in node.values)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            yield node
+
+
+def test_no_file_of_a_run_folder_is_named_by_hand_outside_its_definition():
+    package = Path(opalctl.__file__).parent
+    spelled = []
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        if module in NOT_READ:
+            continue
+        for node in _literals(ast.parse(path.read_text(encoding="utf-8"))):
+            owner = NAMED_ONCE.get(node.value)
+            if owner is not None and module != owner:
+                spelled.append(f"{module}:{node.lineno} {node.value!r} (named in {owner})")
+    assert spelled == []

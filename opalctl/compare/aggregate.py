@@ -223,7 +223,7 @@ def _run_values(run_dir: Path, report: dict, stage: str | int) -> dict[str, Any]
     try:
         loss = final_train_loss(run_dir)
     except ValueError:  # a report before the chain has no digest of its steps file: it is read, and may not decode
-        raise RecordDamaged(f"{run_dir / 'steps.jsonl.gz'} holds a line that is not JSON; the record is damaged "
+        raise RecordDamaged(f"{RunLayout.of(run_dir).steps} holds a line that is not JSON; the record is damaged "
                             f"(run the arm again)") from None
     return {**stage_metrics(report, stage, run_dir), TRAIN_LOSS: loss}
 

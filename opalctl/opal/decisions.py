@@ -240,7 +240,7 @@ def make_line(backend, prompt_text: str, redaction: Callable[[str], str], *, run
         folder = Path(tempfile.mkdtemp(prefix="opal-agent-")) if scratch else Path(folder)
         return HostedLine(backend, prompt_text, redaction, folder, scratch, secrets)
     scratch = run_dir is None
-    workspace = Path(tempfile.mkdtemp(prefix="opal-workspace-")) if scratch else run_dir / "workspace"
+    workspace = Path(tempfile.mkdtemp(prefix="opal-workspace-")) if scratch else run_dir / WORKSPACE
     return LocalLine(backend, prompt_text, redaction, workspace, scratch)
 
 

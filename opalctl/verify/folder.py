@@ -25,7 +25,7 @@ from opalctl.formats import (
     read_jsonl,
     read_record,
 )
-from opalctl.layout import RunLayout
+from opalctl.layout import PROGRAMS, RunLayout
 from opalctl.opal.records import ANSWER, PROGRAM_FILES, program_sha256
 from opalctl.verify.chain import (
     CHANGED,
@@ -101,7 +101,7 @@ def _agent_records(layout: RunLayout) -> AgentRecords | None:
     if not layout.host_decisions.is_dir() or not os.path.lexists(events):  # a FIFO there is read, and refused
         return None
     records = AgentRecords(answered={}, outcomes={}, loaded={}, events=layout.name_of(events),
-                           programs=layout.name_of(layout.opal / "programs"))
+                           programs=layout.name_of(layout.opal / PROGRAMS))
     for number in layout.decision_numbers():
         path = layout.decision_folder(number) / ANSWER
         try:

@@ -34,6 +34,7 @@ from typing import Any
 
 from opalctl.errors import BadInput
 from opalctl.formats import MailboxAnswer, MailboxRequest, RecordDamaged
+from opalctl.layout import WORKSPACE
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host
 from opalctl.opal.mailbox.box import LEASE_SECONDS, Lease, Mailbox, server_identity
@@ -217,7 +218,7 @@ class Server:
         request = work.request
         recipe = self.recipe(request)
         replies: queue.Queue = queue.Queue()
-        host = Host({"recipe": recipe, "workspace": str(scratch / "workspace"), "records": str(scratch),
+        host = Host({"recipe": recipe, "workspace": str(scratch / WORKSPACE), "records": str(scratch),
                      "limit": recipe["options"]["seconds_per_decision"] + LIMIT_GRACE_SECONDS, "secrets": []},
                     replies.put)
         try:
