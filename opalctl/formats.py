@@ -11,8 +11,9 @@ processes (the steps helper) read them back. Each of those records is described 
   ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
-- ``HostDecisionRecord``: ``agent/decisions/NNN/answer.json``, one decision as the agent host saw it, and
-  ``HostRefusal``, one line of ``agent/refused.jsonl``, a request the host refused (opal/records.py);
+- ``HostStart``: the first line of an agent host's input; ``HostDecisionRecord``: ``agent/decisions/NNN/
+  answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of ``agent/refused.jsonl``, a
+  request the host refused (opal/records.py);
 - ``MailboxRequest``, ``MailboxAnswer`` and ``MailboxLease``: a decision asked in a mailbox folder, its answer,
   and a server's hold on it (opal/mailbox/box.py);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);
@@ -368,6 +369,23 @@ class HostRefusal(_Record):
     keys: list[str]
     refused: str  # the sentence the host answered
     format: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class HostStart(_Record):
+    """The first line of an agent host's input (opal/agents/host.py), from the training process or a mailbox
+    server: the backend's ``recipe`` (its name in ``backend``), the host's ``workspace`` and ``records`` folders
+    (absolute paths, fixed for the host's life), the time ``limit`` of one decision in seconds, and the ``secrets``
+    it redacts beside a key the recipe gives."""
+
+    WHAT = "the agent host's start"
+
+    recipe: dict[str, Any]
+    workspace: str
+    records: str
+    limit: float
+    secrets: list[str]
+    op: str = "start"
 
 
 @dataclass

@@ -23,6 +23,7 @@ training process would (``RawHost``).
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import queue
@@ -39,7 +40,7 @@ import torch
 
 from opalctl.opal import wrap
 from opalctl.opal.agents.anthropic import AnthropicBackend
-from opalctl.opal.agents.host import AgentHost, Workers
+from opalctl.opal.agents.host import AgentHost, Workers, serve
 from opalctl.sandbox import _landlock_abi
 
 _spec = importlib.util.spec_from_file_location("messages_server", Path(__file__).with_name("messages_server.py"))
@@ -111,6 +112,31 @@ class RawHost:
 
 
 # -- what the host does for the training process -------------------------------------------------------------------
+
+START = {"op": "start", "recipe": {"backend": "keep", "options": {}}, "limit": 60.0, "secrets": []}
+
+
+@pytest.mark.parametrize(("start", "said"), [
+    ({**START, "workspace": "/tmp/w"}, "the agent host's start lacks records"),
+    ({**START, "workspace": "/tmp/w", "records": "/tmp/r", "limit": "60"}, "holds a value of the wrong type in limit"),
+    ({**START, "workspace": "/tmp/w", "records": "/tmp/r", "secrets": "k"},
+     "holds a value of the wrong type in secrets"),
+    ({**START, "workspace": "w", "records": "/tmp/r"}, "the start names no workspace folder as an absolute path"),
+    ({**START, "workspace": "/tmp/w", "records": "/tmp/r", "limit": 0}, "the start gives no time limit"),
+    ({**START, "op": "decide", "workspace": "/tmp/w", "records": "/tmp/r"}, "its first line is not a start request"),
+])
+def test_a_host_whose_start_is_not_a_start_record_ends_at_once_saying_why(tmp_path, capsys, start, said):
+    """The host's first line is read as ``formats.HostStart``: a start that is not one ends the host with exit 2
+    and one sentence, and nothing is made."""
+    for key in ("workspace", "records"):
+        if isinstance(start.get(key), str):
+            start[key] = start[key].replace("/tmp", str(tmp_path))
+    replies = io.BytesIO()
+    assert serve(io.BytesIO((json.dumps(start) + "\n").encode()), replies) == 2
+    error = capsys.readouterr().err
+    assert said in error and error.count("\n") == 1 and "Traceback" not in error
+    assert replies.getvalue() == b"" and list(tmp_path.iterdir()) == []
+
 
 def test_the_dry_run_attack_leaves_the_training_process_torch_untouched(opal, run_dir, key):
     original = torch.Tensor.sum

@@ -55,7 +55,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from opalctl.formats import HostDecisionRecord, HostRefusal
+from opalctl.formats import HostDecisionRecord, HostRefusal, HostStart, RecordDamaged
 from opalctl.opal.agents.base import Answer
 from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, FixedWorkspace, WorkspaceMoved, sweep
 from opalctl.opal.handover import HANDOVER, Handover, release, secret_names, take
@@ -152,8 +152,8 @@ class AgentHost:
             release_secrets()  # the host holds its own end now; this process never reads it
         self.mailbox = _Mailbox()
         self.limit = float(limit)
-        self._send({"op": "start", "recipe": recipe, "workspace": os.path.abspath(workspace),
-                    "records": os.path.abspath(records), "limit": self.limit, "secrets": list(secrets)})
+        self._send(HostStart(recipe=recipe, workspace=os.path.abspath(workspace), records=os.path.abspath(records),
+                             limit=self.limit, secrets=list(secrets)).to_json())
         self._reader = threading.Thread(target=self.mailbox.read, args=(self.process,), name="opal-agent-host",
                                         daemon=True)
         self._reader.start()
@@ -315,26 +315,24 @@ class Host:
     """The host's session: what its start fixed (the backend's recipe, the workspace, the records, the limit, the
     redaction), its workers, and the decisions asked so far; ``receive`` takes one line of its input."""
 
-    def __init__(self, start: dict[str, Any], reply):
-        recipe, limit, secrets = start.get("recipe"), start.get("limit"), start.get("secrets", [])
-        if not (isinstance(recipe, dict) and isinstance(recipe.get("backend"), str)):
+    def __init__(self, start: HostStart, reply):
+        recipe, limit = start.recipe, start.limit
+        if not isinstance(recipe.get("backend"), str):
             raise StartRefused("the start names no backend recipe")
-        if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
+        if not limit > 0:
             raise StartRefused("the start gives no time limit for a decision (a positive number of seconds)")
-        if not (isinstance(secrets, list) and all(isinstance(value, str) for value in secrets)):
-            raise StartRefused("the start's secrets must be a list of strings")
-        for key in ("workspace", "records"):
-            if not (isinstance(start.get(key), str) and os.path.isabs(start[key])):
+        for key, folder in (("workspace", start.workspace), ("records", start.records)):
+            if not os.path.isabs(folder):
                 raise StartRefused(f"the start names no {key} folder as an absolute path")
         try:
-            self.workspace = FixedWorkspace(start["workspace"])
+            self.workspace = FixedWorkspace(start.workspace)
         except (WorkspaceMoved, OSError) as error:
             raise StartRefused(f"its workspace cannot be made ({error})") from None
         options = recipe.get("options") if isinstance(recipe.get("options"), dict) else {}
         given_key = options.get("api_key")
-        self.redaction = SecretRedaction([*secrets, *([given_key] if isinstance(given_key, str) else [])],
+        self.redaction = SecretRedaction([*start.secrets, *([given_key] if isinstance(given_key, str) else [])],
                                          environ=os.environ)
-        self.records = HostRecords(Path(start["records"]), self.redaction)
+        self.records = HostRecords(Path(start.records), self.redaction)
         self.recipe, self.limit, self.reply = recipe, float(limit), reply
         self.workers = Workers(recipe["backend"])
         self.last = 0  # the highest decision id asked of this host
@@ -490,7 +488,10 @@ def serve(requests, replies, handover_fd: int | None = None) -> int:
         start = json.loads(requests.readline() or "null")
         if not isinstance(start, dict) or start.get("op") != "start":
             raise StartRefused("its first line is not a start request")
-        host = Host(start, reply)
+        host = Host(HostStart.from_json(start), reply)
+    except RecordDamaged as refusal:
+        sys.stderr.write(f"opalctl: the agent host cannot start: {refusal.message}; no decision can be asked\n")
+        return 2
     except (StartRefused, ValueError, UnicodeDecodeError) as refusal:
         sys.stderr.write(f"opalctl: the agent host cannot start: {refusal}; no decision can be asked\n")
         return 2

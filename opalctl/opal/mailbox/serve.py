@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
-from opalctl.formats import MailboxAnswer, MailboxRequest, RecordDamaged
+from opalctl.formats import HostStart, MailboxAnswer, MailboxRequest, RecordDamaged
 from opalctl.layout import WORKSPACE
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host
@@ -218,8 +218,8 @@ class Server:
         request = work.request
         recipe = self.recipe(request)
         replies: queue.Queue = queue.Queue()
-        host = Host({"recipe": recipe, "workspace": str(scratch / WORKSPACE), "records": str(scratch),
-                     "limit": recipe["options"]["seconds_per_decision"] + LIMIT_GRACE_SECONDS, "secrets": []},
+        host = Host(HostStart(recipe=recipe, workspace=str(scratch / WORKSPACE), records=str(scratch),
+                              limit=recipe["options"]["seconds_per_decision"] + LIMIT_GRACE_SECONDS, secrets=[]),
                     replies.put)
         try:
             host.receive(json.dumps({"op": "decide", "id": 1, "message": request.message, "facts": request.facts,
