@@ -11,7 +11,7 @@ processes (the steps helper) read them back. Each of those records is described 
   ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
-- ``HostStart``: the first line of an agent host's input; ``HostDecisionRecord``: ``agent/decisions/NNN/
+- ``HostStart`` and ``HostDecide``: the agent host's input, ``HostReply`` its output; ``HostDecisionRecord``: ``agent/decisions/NNN/
   answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of ``agent/refused.jsonl``, a
   request the host refused (opal/records.py);
 - ``MailboxRequest``, ``MailboxAnswer`` and ``MailboxLease``: a decision asked in a mailbox folder, its answer,
@@ -386,6 +386,39 @@ class HostStart(_Record):
     limit: float
     secrets: list[str]
     op: str = "start"
+
+
+@dataclass(frozen=True)
+class HostDecide(_Record):
+    """A decision asked of the agent host: its number ``id`` (above every one asked before), the ``message`` and
+    ``facts`` the agent reads, and the running ``programs`` by file name. Nothing else, and no path: the host
+    refuses a request that names any other key (``HOST_DECIDE_KEYS``)."""
+
+    WHAT = "a decision asked of the agent host"
+
+    id: int
+    message: str
+    facts: dict[str, Any]
+    programs: dict[str, str]
+    op: str = "decide"
+
+
+HOST_DECIDE_KEYS = frozenset(field.name for field in fields(HostDecide))
+
+
+@dataclass(frozen=True)
+class HostReply(_Record):
+    """The agent host's reply to decision ``id``: its ``answer`` (``Answer.to_json()``, with the programs as the
+    agent left them), or the sentence it ``refused`` the request with; the JSON holds the one it is."""
+
+    WHAT = "a reply of the agent host"
+
+    id: int
+    answer: dict[str, Any] | None = None
+    refused: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, **({"refused": self.refused} if self.refused is not None else {"answer": self.answer})}
 
 
 @dataclass

@@ -16,15 +16,16 @@ group) with the time limit; past it the worker's group is killed and the decisio
 worker is started ahead of its decision, so that its imports are done when the question comes (one spare, started
 after each decision but the last scheduled one). One decision is worked at a time.
 
-Training process and host talk over the host's standard input and output, one JSON object per line:
+Training process and host talk over the host's standard input and output, one JSON object per line (the records
+are formats.py's):
 
-    -> {"op": "start", "recipe": {...}, "workspace": ABS, "records": ABS, "limit": S, "secrets": [...]}
-                                                          (first line, no reply; a bad start ends the host, exit 2)
-    -> {"op": "decide", "id": N, "message": TEXT, "facts": {...}, "programs": {"updater.py": TEXT,
-        "analysis.py": TEXT}}                             (the running programs; nothing else, and no path)
-    <- {"id": N, "answer": Answer.to_json()}              (with "programs" as the agent left them, or "unreadable")
-    -> {"op": "cancel", "id": N}                          (the decision's worker is killed; no reply)
-    <- {"id": N, "refused": SENTENCE}                     (any other request, or a decide the host will not work)
+    -> HostStart  {"op": "start", "recipe": {...}, "workspace": ABS, "records": ABS, "limit": S, "secrets": [...]}
+                  (first line, no reply; a bad start ends the host, exit 2)
+    -> HostDecide {"op": "decide", "id": N, "message": TEXT, "facts": {...}, "programs": {"updater.py": TEXT,
+                  "analysis.py": TEXT}} (the running programs; nothing else, and no path)
+    <- HostReply  {"id": N, "answer": Answer.to_json()} (with "programs" as the agent left them, or "unreadable")
+    -> {"op": "cancel", "id": N} (the decision's worker is killed; no reply)
+    <- HostReply  {"id": N, "refused": SENTENCE} (any other request, or a decide the host will not work)
 
 A decide request is refused, never followed, when it holds any other key (a ``workspace``, any path), when its id
 is not above every id asked before, while another decision is worked, or when its fields are not of their types;
@@ -55,7 +56,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from opalctl.formats import HostDecisionRecord, HostRefusal, HostStart, RecordDamaged
+from opalctl.formats import (
+    HOST_DECIDE_KEYS,
+    HostDecide,
+    HostDecisionRecord,
+    HostRefusal,
+    HostReply,
+    HostStart,
+    RecordDamaged,
+)
 from opalctl.opal.agents.base import Answer
 from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, FixedWorkspace, WorkspaceMoved, sweep
 from opalctl.opal.handover import HANDOVER, Handover, release, secret_names, take
@@ -65,7 +74,6 @@ from opalctl.opal.records import HostRecords, SecretRedaction, program_sha256, r
 LIMIT_GRACE_SECONDS = 10.0  # a backend keeps its own limit first; the host's is that and this much more
 STOP_SECONDS = 5.0
 STDERR_CHARS = 2000
-DECIDE_KEYS = frozenset({"op", "id", "message", "facts", "programs"})
 
 
 def _worker_command() -> list[str]:
@@ -174,8 +182,8 @@ class AgentHost:
 
     def ask(self, number: int, message: str, facts: dict[str, Any], programs: dict[str, str]) -> None:
         """Send decision ``number`` with the running programs (its answer is ``answer(number)``)."""
-        if self.ended is None and not self._send({"op": "decide", "id": number, "message": message, "facts": facts,
-                                                  "programs": programs}):
+        request = HostDecide(id=number, message=message, facts=facts, programs=programs)
+        if self.ended is None and not self._send(request.to_json()):
             self._gone("could not be reached")
 
     def answer(self, number: int, wait: bool, seconds: float) -> Answer | None:
@@ -188,9 +196,14 @@ class AgentHost:
             if self.ended is None:
                 self._gone(f"did not answer within {seconds + LIMIT_GRACE_SECONDS:g} s")
             return Answer(rationale="", failed=self.ended)
-        if "refused" in reply:
-            return Answer(rationale="", failed=f"the agent host refused decision {number}: {reply['refused']}")
-        return Answer.from_json(reply.get("answer") or {})
+        try:
+            reply = HostReply.from_json(reply)
+        except RecordDamaged as error:
+            return Answer(rationale="", failed=f"the agent host's reply to decision {number} is not one: "
+                                               f"{error.message}")
+        if reply.refused is not None:
+            return Answer(rationale="", failed=f"the agent host refused decision {number}: {reply.refused}")
+        return Answer.from_json(reply.answer or {})
 
     def cancel(self, number: int) -> None:
         self._send({"op": "cancel", "id": number})
@@ -376,7 +389,7 @@ class Host:
         except OSError:
             pass  # a full disk does not make the host follow a request it refuses
         if isinstance(number, int) and not isinstance(number, bool):
-            self.reply({"id": number, "refused": self.redaction(sentence)})
+            self.reply(HostReply(id=number, refused=self.redaction(sentence)).to_json())
 
     def _problem(self, request: dict[str, Any]) -> str | None:
         """Why the host will not work on this decide request (None: it will)."""
@@ -384,7 +397,7 @@ class Host:
         number = request.get("id")
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             return "a decide request needs a positive integer id, the decision's number"
-        extra = sorted(set(request) - DECIDE_KEYS)
+        extra = sorted(set(request) - HOST_DECIDE_KEYS)
         if extra:
             return (f"decision {number}'s request names {', '.join(map(repr, extra))}, which no request may name: "
                     f"the agent host works only in the workspace it was given when it started and takes no path "
@@ -422,7 +435,7 @@ class Host:
             with self._lock:
                 self.busy = None  # before the answer: the next decision may be asked as soon as it arrives
         if not cancelled:
-            self.reply({"id": number, "answer": answer.to_json()})
+            self.reply(HostReply(id=number, answer=answer.to_json()).to_json())
 
     def _work(self, number: int, request: dict[str, Any]) -> tuple[Answer, bool]:
         started = time.monotonic()

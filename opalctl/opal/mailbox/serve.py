@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.errors import BadInput
-from opalctl.formats import HostStart, MailboxAnswer, MailboxRequest, RecordDamaged
+from opalctl.formats import HostDecide, HostReply, HostStart, MailboxAnswer, MailboxRequest, RecordDamaged
 from opalctl.layout import WORKSPACE
 from opalctl.opal.agents import registry
 from opalctl.opal.agents.host import LIMIT_GRACE_SECONDS, Host
@@ -222,8 +222,8 @@ class Server:
                               limit=recipe["options"]["seconds_per_decision"] + LIMIT_GRACE_SECONDS, secrets=[]),
                     replies.put)
         try:
-            host.receive(json.dumps({"op": "decide", "id": 1, "message": request.message, "facts": request.facts,
-                                     "programs": request.programs}).encode())
+            host.receive(json.dumps(HostDecide(id=1, message=request.message, facts=request.facts,
+                                               programs=request.programs).to_json()).encode())
             while True:
                 try:
                     reply = replies.get(timeout=self.poll_seconds)
@@ -234,9 +234,10 @@ class Server:
                         return None
         finally:
             host.stop()
-        if "refused" in reply:
-            return {"rationale": "", "failed": f"the server refused the request: {reply['refused']}"}
-        return reply["answer"]
+        reply = HostReply.from_json(reply)
+        if reply.refused is not None:
+            return {"rationale": "", "failed": f"the server refused the request: {reply.refused}"}
+        return reply.answer
 
 
 def mailbox_folder(mailbox: str, ssh_target: str | None) -> MailboxFolder:
