@@ -11,7 +11,8 @@ processes (the steps helper) read them back. Each of those records is described 
   ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
-- ``HostStart`` and ``HostDecide``: the agent host's input, ``HostReply`` its output; ``HostDecisionRecord``: ``agent/decisions/NNN/
+- ``HostStart`` and ``HostDecide``: the agent host's input, ``HostReply`` its output, ``WorkerQuestion`` and
+  ``WorkerAnswer`` what it exchanges with a worker process; ``HostDecisionRecord``: ``agent/decisions/NNN/
   answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of ``agent/refused.jsonl``, a
   request the host refused (opal/records.py);
 - ``MailboxRequest``, ``MailboxAnswer`` and ``MailboxLease``: a decision asked in a mailbox folder, its answer,
@@ -419,6 +420,32 @@ class HostReply(_Record):
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, **({"refused": self.refused} if self.refused is not None else {"answer": self.answer})}
+
+
+@dataclass(frozen=True)
+class WorkerQuestion(_Record):
+    """What the agent host hands one worker process (opal/agents/worker.py) on its standard input: the backend's
+    ``recipe``, the host's own ``workspace``, the ``message`` and ``facts`` of the decision, and what the backend
+    carries over from its previous decision (``carry``: a session, say)."""
+
+    WHAT = "a question to an agent worker"
+
+    recipe: dict[str, Any]
+    workspace: str
+    message: str
+    facts: dict[str, Any]
+    carry: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WorkerAnswer(_Record):
+    """A worker's one line of output: its ``answer`` (``Answer.to_json()``; a failure is a failed answer) and what
+    its backend carries over to the next decision."""
+
+    WHAT = "an agent worker's answer"
+
+    answer: dict[str, Any]
+    carry: dict[str, Any]
 
 
 @dataclass

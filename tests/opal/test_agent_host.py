@@ -33,11 +33,13 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from opalctl.formats import WorkerQuestion
 from opalctl.opal import wrap
 from opalctl.opal.agents.anthropic import AnthropicBackend
 from opalctl.opal.agents.host import AgentHost, Workers, serve
@@ -448,13 +450,13 @@ def test_a_worker_is_started_ahead_only_while_a_scheduled_decision_remains(tmp_p
     try:
         first = workers.spare
         assert first is not None  # ahead of the first decision
-        question = {"recipe": {"backend": "heuristic", "options": {}}, "workspace": str(tmp_path), "message": "m",
-                    "facts": {**FACTS, "remaining": remaining}}
+        question = WorkerQuestion(recipe={"backend": "heuristic", "options": {}}, workspace=str(tmp_path),
+                                  message="m", facts={**FACTS, "remaining": remaining}, carry={})
         workers.run(1, question, 60.0)
         assert first.poll() is not None  # it worked decision 1
         assert (workers.spare is not None) == (remaining > 0)
         if remaining == 0:  # a wake-up after the last one still gets a worker, started when it comes
-            workers.run(2, {**question, "facts": {**FACTS, "decision": 2, "remaining": 0}}, 60.0)
+            workers.run(2, replace(question, facts={**FACTS, "decision": 2, "remaining": 0}), 60.0)
             assert workers.spare is None and not workers.running
     finally:
         workers.stop()

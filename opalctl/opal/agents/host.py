@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ from opalctl.formats import (
     HostReply,
     HostStart,
     RecordDamaged,
+    WorkerAnswer,
+    WorkerQuestion,
 )
 from opalctl.opal.agents.base import Answer
 from opalctl.opal.agents.workspace import MAX_PROGRAM_BYTES, FixedWorkspace, WorkspaceMoved, sweep
@@ -255,14 +258,15 @@ class Workers:
         return subprocess.Popen(_worker_command() + [self.backend], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
 
-    def run(self, number: int, question: dict[str, Any], seconds: float) -> tuple[Answer, bool]:
-        """Decision ``number`` in a worker, stopped after ``seconds``: its answer, and whether it was cancelled."""
+    def run(self, number: int, question: WorkerQuestion, seconds: float) -> tuple[Answer, bool]:
+        """Decision ``number`` in a worker, stopped after ``seconds``: its answer, and whether it was cancelled. The
+        question carries what the previous decision's backend left (``carry``), whatever it held."""
         with self._lock:
             worker, self.spare = (self.spare or self._spawn()), None
             self.running[number] = worker
-        question = {**question, "carry": self.carried}
+        question = replace(question, carry=self.carried)
         try:
-            out, err = worker.communicate(json.dumps(question).encode(), timeout=seconds)
+            out, err = worker.communicate(json.dumps(question.to_json()).encode(), timeout=seconds)
             answer = self._answer_of(worker, out, err)
         except subprocess.TimeoutExpired:
             _kill_group(worker)
@@ -274,7 +278,7 @@ class Workers:
             self.running.pop(number, None)
             cancelled = number in self.cancelled
             self.cancelled.discard(number)
-            if self.spare is None and _more_expected(question["facts"]):
+            if self.spare is None and _more_expected(question.facts):
                 self.spare = self._spawn()
         if cancelled:
             answer = Answer(rationale="", failed="cancelled: the training process stopped waiting for this decision "
@@ -283,11 +287,11 @@ class Workers:
 
     def _answer_of(self, worker: subprocess.Popen, out: bytes, err: bytes) -> Answer:
         try:
-            result = json.loads(out)
-            answer = Answer.from_json(result["answer"])
-            self.carried = dict(result.get("carry") or {})
+            result = WorkerAnswer.from_json(json.loads(out))
+            answer = Answer.from_json(result.answer)
+            self.carried = dict(result.carry)
             return answer
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (RecordDamaged, ValueError, KeyError, TypeError, AttributeError):
             tail = err.decode(errors="replace").strip()[-STDERR_CHARS:]
             return Answer(rationale="", failed=f"the agent's worker process exited with {worker.returncode} and no "
                                                f"answer: {tail}")
@@ -449,8 +453,8 @@ class Host:
         except (WorkspaceMoved, OSError) as error:
             answer = Answer(rationale="", failed=str(error))
         else:
-            answer, cancelled = self.workers.run(number, {"recipe": self.recipe, "workspace": str(root),
-                                                          "message": message, "facts": facts}, self.limit)
+            question = WorkerQuestion(recipe=self.recipe, workspace=str(root), message=message, facts=facts, carry={})
+            answer, cancelled = self.workers.run(number, question, self.limit)
             try:
                 swept = sweep(self.workspace.checked(), redaction, keep=PROGRAM_FILES)
                 programs, unreadable = self.workspace.programs()

@@ -18,6 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from opalctl.formats import WorkerAnswer, WorkerQuestion
 from opalctl.opal.agents import Answer, registry
 
 MAX_TRANSCRIPT_CHARS = 1_000_000  # what one decision's transcript may hold once written out
@@ -40,22 +41,20 @@ def _capped(transcript: list) -> list:
                     "reason": f"the transcript is cut at {MAX_TRANSCRIPT_CHARS} characters"}] + transcript[-1:]
 
 
-def answer(question: dict) -> dict:
-    """The worker's answer to one question (``{"answer": ..., "carry": ...}``); a failure is a failed answer."""
-
-    recipe = question["recipe"]
-    workspace = Path(question["workspace"])
+def answer(question: WorkerQuestion) -> WorkerAnswer:
+    """The worker's answer to one question; a failure is a failed answer."""
+    recipe = question.recipe
     carry: dict = {}
     try:
         backend = registry.create(recipe["backend"], **(recipe.get("options") or {}))
-        backend.resume(question.get("carry") or {})
-        result = backend.decide(workspace, question["message"], question["facts"])
+        backend.resume(question.carry)
+        result = backend.decide(Path(question.workspace), question.message, question.facts)
         result = result if isinstance(result, Answer) else Answer(rationale=str(result))
         carry = backend.carry()
     except Exception as error:  # the agent's failure is a failed decision, never the end of training
         result = Answer(rationale="", failed=f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
     result.transcript = _capped(result.transcript)
-    return {"answer": result.to_json(), "carry": carry}
+    return WorkerAnswer(answer=result.to_json(), carry=carry)
 
 
 def main(argv: list[str]) -> int:
@@ -63,8 +62,8 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # whatever the backend prints goes to standard error, not into the answer
     if argv and argv[0]:
         registry.find(argv[0])  # import the backend's module while the decision is not yet asked
-    question = json.loads(sys.stdin.read())
-    out.write(json.dumps(answer(question), default=str))
+    question = WorkerQuestion.from_json(json.loads(sys.stdin.read()))
+    out.write(json.dumps(answer(question).to_json(), default=str))
     out.close()
     return 0
 
