@@ -11,7 +11,7 @@ processes (the steps helper) read them back. Each of those records is described 
   ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
-- ``HostStart`` and ``HostDecide``: the agent host's input, ``HostReply`` its output, ``WorkerQuestion`` and
+- ``HostStart``, ``HostDecide`` and ``HostCancel``: the agent host's input, ``HostReply`` its output, ``WorkerQuestion`` and
   ``WorkerAnswer`` what it exchanges with a worker process; ``HostDecisionRecord``: ``agent/decisions/NNN/
   answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of ``agent/refused.jsonl``, a
   request the host refused (opal/records.py);
@@ -405,6 +405,19 @@ class HostDecide(_Record):
 
 
 HOST_DECIDE_KEYS = frozenset(field.name for field in fields(HostDecide))
+
+
+@dataclass(frozen=True)
+class HostCancel(_Record):
+    """Stop working on decision ``id`` (its worker is killed; the host does not reply)."""
+
+    WHAT = "a cancel asked of the agent host"
+
+    id: int
+    op: str = "cancel"
+
+
+HOST_CANCEL_KEYS = frozenset(field.name for field in fields(HostCancel))
 
 
 @dataclass(frozen=True)

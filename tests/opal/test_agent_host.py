@@ -415,6 +415,38 @@ def test_a_decision_that_hangs_is_killed_at_its_limit_and_the_host_answers_the_n
     assert [p.name for p in sorted((tmp_path / "agent" / "decisions").iterdir())] == ["001", "002"]
 
 
+def test_a_cancelled_decision_is_stopped_unanswered_and_the_host_answers_the_next(tmp_path, opal, key):
+    """``cancel`` (``formats.HostCancel``) kills the decision's worker long before its limit, no reply comes for
+    it, and the next decision is worked as soon as the host is free (a host still busy refuses it, so the
+    decision numbers go on until one is answered)."""
+    def never_in_time(body):
+        time.sleep(60)
+        return ms.reply(ms.text(KEPT))
+
+    sources = opal.default_sources()
+    with ms.MessagesServer([never_in_time, ms.reply(ms.text(KEPT))]) as server:
+        host = AgentHost(anthropic(server).recipe(), workspace=tmp_path / "agent" / "workspace",
+                         records=tmp_path / "agent", limit=50.0)
+        try:
+            host.ask(1, "message", FACTS, sources)
+            deadline = time.monotonic() + 30.0
+            while not server.bodies and time.monotonic() < deadline:  # decision 1 is with the agent
+                time.sleep(0.05)
+            started = time.monotonic()
+            host.cancel(1)
+            number, answer = 1, None
+            while answer is None or "still being worked on" in (answer.failed or ""):
+                assert time.monotonic() - started < 20.0, "the cancelled decision still held the host"
+                time.sleep(0.1)
+                number += 1
+                host.ask(number, "message", {**FACTS, "decision": number}, sources)
+                answer = host.answer(number, wait=True, seconds=50.0)
+            assert answer.failed is None and answer.rationale == KEPT
+            assert host.answer(1, wait=False, seconds=50.0) is None  # no reply for the cancelled one
+        finally:
+            host.stop()
+
+
 def test_the_host_dying_fails_one_decision_with_a_sentence_and_training_goes_on(opal, run_dir):
     model = opal.make_model()
     optimizer = wrap(opal.adamw(model), model, backend="heuristic", decisions=2, schedule=[0.25, 0.75],

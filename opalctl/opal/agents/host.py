@@ -24,7 +24,7 @@ are formats.py's):
     -> HostDecide {"op": "decide", "id": N, "message": TEXT, "facts": {...}, "programs": {"updater.py": TEXT,
                   "analysis.py": TEXT}} (the running programs; nothing else, and no path)
     <- HostReply  {"id": N, "answer": Answer.to_json()} (with "programs" as the agent left them, or "unreadable")
-    -> {"op": "cancel", "id": N} (the decision's worker is killed; no reply)
+    -> HostCancel {"op": "cancel", "id": N} (the decision's worker is killed; no reply)
     <- HostReply  {"id": N, "refused": SENTENCE} (any other request, or a decide the host will not work)
 
 A decide request is refused, never followed, when it holds any other key (a ``workspace``, any path), when its id
@@ -58,7 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from opalctl.formats import (
+    HOST_CANCEL_KEYS,
     HOST_DECIDE_KEYS,
+    HostCancel,
     HostDecide,
     HostDecisionRecord,
     HostRefusal,
@@ -209,7 +211,7 @@ class AgentHost:
         return Answer.from_json(reply.answer or {})
 
     def cancel(self, number: int) -> None:
-        self._send({"op": "cancel", "id": number})
+        self._send(HostCancel(id=number).to_json())
 
     def _gone(self, why: str) -> None:
         self.mailbox.end(f"the agent host {why} and was stopped; no decision can be asked for the rest of this run")
@@ -370,7 +372,7 @@ class Host:
         if op == "decide":
             self._ask(request)
         elif op == "cancel":
-            if isinstance(request.get("id"), int) and set(request) == {"op", "id"}:
+            if isinstance(request.get("id"), int) and set(request) == HOST_CANCEL_KEYS:
                 self.workers.cancel(request["id"])
             else:
                 self.refuse(request, "a cancel request carries op and the id of the decision to stop, nothing else")
