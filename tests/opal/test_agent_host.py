@@ -22,6 +22,7 @@ training process would (``RawHost``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -390,27 +391,35 @@ def test_a_program_that_hangs_in_its_dry_run_is_stopped_and_the_agent_reads_why(
     assert opal.of_kind(run_dir, "end"), "training went on to the end"
 
 
-def test_a_decision_that_hangs_is_killed_at_its_limit_and_the_host_answers_the_next(tmp_path, opal, key):
+@contextlib.contextmanager
+def host_whose_first_decision_hangs(tmp_path: Path, limit: float):
+    """An agent host on the loopback Messages server, whose first request is answered after 60 s and the next at
+    once (KEPT); yields the host and the server, and stops the host."""
     def never_in_time(body):
         time.sleep(60)
         return ms.reply(ms.text(KEPT))
 
-    sources = opal.default_sources()
     with ms.MessagesServer([never_in_time, ms.reply(ms.text(KEPT))]) as server:
         host = AgentHost(anthropic(server).recipe(), workspace=tmp_path / "agent" / "workspace",
-                         records=tmp_path / "agent", limit=5.0)
+                         records=tmp_path / "agent", limit=limit)
         try:
-            started = time.monotonic()
-            host.ask(1, "message", FACTS, sources)
-            answer = host.answer(1, wait=True, seconds=5.0)
-            elapsed = time.monotonic() - started
-            assert answer.failed and "ran past its limit of 5 s" in answer.failed
-            assert 5.0 <= elapsed < 15.0
-            host.ask(2, "message", {**FACTS, "decision": 2}, sources)
-            second = host.answer(2, wait=True, seconds=5.0)
-            assert second.failed is None and second.rationale == KEPT and second.programs == sources
+            yield host, server
         finally:
             host.stop()
+
+
+def test_a_decision_that_hangs_is_killed_at_its_limit_and_the_host_answers_the_next(tmp_path, opal, key):
+    sources = opal.default_sources()
+    with host_whose_first_decision_hangs(tmp_path, limit=5.0) as (host, _):
+        started = time.monotonic()
+        host.ask(1, "message", FACTS, sources)
+        answer = host.answer(1, wait=True, seconds=5.0)
+        elapsed = time.monotonic() - started
+        assert answer.failed and "ran past its limit of 5 s" in answer.failed
+        assert 5.0 <= elapsed < 15.0
+        host.ask(2, "message", {**FACTS, "decision": 2}, sources)
+        second = host.answer(2, wait=True, seconds=5.0)
+        assert second.failed is None and second.rationale == KEPT and second.programs == sources
     assert host.process.poll() is not None
     assert [p.name for p in sorted((tmp_path / "agent" / "decisions").iterdir())] == ["001", "002"]
 
@@ -419,32 +428,23 @@ def test_a_cancelled_decision_is_stopped_unanswered_and_the_host_answers_the_nex
     """``cancel`` (``formats.HostCancel``) kills the decision's worker long before its limit, no reply comes for
     it, and the next decision is worked as soon as the host is free (a host still busy refuses it, so the
     decision numbers go on until one is answered)."""
-    def never_in_time(body):
-        time.sleep(60)
-        return ms.reply(ms.text(KEPT))
-
     sources = opal.default_sources()
-    with ms.MessagesServer([never_in_time, ms.reply(ms.text(KEPT))]) as server:
-        host = AgentHost(anthropic(server).recipe(), workspace=tmp_path / "agent" / "workspace",
-                         records=tmp_path / "agent", limit=50.0)
-        try:
-            host.ask(1, "message", FACTS, sources)
-            deadline = time.monotonic() + 30.0
-            while not server.bodies and time.monotonic() < deadline:  # decision 1 is with the agent
-                time.sleep(0.05)
-            started = time.monotonic()
-            host.cancel(1)
-            number, answer = 1, None
-            while answer is None or "still being worked on" in (answer.failed or ""):
-                assert time.monotonic() - started < 20.0, "the cancelled decision still held the host"
-                time.sleep(0.1)
-                number += 1
-                host.ask(number, "message", {**FACTS, "decision": number}, sources)
-                answer = host.answer(number, wait=True, seconds=50.0)
-            assert answer.failed is None and answer.rationale == KEPT
-            assert host.answer(1, wait=False, seconds=50.0) is None  # no reply for the cancelled one
-        finally:
-            host.stop()
+    with host_whose_first_decision_hangs(tmp_path, limit=50.0) as (host, server):
+        host.ask(1, "message", FACTS, sources)
+        deadline = time.monotonic() + 30.0
+        while not server.bodies and time.monotonic() < deadline:  # decision 1 is with the agent
+            time.sleep(0.05)
+        started = time.monotonic()
+        host.cancel(1)
+        number, answer = 1, None
+        while answer is None or "still being worked on" in (answer.failed or ""):
+            assert time.monotonic() - started < 20.0, "the cancelled decision still held the host"
+            time.sleep(0.1)
+            number += 1
+            host.ask(number, "message", {**FACTS, "decision": number}, sources)
+            answer = host.answer(number, wait=True, seconds=50.0)
+        assert answer.failed is None and answer.rationale == KEPT
+        assert host.answer(1, wait=False, seconds=50.0) is None  # no reply for the cancelled one
 
 
 def test_the_host_dying_fails_one_decision_with_a_sentence_and_training_goes_on(opal, run_dir):
