@@ -344,10 +344,15 @@ class StepGuard:
         return True
 
     def _arm(self, version: Any, call: str) -> None:
+        # The watchdog thread reads seq, then the call's start and limit: they are written before seq, so a thread
+        # that sees this call's seq sees its start too. (Written after it, a thread that found ``armed`` still set
+        # by a call that ended without disarming fired at this call's seq with that old start: a build() of 0.6 s
+        # once ended in StepTimeout under a 10 s limit.)
         watchdog = self._watchdog
-        watchdog.seq += 1
-        watchdog.current = (self, version, call)
+        watchdog.armed = False
         watchdog.started, watchdog.limit = time.perf_counter(), self.limit
+        watchdog.current = (self, version, call)
+        watchdog.seq += 1
         watchdog.armed = bool(self.limit)
 
     @contextlib.contextmanager
@@ -365,9 +370,9 @@ class StepGuard:
         charged = is_agent_code(version)
         started = time.perf_counter()
         cpu = time.process_time() if charged else 0.0
-        self._arm(version, "step()")
         steps = self.steps = self.steps + 1
         saved = TorchState(compare_rng=steps < RNG_COMPARED_EVERY or steps % RNG_COMPARED_EVERY == 0)
+        self._arm(version, "step()")  # just before the try: nothing between them can leave the watchdog armed
         try:
             fn(*args)
         finally:
