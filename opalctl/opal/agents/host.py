@@ -36,8 +36,9 @@ through the host's ``SecretRedaction``: ``workspace.sweep``), reads the programs
 regular UTF-8 files, no links, a size limit), redacts everything it answers, records the decision as it saw it
 (``HostRecords``: ``decisions/NNN``) and answers. End of input ends the host (and its workers).
 
-The worker's own request and answer are one JSON object each on its standard input and output: ``{"recipe",
-"carry", "workspace", "message", "facts"}`` in (the workspace is the host's own), ``{"answer", "carry"}`` out.
+The worker's own request and answer are one JSON object each on its standard input and output: a
+``WorkerQuestion`` (``{"recipe", "carry", "workspace", "message", "facts"}``, the workspace the host's own) in, a
+``WorkerAnswer`` (``{"answer", "carry"}``) out.
 
 A host that dies is one failed decision and one sentence: the training process cannot start another one with the
 key and the network (it has neither), so every later decision fails with the same sentence.
