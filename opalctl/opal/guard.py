@@ -345,9 +345,7 @@ class StepGuard:
 
     def _arm(self, version: Any, call: str) -> None:
         # The watchdog thread reads seq, then the call's start and limit: they are written before seq, so a thread
-        # that sees this call's seq sees its start too. (Written after it, a thread that found ``armed`` still set
-        # by a call that ended without disarming fired at this call's seq with that old start: a build() of 0.6 s
-        # once ended in StepTimeout under a 10 s limit.)
+        # that sees this call's seq sees this call's start and limit too.
         watchdog = self._watchdog
         watchdog.armed = False
         watchdog.started, watchdog.limit = time.perf_counter(), self.limit

@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+import opalctl.opal
 from opalctl import checkpoints
 from opalctl.errors import EXIT_PROGRAM_HUNG
 from tests import support
@@ -90,7 +91,10 @@ def events(run_dir):
 
 @pytest.mark.parametrize("hang_at", [1, 40], ids=["at_its_first_step", "after_its_trial"])
 def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_version(project, tmp_path,
-                                                                                  hang_at):
+                                                                                  hang_at, monkeypatch):
+    # freeze imports the task module in this process too: its patched ``wrap`` is put back after the test (left
+    # in place, every later agent run in this pytest worker had a 0.5 s limit, and a 0.6 s build() timed out)
+    monkeypatch.setattr(opalctl.opal, "wrap", opalctl.opal.wrap)
     original = recorded_original(tmp_path / "original", HANGING_UPDATER.format(hang_at=hang_at))
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
              "agent": {"backend": f"replay:{original}", "decisions": 8}}
