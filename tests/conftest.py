@@ -21,7 +21,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +152,44 @@ def stop_signals_not_ignored():
     yield
     for number, handler in previous.items():
         signal.signal(number, handler)
+
+
+def _opalctl_namespaces() -> dict[str, dict[str, object]]:
+    """A copy of the namespace of every opalctl module imported so far."""
+    return {name: dict(vars(module)) for name, module in list(sys.modules.items())
+            if module is not None and (name == "opalctl" or name.startswith("opalctl."))}
+
+
+def _replaced(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> list[str]:
+    """``module.name`` of each function or class of ``before`` that is another object in ``after``, and of each
+    callable that is new in ``after`` and not a module (``opalctl.opal.wrap``, which the package gives lazily, set
+    by hand)."""
+    found = []
+    for module, then in before.items():
+        for name, value in after.get(module, {}).items():
+            old = then.get(name, _ABSENT)
+            if old is _ABSENT:
+                if callable(value) and not isinstance(value, types.ModuleType):
+                    found.append(f"{module}.{name}")
+            elif old is not value and isinstance(old, (types.FunctionType, type)):
+                found.append(f"{module}.{name}")
+    return sorted(found)
+
+
+_ABSENT = object()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_opalctl_function_replaced():
+    """A test module leaves every function and class of opalctl as it found it (``monkeypatch`` puts its own back
+    before this looks). A replacement that outlives its module changes the later modules of that pytest worker: a
+    task module that set ``opalctl.opal.wrap`` to a 0.5 s step limit, imported in-process by freeze, once failed
+    another module's test whose program takes 0.6 s, in one worker of three, depending on the order. (Per module,
+    not per test: the look takes milliseconds.)"""
+    before = _opalctl_namespaces()
+    yield
+    replaced = _replaced(before, _opalctl_namespaces())
+    assert not replaced, f"this module's tests replaced {', '.join(replaced[:5])} for the rest of the worker"
 
 
 @pytest.fixture(scope="session")
