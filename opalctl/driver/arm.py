@@ -59,7 +59,9 @@ def agent_settings(arm: Arm, *, progress, layout, clip, budget) -> AgentSettings
                          decisions=decisions, schedule=agent.schedule, blocking=agent.blocking, every=agent.every,
                          trial_steps=agent.trial_steps, run_dir=layout.opal, agent_dir=layout.agent,
                          prompt=agent.prompt, clip=clip, max_lag=agent.max_lag, notes_dir=notes_dir,
-                         max_cost_usd=agent.max_cost_usd)
+                         max_cost_usd=agent.max_cost_usd,
+                         step_time_limit=(agent.step_time_limit if agent.step_time_limit is not None
+                                          else AgentSettings.step_time_limit))
 
 
 def wrap_agent(arm: Arm, optimizer, model, *, progress, layout, clip, budget, world: int = 1):

@@ -95,6 +95,10 @@ def environment(protocol: Protocol, folder: Path) -> dict[str, Any]:
     }
 
 
+# agent keys added after locks were in use: an arm that does not give one resolves, and its lock hashes, as before
+AGENT_KEYS_ONLY_WHEN_GIVEN = ("notes", "step_time_limit")
+
+
 def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
     """The protocol with every default filled in; ``parents`` becomes an explicit seed -> path mapping."""
     resolved = protocol.model_dump(mode="json")
@@ -108,8 +112,9 @@ def resolved_protocol(protocol: Protocol) -> dict[str, Any]:
         options = arm["optimizer"]
         arm["optimizer"] = {"name": options.pop("name"), **dict(sorted(options.items()))}
         if arm.get("agent"):
-            if arm["agent"].get("notes") is None:  # an arm that takes no notes resolves as it did before the key
-                arm["agent"].pop("notes", None)
+            for key in AGENT_KEYS_ONLY_WHEN_GIVEN:
+                if arm["agent"].get(key) is None:
+                    arm["agent"].pop(key, None)
             arm["agent"] = registry.lock_defaults(arm["agent"])
     return resolved
 

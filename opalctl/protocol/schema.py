@@ -108,6 +108,9 @@ class AgentCommon(Strict):
     # whether a person may leave notes for the agent while it trains (`opalctl say`; opal/notes.py): absent, none
     # (and a lock without the key is as it always was: opalctl/protocol/freeze.py leaves it out)
     notes: Literal["allowed"] | None = None
+    # seconds one call of the agent's program (a step, build(), ...) may take before it is interrupted and counts as
+    # a failure (opal/guard.py); absent, the agent optimizer's 10 s, and a lock without the key is as it always was
+    step_time_limit: Annotated[float, Field(gt=0, le=3600)] | None = None
 
     @field_validator("schedule")
     @classmethod

@@ -4,8 +4,9 @@ event; ``opalctl run ... --resume`` then finishes the run with that version mark
 one resume-checkpoint interval.
 
 The hostile program reaches the run through the ``replay`` backend (a recorded "original" run whose decision 1
-applied it). The task module only shortens the agent's step time limit (``LIMIT``), so that the hang is found in about
-a second and a half instead of twenty (the limit and the grace past it), and the test checks it took.
+applied it). The protocol's ``agent.step_time_limit`` shortens the limit (``LIMIT``), so that the hang is found in
+about a second and a half instead of twenty (the limit and the grace past it), and the test checks the hang record
+names it.
 """
 
 from __future__ import annotations
@@ -14,29 +15,13 @@ import json
 
 import pytest
 
-import opalctl.opal
 from opalctl import checkpoints
 from opalctl.errors import EXIT_PROGRAM_HUNG
 from tests import support
 
 AMOUNT = 300  # updates; a resume checkpoint every 15
 EVERY = AMOUNT // 20
-LIMIT = 0.5  # seconds: the agent's step time limit in these runs
-SHORT_LIMIT_TASK = f'''
-import functools
-
-import opalctl.opal
-from opalctl.opal import optimizer as agent_optimizer
-from opalctl.tasks.digits import Digits
-
-# the name the formal run calls (driver/arm.py's ``opal.wrap``): patching another would leave the default limit of
-# 10 s, a hang found after 20 s of spinning instead of 1.5 (the test reads the limit the hang record names)
-opalctl.opal.wrap = functools.partial(agent_optimizer.wrap, step_time_limit={LIMIT!r})
-
-
-class ShortLimitDigits(Digits):
-    pass
-'''
+LIMIT = 0.5  # seconds: the agent's step time limit in these runs (agent.step_time_limit)
 HANGING_UPDATER = '''"""SGD that hangs at its HANG_AT-th step, swallowing every interrupt."""
 
 import torch
@@ -91,15 +76,11 @@ def events(run_dir):
 
 @pytest.mark.parametrize("hang_at", [1, 40], ids=["at_its_first_step", "after_its_trial"])
 def test_a_hang_ends_the_run_with_exit_4_and_resume_continues_without_that_version(project, tmp_path,
-                                                                                  hang_at, monkeypatch):
-    # freeze imports the task module in this process too: its patched ``wrap`` is put back after the test (left
-    # in place, every later agent run in this pytest worker had a 0.5 s limit, and a 0.6 s build() timed out)
-    monkeypatch.setattr(opalctl.opal, "wrap", opalctl.opal.wrap)
+                                                                                  hang_at):
     original = recorded_original(tmp_path / "original", HANGING_UPDATER.format(hang_at=hang_at))
     agent = {"optimizer": {"name": "AdamW", "lr": 1.0e-3, "weight_decay": 0.01},
-             "agent": {"backend": f"replay:{original}", "decisions": 8}}
-    project.freeze(entry=project.task_module(SHORT_LIMIT_TASK, "ShortLimitDigits"),
-                   budget={"clock": "updates", "amount": AMOUNT}, training={"checkpoint_every": 0.05},
+             "agent": {"backend": f"replay:{original}", "decisions": 8, "step_time_limit": LIMIT}}
+    project.freeze(budget={"clock": "updates", "amount": AMOUNT}, training={"checkpoint_every": 0.05},
                    arms={"agent": agent},
                    selection={"denominators": ["selection.total", "retention.total"],
                               "floors": {"retention.correct": 10}, "improve_any": ["selection.correct"]})

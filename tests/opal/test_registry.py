@@ -69,6 +69,7 @@ def test_only_the_language_model_backends_wait():
 
 
 def test_the_protocol_accepts_each_backends_keys_with_the_default_its_backend_states():
+    from opalctl.protocol.freeze import AGENT_KEYS_ONLY_WHEN_GIVEN
     from opalctl.protocol.schema import AgentCommon, AgentSpec
 
     union = set(AgentCommon.model_fields)
@@ -77,9 +78,10 @@ def test_the_protocol_accepts_each_backends_keys_with_the_default_its_backend_st
             assert AgentSpec.model_fields[key].default == field.default, (kind.name, key)
             union.add(key)
     # the keys only the mailbox backend reads are in no other arm's lock (DEFAULTS is what those locks hold), and
-    # notes (opalctl say) is left out of the lock where the protocol leaves it out: absent, the lock is as before
+    # notes (opalctl say) and step_time_limit are left out of the lock where the protocol leaves them out: absent,
+    # the lock is as before
     assert set(AgentSpec.model_fields) == union == (set(DEFAULTS) | set(registry.find("mailbox")[0].own_keys)
-                                                    | {"notes"})
+                                                    | set(AGENT_KEYS_ONLY_WHEN_GIVEN))
 
 
 def test_a_protocol_builds_each_backend_with_the_keys_it_reads(monkeypatch, tmp_path):

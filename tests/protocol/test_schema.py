@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +149,8 @@ def test_a_misspelt_key_is_named_before_the_missing_one(tmp_path):
     ("schedule: cosine}", "schedule: cosin}", "arms.adamw-cosine.schedule"),
     ("budget_multiplier: 3}", "budget_multiplier: 3, agent: {backend: gpt}}", "unknown backend 'gpt'"),
     ("budget_multiplier: 3}", "budget_multiplier: 3, agent: {decisions: 0}}", "arms.adamw-long.agent.decisions"),
+    ("budget_multiplier: 3}", "budget_multiplier: 3, agent: {step_time_limit: 0}}",
+     "arms.adamw-long.agent.step_time_limit"),
     ("hidden: 128,", "hidden: 128, hiden: 3,", "task.config.hiden: unknown key"),
     ("entry: opalctl.tasks.digits:Digits", "entry: opalctl.tasks.no_such_module:Digits", "cannot be imported"),
     ("entry: opalctl.tasks.digits:Digits", "entry: opalctl.tasks.digits:DigitsConfig", "has no task class"),
@@ -297,6 +301,19 @@ def test_valid_optimizer_arguments_are_still_frozen(digits_project):
     text = edited(OPTIMIZER_LINE, "adamw:        {optimizer: {name: AdamW, lr: 3, betas: [0.8, 0.99], amsgrad: true}}")
     result = call_cli("freeze", write(digits_project, text, "digits.yaml"))
     assert result.code == 0, result.output
+
+
+def test_an_agent_step_time_limit_reaches_the_lock_only_when_given(digits_project):
+    """``agent.step_time_limit`` is in the lock where the protocol gives it; an arm without it resolves, and its
+    lock hashes, as before the key (the agent optimizer's 10 s)."""
+    text = edited("budget_multiplier: 3}", "budget_multiplier: 3, agent: {backend: keep, step_time_limit: 2.5}}")
+    plain_agent = "  plain-agent:  {optimizer: {name: AdamW, lr: 1.0e-3}, agent: {backend: keep}}\n"
+    text = text.replace("arms:\n", "arms:\n" + plain_agent, 1)
+    result = call_cli("freeze", write(digits_project, text, "digits.yaml"), "--json")
+    assert result.code == 0, result.output
+    arms = json.loads(Path(json.loads(result.stdout)["lock"]).read_text())["protocol"]["arms"]
+    assert arms["adamw-long"]["agent"]["step_time_limit"] == 2.5
+    assert "step_time_limit" not in arms["plain-agent"]["agent"]
 
 
 @pytest.mark.parametrize("old, new, key, starts", [
