@@ -160,6 +160,9 @@ def _opalctl_namespaces() -> dict[str, dict[str, object]]:
             if module is not None and (name == "opalctl" or name.startswith("opalctl."))}
 
 
+_ABSENT = object()
+
+
 def _replaced(before: dict[str, dict[str, object]], after: dict[str, dict[str, object]]) -> list[str]:
     """``module.name`` of each function or class of ``before`` that is another object in ``after``, and of each
     callable that is new in ``after`` and not a module (``opalctl.opal.wrap``, which the package gives lazily, set
@@ -174,9 +177,6 @@ def _replaced(before: dict[str, dict[str, object]], after: dict[str, dict[str, o
             elif old is not value and isinstance(old, (types.FunctionType, type)):
                 found.append(f"{module}.{name}")
     return sorted(found)
-
-
-_ABSENT = object()
 
 
 @pytest.fixture(scope="module", autouse=True)
