@@ -11,10 +11,10 @@ processes (the steps helper) read them back. Each of those records is described 
   ``RecordedStage``, ``Closed``);
 - ``StageRecord``: ``stage-NN.json``, and each entry of ``report.json``'s ``stages``;
 - ``AgentFigures``: what an agent optimizer reports at its end (``report.json``'s ``agent``, the ``end`` event);
-- ``HostStart``, ``HostDecide`` and ``HostCancel``: the agent host's input, ``HostReply`` its output, ``WorkerQuestion`` and
-  ``WorkerAnswer`` what it exchanges with a worker process; ``HostDecisionRecord``: ``agent/decisions/NNN/
-  answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of ``agent/refused.jsonl``, a
-  request the host refused (opal/records.py);
+- ``HostStart``, ``HostDecide`` and ``HostCancel``: the agent host's input, ``HostReply`` its output,
+  ``WorkerQuestion`` and ``WorkerAnswer`` what it exchanges with a worker process; ``HostDecisionRecord``:
+  ``agent/decisions/NNN/answer.json``, one decision as the agent host saw it, and ``HostRefusal``, one line of
+  ``agent/refused.jsonl``, a request the host refused (opal/records.py);
 - ``MailboxRequest``, ``MailboxAnswer`` and ``MailboxLease``: a decision asked in a mailbox folder, its answer,
   and a server's hold on it (opal/mailbox/box.py);
 - ``TrainingFacts``: what the training process tells the evaluator at a run's close (driver/evaluator.py);

@@ -312,8 +312,8 @@ class StepGuard:
     alarm is ``active`` when it could be set (only from the main thread, and only when the program has no
     SIGALRM handler of its own); otherwise a step over its limit is still caught, after it returns
     (``enforce``), and a call that never returns still ends the process. ``on_hang(version, call, limit)`` writes
-    the records of a hang. Every call of agent code is timed into ``time`` (``AgentCodeTime``), inside an update while ``in_update`` is set (by the
-    optimizer, through ``timing_update()``, while its ``step`` runs)."""
+    the records of a hang. Every call of agent code is timed into ``time`` (``AgentCodeTime``), inside an update
+    while ``in_update`` is set (by the optimizer, through ``timing_update()``, while its ``step`` runs)."""
 
     def __init__(self, limit: float, named: dict[str, Any], on_hang: Callable[[Any, str, float], str] | None = None):
         self.limit = limit
