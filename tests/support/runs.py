@@ -164,7 +164,9 @@ class PausingDigits(Digits):
         if os.environ.get("FAIL_AT") == str(self.calls):
             raise RuntimeError("the test stops this run here")
         if os.environ.get("PAUSE_AT") == str(self.calls):
-            Path(os.environ["PAUSE_FILE"]).write_text(str(os.getpid()))
+            pause = Path(os.environ["PAUSE_FILE"])  # written aside and renamed: it appears whole
+            pause.with_name(pause.name + ".part").write_text(str(os.getpid()))
+            pause.with_name(pause.name + ".part").replace(pause)
             release, deadline = Path(os.environ.get("RELEASE_FILE", os.devnull + ".never")), time.monotonic() + 120
             while not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -95,7 +95,11 @@ class FailingDigits(Digits):
         if failing("evaluate"):
             raise IndexError("the test's evaluate fails")
         if failing("hang_evaluate") and due("evaluate"):
-            Path(os.environ["TASK_HANG_PID"]).write_text(str(os.getpid()))
+            # written aside and renamed: a test waits for the file to exist, then reads the pid (read between the
+            # file's creation and its write, it was once empty)
+            pid_file = Path(os.environ["TASK_HANG_PID"])
+            pid_file.with_name(pid_file.name + ".part").write_text(str(os.getpid()))
+            pid_file.with_name(pid_file.name + ".part").replace(pid_file)
             release = Path(os.environ.get("TASK_RELEASE", os.devnull + ".never"))
             while not release.exists():
                 time.sleep(0.05)
