@@ -290,6 +290,73 @@ def test_a_server_leaves_a_request_for_another_model_to_another_server_and_takes
     assert box.folder.names("leases") == [] and box.requests() == [asked.request.request]
 
 
+class WithdrawnAfter(LocalMailboxFolder):
+    """The server's view of a mailbox whose training side reads its answer and withdraws the request right after
+    the server's ``after``-th folder operation (0: before the first)."""
+
+    def __init__(self, root, after: int, request_id: str):
+        super().__init__(root)
+        self.after, self.request_id, self.operations, self.withdrawn = after, request_id, 0, False
+        if after == 0:
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        Mailbox(LocalMailboxFolder(self.root)).withdraw(self.request_id)
+        self.withdrawn = True
+
+    def _counted(self, result):
+        self.operations += 1
+        if self.operations == self.after:
+            self.withdraw()
+        return result
+
+    def names(self, sub):
+        return self._counted(super().names(sub))
+
+    def read(self, path, limit):
+        return self._counted(super().read(path, limit))
+
+    def create(self, path, data):
+        return self._counted(super().create(path, data))
+
+    def replace(self, path, data):
+        return self._counted(super().replace(path, data))
+
+    def remove(self, path):
+        return self._counted(super().remove(path))
+
+
+@pytest.mark.parametrize("after", range(8))
+def test_a_request_the_server_answered_is_never_taken_again_however_its_withdrawal_interleaves(tmp_path, after):
+    """A server that answered a request looks at it again while the training side reads the answer and withdraws
+    the request (its answer, then its leases, after the request): whatever folder operation of the server's the
+    withdrawal follows, the request is not taken, so never worked (and paid) twice. Reading the request before
+    looking for its answer once found a request that was there and, a moment later, no answer (the withdrawal
+    between the two): a run answered over ssh under load sent 6 requests to the Messages API for its 4."""
+    from opalctl.opal.mailbox.serve import Server
+
+    mailbox, workspace = tmp_path / "mailbox", tmp_path / "workspace"
+    workspace.mkdir()
+    for name, text in PROGRAMS.items():
+        (workspace / name).write_text(text)
+    box = Mailbox(LocalMailboxFolder(mailbox))
+    box.prepare()
+    asked = Asking(box, MailboxBackend(mailbox=str(mailbox), model="claude-opus-4-5", seconds_per_decision=60.0),
+                   workspace, "Decide.", {"decision": 1})
+    box.post(asked.request)
+    _, sha = box.request(asked.request.request)
+    assert box.answer(_answer(asked.request, sha))  # answered by this server, its lease released
+    events: list = []
+    folder = WithdrawnAfter(mailbox, after, asked.request.request)
+    server = Server(folder, "anthropic", show=events.append)
+    server.consider(asked.request.request)
+    server.stop()
+    assert [event["event"] for event in events] == ["stopped"]
+    if not folder.withdrawn:  # the server had done with it first
+        folder.withdraw()
+    assert box.requests() == [] and box.folder.names("answers") == [] and box.folder.names("leases") == []
+
+
 @pytest.mark.parametrize("random_part", ["0320972d8e58", "d65c2f836ff5"])
 def test_a_resumed_run_withdraws_the_request_its_killed_process_left_whatever_its_new_ids_random_part(
         tmp_path, monkeypatch, random_part):

@@ -113,13 +113,22 @@ class Server:
             self.noticed.add((request_id, event))
             self.show(event, request=request_id, **fields)
 
+    def open_request(self, request_id: str) -> bool:
+        """Whether the request is still open: unanswered, and still there. In this order: the training side
+        withdraws a request before its answer (``Mailbox.withdraw``), so a request found after no answer was found
+        was not answered and withdrawn meanwhile; read the other way round, a request this server answered could
+        be read just before its withdrawal and found unanswered just after it, and be worked (and paid) again."""
+        return not self.box.answered(request_id) and request_id in self.box.requests()
+
     def consider(self, request_id: str) -> None:
+        if not self.open_request(request_id):
+            return
         try:
             found = self.box.request(request_id)
         except (RecordDamaged, MailboxRefusal) as why:
             self.notice(request_id, "unreadable", why=str(why))
             return
-        if found is None or self.box.answered(request_id):
+        if found is None:
             return
         request, sha = found
         if request.deadline - DEADLINE_MARGIN_SECONDS < time.time():
@@ -131,7 +140,7 @@ class Server:
         lease = self.box.take(request_id, self.server, self.host)
         if lease is None:
             return
-        if self.box.answered(request_id):
+        if not self.open_request(request_id):  # answered, or withdrawn, while the lease was taken
             self.box.release(lease)
             return
         now = time.time()
