@@ -10,7 +10,7 @@ JOBS ?= 3
 # once in each worker that gets one of its tests; modules in the order tests/conftest.py gives them (heaviest first)
 DIST ?= loadfile --no-loadscope-reorder
 
-.PHONY: install demo test test-fast test-gpu bench lint clean
+.PHONY: install bytecode demo test test-fast test-gpu bench lint clean
 
 $(BIN)/opalctl: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -20,15 +20,23 @@ $(BIN)/opalctl: pyproject.toml $(CONSTRAINTS)
 
 install: $(BIN)/opalctl
 
+# the bytecode of the package and the tests' helper modules, written before the suite: the suite starts about 900
+# Python processes (each run's evaluator and steps writer, agent hosts and workers, the runs a grid or a test starts),
+# and where PYTHONDONTWRITEBYTECODE is set (this machine's image sets it) each compiled again every opalctl module it
+# imported: a 20-update digits run took 4.3-5.0 CPU-s, 3.7-4.1 with the bytecode written; the whole suite
+# 1,087 -> 992 CPU-s, 600 -> 546 s (measured on this host). compileall writes only what changed since.
+bytecode: install
+	@$(BIN)/python -m compileall -q opalctl tests
+
 demo: install
 	$(BIN)/opalctl demo
 
-test: install
+test: bytecode
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) tests
 
 # the quick lane while working: every test but those that start real runs, grids and browsers or train through
 # Hugging Face's Trainer or Lightning (tests/conftest.py)
-test-fast: install
+test-fast: bytecode
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) -m "not slow" tests
 
 # the CUDA tests (tests/gpu): refused, saying so, where no CUDA device is visible, so a pass means they ran
