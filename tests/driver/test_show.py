@@ -148,14 +148,10 @@ def test_show_refuses_a_stage_file_that_lacks_a_field_naming_it(finished, tmp_pa
     assert len(lines) == 1 and "stage-02.json lacks decision" in lines[0] and "internal error" not in lines[0]
 
 
-AGENT = {"optimizer": {"name": "AdamW", "lr": 1.0e-3}, "agent": {"backend": "heuristic", "decisions": 4}}
-
-
 @pytest.fixture
-def agent_run(project):
-    project.freeze(budget={"clock": "updates", "amount": 60}, arms={"agent": AGENT}, selection=POLICY)
-    project.run("agent", 1)
-    return project.run_dir("agent", 1)
+def agent_run(finished_runs):
+    """The session's finished heuristic agent run (read only: ``show`` without ``--html`` writes nothing)."""
+    return finished_runs["base"] / "agent" / "seed-1"
 
 
 def test_show_prints_the_rationale_whole_when_piped_and_cut_to_fit_on_a_terminal(agent_run, monkeypatch):
