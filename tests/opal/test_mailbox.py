@@ -268,18 +268,25 @@ def test_agent_serve_refuses_a_missing_folder_and_a_backend_that_cannot_answer_i
     assert code == 2 and "--max-concurrent" in err
 
 
-def test_a_server_leaves_a_request_for_another_model_to_another_server_and_takes_no_lease(tmp_path):
-    from opalctl.opal.mailbox.serve import Server
-
+def _posted(tmp_path, model: str) -> tuple:
+    """A real mailbox in which the training side posted one decision asking for ``model``: (its folder, the
+    ``Mailbox``, the ``Asking``)."""
     mailbox, workspace = tmp_path / "mailbox", tmp_path / "workspace"
     workspace.mkdir()
     for name, text in PROGRAMS.items():
         (workspace / name).write_text(text)
     box = Mailbox(LocalMailboxFolder(mailbox))
     box.prepare()
-    backend = MailboxBackend(mailbox=str(mailbox), model="claude-haiku-4-5", seconds_per_decision=60.0)
-    asked = Asking(box, backend, workspace, "Decide.", {"decision": 1})
+    asked = Asking(box, MailboxBackend(mailbox=str(mailbox), model=model, seconds_per_decision=60.0), workspace,
+                   "Decide.", {"decision": 1})
     box.post(asked.request)
+    return mailbox, box, asked
+
+
+def test_a_server_leaves_a_request_for_another_model_to_another_server_and_takes_no_lease(tmp_path):
+    from opalctl.opal.mailbox.serve import Server
+
+    mailbox, box, asked = _posted(tmp_path, "claude-haiku-4-5")
     events: list = []
     server = Server(LocalMailboxFolder(mailbox), "anthropic", model="claude-opus-4-5", show=events.append)
     server.scan()
@@ -335,15 +342,7 @@ def test_a_request_the_server_answered_is_never_taken_again_however_its_withdraw
     between the two): a run answered over ssh under load sent 6 requests to the Messages API for its 4."""
     from opalctl.opal.mailbox.serve import Server
 
-    mailbox, workspace = tmp_path / "mailbox", tmp_path / "workspace"
-    workspace.mkdir()
-    for name, text in PROGRAMS.items():
-        (workspace / name).write_text(text)
-    box = Mailbox(LocalMailboxFolder(mailbox))
-    box.prepare()
-    asked = Asking(box, MailboxBackend(mailbox=str(mailbox), model="claude-opus-4-5", seconds_per_decision=60.0),
-                   workspace, "Decide.", {"decision": 1})
-    box.post(asked.request)
+    mailbox, box, asked = _posted(tmp_path, "claude-opus-4-5")
     _, sha = box.request(asked.request.request)
     assert box.answer(_answer(asked.request, sha))  # answered by this server, its lease released
     events: list = []
