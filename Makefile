@@ -34,8 +34,8 @@ demo: install
 test: bytecode
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) tests
 
-# the quick lane while working: every test but those that start real runs, grids and browsers or train through
-# Hugging Face's Trainer or Lightning (tests/conftest.py)
+# the quick lane while working: every test but those that start real runs, grids and browsers, train through
+# Hugging Face's Trainer or Lightning, or prepare a task's data a second time (tests/conftest.py)
 test-fast: bytecode
 	$(BIN)/python -m pytest -n $(JOBS) --dist $(DIST) -m "not slow" tests
 

@@ -35,7 +35,8 @@ from tests.support.files import SEEDS, SYSTEM_SKIP, sha256_of
 # The modules whose tests start real runs, grids or browsers, or train through Hugging Face's Trainer or Lightning
 # (whose imports alone take seconds in every worker that collects them), and take most of the suite's time: marked
 # ``slow``, so that ``make test-fast`` (``-m "not slow"``) is the quick lane while working; ``make test`` runs
-# everything.
+# everything. A lone heavy test in a quick module (a second whole prepare of a task's data) is marked
+# ``@pytest.mark.slow`` where it stands.
 # Listed heaviest first (CPU seconds, or wall for those that mostly wait, as measured by a whole run): the tests are
 # handed to the xdist workers module by module in this order, then the fast modules, so that the last modules to
 # start are small ones and the workers finish together (the Makefile passes --no-loadscope-reorder, which would

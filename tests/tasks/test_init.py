@@ -33,6 +33,7 @@ def test_init_writes_the_protocol_data_and_one_parent_per_seed(digits_init_folde
     assert (digits_init_folder / "digits.yaml").read_text(encoding="utf-8") == protocol_text("digits", [1, 2])
 
 
+@pytest.mark.slow  # init again in a child process: a dataset and a parent prepared once more
 def test_init_is_byte_for_byte_deterministic_across_processes(digits_init_folder, tmp_path):
     """A second init, in another process (another hash seed), writes exactly the same bytes."""
     result = run_cli("init", "digits", "--dir", tmp_path / "again", "--seeds", "1,2", "--json")

@@ -92,6 +92,7 @@ def test_a_shape_is_drawn_where_its_class_says():
     assert contrast_at_centre(SHAPES.index("disc")) > 2 * contrast_at_centre(SHAPES.index("ring"))
 
 
+@pytest.mark.slow  # a second whole prepare: every image drawn and the parent trained again
 def test_prepare_is_byte_for_byte_deterministic(prepared, tmp_path):
     task, folder, layout, _ = prepared
     again = Shapes(task.config.model_dump()).prepare(tmp_path, [0])
