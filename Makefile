@@ -23,8 +23,8 @@ install: $(BIN)/opalctl
 # the bytecode of the package and the tests' helper modules, written before the suite: the suite starts about 900
 # Python processes (each run's evaluator and steps writer, agent hosts and workers, the runs a grid or a test starts),
 # and where PYTHONDONTWRITEBYTECODE is set (this machine's image sets it) each compiled again every opalctl module it
-# imported: a 20-update digits run took 4.3-5.0 CPU-s, 3.7-4.1 with the bytecode written; the whole suite
-# 1,087 -> 992 CPU-s, 600 -> 546 s (measured on this host). compileall writes only what changed since.
+# imported: a 20-update digits run took 4.3-5.0 CPU-s, 3.7-4.1 with the bytecode written; a fresh clone's suite
+# 662 s before, 580 and 621 s after (measured on this host). compileall writes only what changed since.
 bytecode: install
 	@$(BIN)/python -m compileall -q opalctl tests
 
