@@ -151,6 +151,7 @@ import os
 import time
 from pathlib import Path
 
+from opalctl.files import atomic_write_text
 from opalctl.tasks.digits import Digits
 
 
@@ -164,9 +165,7 @@ class PausingDigits(Digits):
         if os.environ.get("FAIL_AT") == str(self.calls):
             raise RuntimeError("the test stops this run here")
         if os.environ.get("PAUSE_AT") == str(self.calls):
-            pause = Path(os.environ["PAUSE_FILE"])  # written aside and renamed: it appears whole
-            pause.with_name(pause.name + ".part").write_text(str(os.getpid()))
-            pause.with_name(pause.name + ".part").replace(pause)
+            atomic_write_text(os.environ["PAUSE_FILE"], str(os.getpid()), durable=False)  # it appears whole
             release, deadline = Path(os.environ.get("RELEASE_FILE", os.devnull + ".never")), time.monotonic() + 120
             while not release.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)

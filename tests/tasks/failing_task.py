@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from opalctl.files import atomic_write_text
 from opalctl.tasks.digits import Digits, DigitsSampler
 
 CALLS = {"loss": 0, "next_batch": 0, "evaluate": 0}
@@ -95,11 +96,9 @@ class FailingDigits(Digits):
         if failing("evaluate"):
             raise IndexError("the test's evaluate fails")
         if failing("hang_evaluate") and due("evaluate"):
-            # written aside and renamed: a test waits for the file to exist, then reads the pid (read between the
-            # file's creation and its write, it was once empty)
-            pid_file = Path(os.environ["TASK_HANG_PID"])
-            pid_file.with_name(pid_file.name + ".part").write_text(str(os.getpid()))
-            pid_file.with_name(pid_file.name + ".part").replace(pid_file)
+            # written whole (aside, then renamed): a test waits for the file to exist, then reads the pid (read
+            # between the file's creation and its write, it was once empty)
+            atomic_write_text(os.environ["TASK_HANG_PID"], str(os.getpid()), durable=False)
             release = Path(os.environ.get("TASK_RELEASE", os.devnull + ".never"))
             while not release.exists():
                 time.sleep(0.05)
